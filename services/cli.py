@@ -1,0 +1,95 @@
+"""The ``kaizen`` command.
+
+    kaizen explorer --config configs/explorer.yaml [dotted.key=value ...]
+    kaizen trainer  --config configs/trainer.yaml  [--max-steps N] [dotted.key=value ...]
+    kaizen demo     [--config configs/demo.yaml]   [dotted.key=value ...]
+    kaizen tiny-model PATH [--seed N]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from services.common.config import ConfigError, load_config
+from services.common.logging import setup_logging
+
+
+def _explorer(args: argparse.Namespace) -> int:
+    from services.explorer.config import ExplorerConfig
+    from services.explorer.server import serve
+
+    config = load_config(ExplorerConfig, args.config, args.overrides)
+    setup_logging(config.server.log_level)
+    serve(config)
+    return 0
+
+
+def _trainer(args: argparse.Namespace) -> int:
+    from services.trainer.config import TrainerConfig
+    from services.trainer.service import run_trainer
+
+    overrides = list(args.overrides)
+    if args.max_steps is not None:
+        overrides.append(f"trainer.max_steps={args.max_steps}")
+    config = load_config(TrainerConfig, args.config, overrides)
+    setup_logging(config.log_level)
+    return run_trainer(config)
+
+
+def _demo(args: argparse.Namespace) -> int:
+    from services.demo import run_demo
+
+    setup_logging("warning")
+    return run_demo(args.config, args.overrides)
+
+
+def _tiny_model(args: argparse.Namespace) -> int:
+    from services.common.tiny_model import build_tiny_model
+
+    setup_logging("warning")
+    path = build_tiny_model(args.path, seed=args.seed)
+    print(f"tiny model written to {path}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="kaizen", description="Online reinforcement fine-tuning of LLM agents.")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("explorer", help="serve the OpenAI-compatible endpoint and record experiences")
+    p.add_argument("--config", default=None, help="YAML file (see configs/explorer.yaml)")
+    p.add_argument("overrides", nargs="*", help="dotted.key=value overrides")
+    p.set_defaults(func=_explorer)
+
+    p = sub.add_parser("trainer", help="train adapters from committed experiences")
+    p.add_argument("--config", default=None, help="YAML file (see configs/trainer.yaml)")
+    p.add_argument("--max-steps", type=int, default=None, help="stop after this many steps")
+    p.add_argument("overrides", nargs="*", help="dotted.key=value overrides")
+    p.set_defaults(func=_trainer)
+
+    p = sub.add_parser("demo", help="run the whole loop locally on the tiny model and show it learn")
+    p.add_argument("--config", default="configs/demo.yaml", help="YAML file (default: configs/demo.yaml)")
+    p.add_argument("overrides", nargs="*", help="dotted.key=value overrides")
+    p.set_defaults(func=_demo)
+
+    p = sub.add_parser("tiny-model", help="build the small local model the tests and the demo use")
+    p.add_argument("path", help="directory to write")
+    p.add_argument("--seed", type=int, default=0)
+    p.set_defaults(func=_tiny_model)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except ConfigError as e:
+        print(f"kaizen {args.command}: configuration error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

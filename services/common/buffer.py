@@ -1,0 +1,335 @@
+"""The SQL experience buffer: tables and every query the services run against them.
+
+SQLAlchemy Core over any SQL database (SQLite with WAL by default, PostgreSQL in production).
+Functions take keyword arguments and either an Engine (they open their own transaction) or a
+Connection already inside one. Nothing here assumes SQLite: row locks use ``FOR UPDATE`` (ignored
+by SQLite, which serialises writers anyway), and SQLite write transactions start with
+``BEGIN IMMEDIATE`` so two writers never deadlock upgrading a read lock.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any, Iterable, Iterator, Sequence
+
+from sqlalchemy import (
+    JSON,
+    BigInteger,
+    Column,
+    DateTime,
+    Float,
+    Index,
+    Integer,
+    MetaData,
+    String,
+    Table,
+    and_,
+    create_engine,
+    event,
+    func,
+    insert,
+    or_,
+    select,
+    update,
+)
+from sqlalchemy.engine import Connection, Engine, make_url
+
+from services.common.records import Experience, ExperienceStatus
+
+log = logging.getLogger(__name__)
+
+metadata = MetaData()
+
+_ID = BigInteger().with_variant(Integer, "sqlite")  # SQLite autoincrements INTEGER keys only
+
+experiences = Table(
+    "experiences",
+    metadata,
+    Column("seq", _ID, primary_key=True, autoincrement=True),
+    Column("experience_id", String(96), nullable=False, unique=True),
+    Column("completion_id", String(96), nullable=False, index=True),
+    Column("agent", String(128), nullable=False),
+    Column("model_version", Integer, nullable=False),
+    Column("task_id", String(256), index=True),
+    Column("run_id", String(128)),
+    Column("prompt_token_ids", JSON, nullable=False),
+    Column("response_token_ids", JSON, nullable=False),
+    Column("response_logprobs", JSON, nullable=False),
+    Column("messages", JSON, nullable=False),
+    Column("response", JSON, nullable=False),
+    Column("tools", JSON),
+    Column("finish_reason", String(32)),
+    Column("sampling", JSON, nullable=False),
+    Column("reward", Float),
+    Column("feedback", JSON),
+    Column("status", String(16), nullable=False, index=True),
+    Column("trained_in", Integer),
+    Column("created_at", DateTime(timezone=True), nullable=False),
+    Column("updated_at", DateTime(timezone=True), nullable=False),
+)
+
+# Index used by the Trainer's poll: committed rows of one agent in arrival order.
+Index("ix_experiences_agent_status_seq", experiences.c.agent, experiences.c.status, experiences.c.seq)
+
+trainer_steps = Table(
+    "trainer_steps",
+    metadata,
+    Column("id", _ID, primary_key=True, autoincrement=True),
+    Column("agent", String(128), nullable=False, index=True),
+    Column("step", Integer, nullable=False),
+    Column("version", Integer, nullable=False),
+    Column("consumed", Integer, nullable=False),
+    Column("discarded", Integer, nullable=False),
+    Column("state_ref", String(512)),
+    Column("metrics", JSON),
+    Column("created_at", DateTime(timezone=True), nullable=False),
+)
+
+TERMINAL = (ExperienceStatus.CONSUMED.value, ExperienceStatus.DISCARDED.value)
+
+
+class BufferError(Exception):
+    """Base of the errors a buffer call reports to its caller."""
+
+
+class UnknownIds(BufferError):
+    def __init__(self, ids: Sequence[str]):
+        self.ids = list(ids)
+        super().__init__(f"unknown id(s): {', '.join(self.ids)}")
+
+
+class AlreadyConsumed(BufferError):
+    def __init__(self, ids: Sequence[str]):
+        self.ids = list(ids)
+        super().__init__(
+            f"experience(s) already trained on or discarded, reward can no longer change: "
+            f"{', '.join(self.ids)}"
+        )
+
+
+def utcnow() -> datetime:
+    return datetime.now(timezone.utc)
+
+
+def create_buffer_engine(url: str, *, create_tables: bool = True) -> Engine:
+    """An Engine on ``url`` with the settings every service needs, tables created if missing."""
+    parsed = make_url(url)
+    if parsed.get_backend_name() == "sqlite":
+        database = parsed.database
+        if database and database != ":memory:" and not database.startswith("file:"):
+            Path(database).expanduser().resolve().parent.mkdir(parents=True, exist_ok=True)
+        engine = create_engine(url, connect_args={"timeout": 60, "check_same_thread": False})
+        _configure_sqlite(engine)
+    else:
+        engine = create_engine(url, pool_pre_ping=True, pool_size=8, max_overflow=8)
+    if create_tables:
+        metadata.create_all(engine)
+    return engine
+
+
+def _configure_sqlite(engine: Engine) -> None:
+    @event.listens_for(engine, "connect")
+    def _on_connect(dbapi_conn, _record):  # pragma: no cover - exercised by every sqlite test
+        dbapi_conn.isolation_level = None  # we emit BEGIN ourselves, below
+        cur = dbapi_conn.cursor()
+        cur.execute("PRAGMA journal_mode=WAL")
+        cur.execute("PRAGMA synchronous=FULL")  # a 2xx promises the change survives power loss
+        cur.execute("PRAGMA busy_timeout=60000")
+        cur.close()
+
+    @event.listens_for(engine, "begin")
+    def _on_begin(conn):
+        write = conn.get_execution_options().get("kaizen_write", False)
+        conn.exec_driver_sql("BEGIN IMMEDIATE" if write else "BEGIN")
+
+
+@contextlib.contextmanager
+def write_transaction(engine: Engine) -> Iterator[Connection]:
+    """A transaction that will write: committed on exit, rolled back on error."""
+    with engine.connect() as conn:
+        conn.execution_options(kaizen_write=True)
+        with conn.begin():
+            yield conn
+
+
+def iter_chunks(items: Sequence[Any], size: int) -> Iterable[Sequence[Any]]:
+    """Slices of at most ``size`` items (keeps IN lists under every database's limit)."""
+    for i in range(0, len(items), size):
+        yield items[i : i + size]
+
+
+def _now_row(**values: Any) -> dict:
+    values["updated_at"] = utcnow()
+    return values
+
+
+# ---------------------------------------------------------------------------------------------
+# Explorer side: recording, feedback, commit, inspection.
+
+
+def insert_experiences(*, engine: Engine, records: Sequence[Experience]) -> None:
+    """Insert a batch of new experiences in one transaction."""
+    if not records:
+        return
+    now = utcnow()
+    rows = []
+    for r in records:
+        row = r.model_dump(mode="python")
+        row["status"] = r.status.value
+        row["created_at"] = r.created_at or now
+        row["updated_at"] = now
+        rows.append(row)
+    with write_transaction(engine) as conn:
+        conn.execute(insert(experiences), rows)
+
+
+def _resolve(conn: Connection, msg_ids: Sequence[str], *, lock: bool) -> dict[str, list[tuple[str, str]]]:
+    """Map each msg id (completion id or experience id) to its [(experience_id, status)]."""
+    ids = list(dict.fromkeys(msg_ids))
+    found: dict[str, list[tuple[str, str]]] = {i: [] for i in ids}
+    for chunk in iter_chunks(ids, 500):
+        q = select(
+            experiences.c.experience_id, experiences.c.completion_id, experiences.c.status
+        ).where(or_(experiences.c.experience_id.in_(chunk), experiences.c.completion_id.in_(chunk)))
+        if lock:
+            q = q.with_for_update()
+        for exp_id, comp_id, status in conn.execute(q):
+            if exp_id in found:
+                found[exp_id].append((exp_id, status))
+            if comp_id in found:
+                found[comp_id].append((exp_id, status))
+    return found
+
+
+def find_unknown_ids(*, engine: Engine, msg_ids: Sequence[str]) -> list[str]:
+    """The msg ids that name no recorded completion or experience."""
+    with engine.connect() as conn:
+        found = _resolve(conn, msg_ids, lock=False)
+    return [i for i, rows in found.items() if not rows]
+
+
+@dataclass
+class FeedbackResult:
+    experience_ids: list[str]
+
+
+def apply_feedback(
+    *,
+    engine: Engine,
+    msg_ids: Sequence[str],
+    reward: float,
+    feedback: dict[str, Any],
+    task_id: str | None = None,
+    run_id: str | None = None,
+) -> FeedbackResult:
+    """Set the reward of every experience the ids name, all or nothing.
+
+    Raises UnknownIds if any id names nothing, AlreadyConsumed if any experience was already
+    trained on (or discarded); in both cases nothing changes.
+    """
+    with write_transaction(engine) as conn:
+        found = _resolve(conn, msg_ids, lock=True)
+        unknown = [i for i, rows in found.items() if not rows]
+        if unknown:
+            raise UnknownIds(unknown)
+        targets = sorted({e for rows in found.values() for e, _ in rows})
+        frozen = sorted({e for rows in found.values() for e, s in rows if s in TERMINAL})
+        if frozen:
+            raise AlreadyConsumed(frozen)
+        values = _now_row(reward=float(reward), feedback=feedback)
+        if task_id is not None:
+            values["task_id"] = task_id
+        if run_id is not None:
+            values["run_id"] = run_id
+        # Recorded rows become rewarded; committed rows keep their status and take the new reward.
+        for chunk in iter_chunks(targets, 500):
+            base = and_(experiences.c.experience_id.in_(chunk), experiences.c.status.notin_(TERMINAL))
+            conn.execute(
+                update(experiences)
+                .where(base, experiences.c.status == ExperienceStatus.RECORDED.value)
+                .values(status=ExperienceStatus.REWARDED.value, **values)
+            )
+            conn.execute(
+                update(experiences)
+                .where(base, experiences.c.status != ExperienceStatus.RECORDED.value)
+                .values(**values)
+            )
+    return FeedbackResult(experience_ids=targets)
+
+
+def commit_experiences(
+    *, engine: Engine, task_id: str | None = None, msg_ids: Sequence[str] | None = None
+) -> int:
+    """Mark rewarded experiences committed (visible to the Trainer); returns how many.
+
+    With ``msg_ids``, only the experiences they name (unknown ids raise UnknownIds and change
+    nothing); with ``task_id``, only that task's; with neither, every rewarded experience.
+    """
+    with write_transaction(engine) as conn:
+        conds = [experiences.c.status == ExperienceStatus.REWARDED.value]
+        if task_id is not None:
+            conds.append(experiences.c.task_id == task_id)
+        if msg_ids:
+            found = _resolve(conn, msg_ids, lock=True)
+            unknown = [i for i, rows in found.items() if not rows]
+            if unknown:
+                raise UnknownIds(unknown)
+            targets = sorted({e for rows in found.values() for e, _ in rows})
+            conds.append(experiences.c.experience_id.in_(targets))
+        result = conn.execute(
+            update(experiences).where(and_(*conds)).values(**_now_row(status=ExperienceStatus.COMMITTED.value))
+        )
+        return result.rowcount or 0
+
+
+def _row_to_experience(row: Any) -> Experience:
+    data = dict(row._mapping)
+    data.pop("seq", None)
+    return Experience.model_validate(data)
+
+
+def get_experience(*, engine: Engine, experience_id: str) -> Experience | None:
+    with engine.connect() as conn:
+        row = conn.execute(
+            select(experiences).where(experiences.c.experience_id == experience_id)
+        ).first()
+    return _row_to_experience(row) if row else None
+
+
+def list_experiences(
+    *,
+    engine: Engine,
+    task_id: str | None = None,
+    status: str | None = None,
+    agent: str | None = None,
+    completion_id: str | None = None,
+    limit: int = 100,
+    offset: int = 0,
+) -> list[Experience]:
+    """Experiences matching the filters, oldest first."""
+    conds = []
+    if task_id is not None:
+        conds.append(experiences.c.task_id == task_id)
+    if status is not None:
+        conds.append(experiences.c.status == status)
+    if agent is not None:
+        conds.append(experiences.c.agent == agent)
+    if completion_id is not None:
+        conds.append(experiences.c.completion_id == completion_id)
+    q = select(experiences).order_by(experiences.c.seq).limit(limit).offset(offset)
+    if conds:
+        q = q.where(and_(*conds))
+    with engine.connect() as conn:
+        return [_row_to_experience(r) for r in conn.execute(q)]
+
+
+def count_by_status(*, engine: Engine, agent: str | None = None) -> dict[str, int]:
+    q = select(experiences.c.status, func.count()).group_by(experiences.c.status)
+    if agent is not None:
+        q = q.where(experiences.c.agent == agent)
+    with engine.connect() as conn:
+        return {status: n for status, n in conn.execute(q)}

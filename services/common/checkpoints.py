@@ -1,0 +1,183 @@
+"""The checkpoint layout the Trainer publishes and the Explorer loads.
+
+    <root>/<agent>/v<N>/      a complete PEFT adapter dir + manifest.json (immutable once there)
+    <root>/<agent>/LATEST     the newest published N (replaced by write-temp-and-rename)
+    <root>/<agent>/state/     what a restarted Trainer needs to resume
+
+A version is written under a temporary name, fsynced and renamed into place, so a reader never
+sees half a version. Versions are never rewritten: vLLM caches adapters by name and path.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+AGENT_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+_VERSION_DIR = re.compile(r"^v(\d+)$")
+REQUIRED_FILES = ("adapter_config.json", "adapter_model.safetensors", "manifest.json")
+
+
+class CheckpointError(RuntimeError):
+    """A version that cannot be published or loaded."""
+
+
+@dataclass(frozen=True)
+class AdapterVersion:
+    agent: str
+    version: int
+    path: Path
+
+    def manifest(self) -> dict[str, Any]:
+        return json.loads((self.path / "manifest.json").read_text())
+
+
+def check_agent_name(agent: str) -> str:
+    if not AGENT_NAME.match(agent):
+        raise CheckpointError(
+            f"invalid agent name {agent!r}: use letters, digits, '.', '_' and '-' (at most 128)"
+        )
+    return agent
+
+
+def agent_dir(root: str | Path, agent: str) -> Path:
+    return Path(root) / check_agent_name(agent)
+
+
+def version_dir(root: str | Path, agent: str, version: int) -> Path:
+    return agent_dir(root, agent) / f"v{version}"
+
+
+def state_dir(root: str | Path, agent: str) -> Path:
+    return agent_dir(root, agent) / "state"
+
+
+def list_agents(root: str | Path) -> list[str]:
+    """Agents that have at least one published version."""
+    root = Path(root)
+    if not root.is_dir():
+        return []
+    return sorted(
+        p.name for p in root.iterdir() if p.is_dir() and AGENT_NAME.match(p.name) and list_versions(root, p.name)
+    )
+
+
+def list_versions(root: str | Path, agent: str) -> list[int]:
+    d = agent_dir(root, agent)
+    if not d.is_dir():
+        return []
+    return sorted(int(m.group(1)) for p in d.iterdir() if (m := _VERSION_DIR.match(p.name)) and p.is_dir())
+
+
+def read_latest(root: str | Path, agent: str) -> int | None:
+    """The version LATEST names, or the newest version dir when LATEST is missing."""
+    latest = agent_dir(root, agent) / "LATEST"
+    try:
+        text = latest.read_text().strip()
+    except FileNotFoundError:
+        versions = list_versions(root, agent)
+        return versions[-1] if versions else None
+    if not text.isdigit():
+        raise CheckpointError(f"{latest} holds {text!r}, not a version number")
+    return int(text)
+
+
+def validate_version(root: str | Path, agent: str, version: int) -> AdapterVersion:
+    """The version if its directory is complete, else CheckpointError naming what is missing."""
+    path = version_dir(root, agent, version)
+    if not path.is_dir():
+        raise CheckpointError(f"{path} does not exist")
+    missing = [f for f in REQUIRED_FILES if not (path / f).is_file()]
+    if missing:
+        raise CheckpointError(f"{path} is incomplete: missing {', '.join(missing)}")
+    try:
+        manifest = json.loads((path / "manifest.json").read_text())
+    except ValueError as e:
+        raise CheckpointError(f"{path}/manifest.json is not valid JSON: {e}") from e
+    if manifest.get("version") != version:
+        raise CheckpointError(f"{path}/manifest.json says version {manifest.get('version')!r}")
+    return AdapterVersion(agent=agent, version=version, path=path)
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _fsync_tree(path: Path) -> None:
+    for p in sorted(path.rglob("*")):
+        if p.is_file():
+            with open(p, "rb") as f:
+                os.fsync(f.fileno())
+    for p in sorted([path, *(q for q in path.rglob("*") if q.is_dir())]):
+        _fsync_dir(p)
+
+
+def write_text_atomic(path: Path, text: str) -> None:
+    """Replace ``path`` by write-temp, fsync, rename, fsync dir."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    _fsync_dir(path.parent)
+
+
+def publish_version(
+    root: str | Path,
+    agent: str,
+    version: int,
+    write_adapter: Callable[[Path], None],
+    manifest: dict[str, Any],
+) -> AdapterVersion:
+    """Write a new version atomically and point LATEST at it.
+
+    ``write_adapter(dir)`` writes adapter_config.json and adapter_model.safetensors into ``dir``
+    (e.g. ``peft_model.save_pretrained``). Raises CheckpointError if v<version> already exists.
+    """
+    final = version_dir(root, agent, version)
+    if final.exists():
+        raise CheckpointError(f"{final} already exists; versions are immutable")
+    parent = final.parent
+    parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".tmp-v{version}-", dir=parent))
+    try:
+        write_adapter(tmp)
+        (tmp / "manifest.json").write_text(json.dumps({**manifest, "version": version, "agent": agent}, indent=2))
+        missing = [f for f in REQUIRED_FILES if not (tmp / f).is_file()]
+        if missing:
+            raise CheckpointError(f"adapter writer left out {', '.join(missing)}")
+        _fsync_tree(tmp)
+        os.rename(tmp, final)
+        _fsync_dir(parent)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    write_text_atomic(parent / "LATEST", f"{version}\n")
+    return AdapterVersion(agent=agent, version=version, path=final)
+
+
+def delete_version(root: str | Path, agent: str, version: int) -> None:
+    """Remove an old version (callers decide when no reader can still use it)."""
+    path = version_dir(root, agent, version)
+    if read_latest(root, agent) == version:
+        raise CheckpointError(f"refusing to delete {path}: LATEST points at it")
+    # Rename first so a reader never sees a half-deleted version under its real name.
+    doomed = path.with_name(f".deleting-v{version}-{os.getpid()}")
+    os.rename(path, doomed)
+    shutil.rmtree(doomed, ignore_errors=True)

@@ -1,0 +1,46 @@
+"""The Experience record: one generated choice, exactly as the engine produced it.
+
+Everything downstream of the Explorer (the Trainer, the admin endpoints, the demo) reads this and
+nothing else. Token ids and logprobs are what the engine consumed and sampled, never re-tokenized.
+"""
+
+from __future__ import annotations
+
+import enum
+from datetime import datetime
+from typing import Any
+
+from pydantic import BaseModel, Field
+
+
+class ExperienceStatus(str, enum.Enum):
+    """Lifecycle: recorded -> rewarded -> committed -> consumed (or discarded)."""
+
+    RECORDED = "recorded"
+    REWARDED = "rewarded"
+    COMMITTED = "committed"
+    CONSUMED = "consumed"
+    DISCARDED = "discarded"
+
+
+class Experience(BaseModel):
+    experience_id: str = Field(description="Unique id of this choice; returned to the client.")
+    completion_id: str = Field(description="The OpenAI response id; n choices give n experiences.")
+    agent: str = Field(description="The agent (adapter lineage) that served it.")
+    model_version: int = Field(description="Adapter version that produced every token (0 = base).")
+    task_id: str | None = None
+    run_id: str | None = None
+    prompt_token_ids: list[int]
+    response_token_ids: list[int]
+    response_logprobs: list[float]
+    messages: list[dict[str, Any]]
+    response: dict[str, Any] = Field(description="The returned assistant message.")
+    tools: list[dict[str, Any]] | None = None
+    finish_reason: str | None = None
+    sampling: dict[str, Any] = Field(description="temperature, top_p, max_tokens, seed as used.")
+    reward: float | None = None
+    feedback: dict[str, Any] | None = None
+    status: ExperienceStatus = ExperienceStatus.RECORDED
+    trained_in: int | None = None
+    created_at: datetime | None = None
+    updated_at: datetime | None = None

@@ -1,0 +1,285 @@
+"""Which adapter version serves each agent, and when old versions may be let go.
+
+Every request leases the handle of its agent's current version for its whole life, so the
+version that produced each token is known and cannot be unloaded under it. A newly published
+version is loaded into the engine first and then made current; new requests get it at once,
+running ones finish on the old one, which is removed from the engine when its last lease ends.
+
+Model names a request may use: ``<agent>`` (current version), ``<agent>@v<N>`` (a pinned version,
+``@v0`` being the base model under that agent's name), and the base model's served name or path,
+which Trinity-style clients send: it means the default agent's current version. Each replica also writes ``<root>/<agent>/.serving/<replica>.json``
+with the versions it may still read, so the Trainer never deletes a folder an engine needs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import json
+import logging
+import os
+import re
+import socket
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Iterator
+
+from services.common import checkpoints
+from services.common.checkpoints import CheckpointError
+from services.explorer.engines.base import AdapterRef, Engine
+
+log = logging.getLogger(__name__)
+
+_PINNED = re.compile(r"^(?P<agent>[A-Za-z0-9][A-Za-z0-9._-]{0,127})@v(?P<version>\d+)$")
+
+
+class UnknownModel(LookupError):
+    pass
+
+
+@dataclass
+class AdapterHandle:
+    agent: str
+    version: int
+    ref: AdapterRef | None  # None: the base model
+    leases: int = 0
+    retired: bool = False
+    loaded_at: float = field(default_factory=time.time)
+
+
+@dataclass
+class AgentState:
+    name: str
+    current: AdapterHandle
+    failed_version: int | None = None  # a broken LATEST we already refused
+    reloads: int = 0
+    last_reload_s: float | None = None
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+
+
+class AdapterRegistry:
+    def __init__(
+        self,
+        *,
+        engine: Engine,
+        checkpoints_root: str,
+        base_name: str,
+        agents: list[str],
+        base_aliases: tuple[str, ...] = (),
+        default_agent: str,
+        replica_id: str | None = None,
+        on_reload: Callable[[str, int, float], None] | None = None,
+    ):
+        self._engine = engine
+        self.root = checkpoints_root
+        self.base_name = base_name
+        # Trinity-style clients name the base model; they get the default agent's current version.
+        self.base_aliases = {base_name, *base_aliases}
+        self.default_agent = default_agent
+        self._configured = list(dict.fromkeys([default_agent, *agents]))
+        self.agents: dict[str, AgentState] = {}
+        self._pinned: dict[tuple[str, int], AdapterHandle] = {}
+        self._ids = itertools.count(1)
+        self._pending_removals: set[asyncio.Task] = set()
+        self.replica_id = replica_id or f"{socket.gethostname()}-{os.getpid()}"
+        self._on_reload = on_reload
+        self.reload_failures = 0
+
+    # ------------------------------------------------------------------ loading
+
+    def _new_ref(self, agent: str, version: int, path: Path) -> AdapterRef:
+        n = next(self._ids)
+        return AdapterRef(agent=agent, version=version, name=f"{agent}-v{version}", int_id=n, path=str(path))
+
+    async def start(self) -> None:
+        """Load the newest version of every configured or discovered agent."""
+        names = list(dict.fromkeys([*self._configured, *checkpoints.list_agents(self.root)]))
+        for name in names:
+            self.agents[name] = AgentState(name=name, current=AdapterHandle(agent=name, version=0, ref=None))
+            await self.sync(name)
+        self.write_serving_files()
+
+    async def sync(self, agent: str) -> bool:
+        """Load the version LATEST names if it is newer than the current one. True if it changed."""
+        state = self.agents[agent]
+        async with state.lock:
+            try:
+                latest = checkpoints.read_latest(self.root, agent)
+            except CheckpointError as e:
+                self._refuse(state, None, str(e))
+                return False
+            if latest is None or latest <= state.current.version or latest == state.failed_version:
+                return False
+            t0 = time.perf_counter()
+            try:
+                version = checkpoints.validate_version(self.root, agent, latest)
+                ref = self._new_ref(agent, latest, version.path)
+                await self._engine.add_adapter(ref)
+            except Exception as e:  # a broken version never replaces a working one
+                self._refuse(state, latest, str(e))
+                return False
+            old = state.current
+            state.current = AdapterHandle(agent=agent, version=latest, ref=ref)
+            state.failed_version = None
+            elapsed = time.perf_counter() - t0
+            state.reloads += 1
+            state.last_reload_s = elapsed
+            log.info("agent %s: now serving v%d (was v%d), loaded in %.0f ms", agent, latest, old.version, elapsed * 1e3)
+            self._retire(old)
+            self.write_serving_files()
+            if self._on_reload:
+                self._on_reload(agent, latest, elapsed)
+            return True
+
+    def _refuse(self, state: AgentState, version: int | None, why: str) -> None:
+        if version is not None and version == state.failed_version:
+            return
+        state.failed_version = version
+        self.reload_failures += 1
+        log.error("agent %s: refusing version %s, still serving v%d: %s", state.name, version, state.current.version, why)
+
+    async def sync_all(self) -> None:
+        for name in checkpoints.list_agents(self.root):
+            if name not in self.agents:
+                self.agents[name] = AgentState(name=name, current=AdapterHandle(agent=name, version=0, ref=None))
+                log.info("discovered agent %s under %s", name, self.root)
+        for name in list(self.agents):
+            await self.sync(name)
+
+    async def watch(self, interval_s: float) -> None:
+        """Poll every agent's LATEST forever (cancel the task to stop)."""
+        while True:
+            await asyncio.sleep(interval_s)
+            try:
+                await self.sync_all()
+                self.write_serving_files()
+            except Exception:
+                log.exception("adapter watch failed; will retry")
+
+    # ------------------------------------------------------------------ leases
+
+    def resolve(self, model: str) -> tuple[str, AdapterHandle | None, int | None]:
+        """(agent, handle or None if a pinned version must be loaded first, pinned version)."""
+        if model in self.base_aliases:
+            model = self.default_agent
+        if model in self.agents:
+            return model, self.agents[model].current, None
+        m = _PINNED.match(model)
+        if m and m.group("agent") in self.agents:
+            agent, version = m.group("agent"), int(m.group("version"))
+            state = self.agents[agent]
+            if version == 0:
+                return agent, _base_handle(agent), 0
+            if state.current.version == version:
+                return agent, state.current, version
+            handle = self._pinned.get((agent, version))
+            return agent, handle, version
+        raise UnknownModel(model)
+
+    async def acquire(self, model: str) -> AdapterHandle:
+        agent, handle, pinned = self.resolve(model)
+        if handle is None:
+            handle = await self._load_pinned(agent, pinned)
+        handle.leases += 1
+        return handle
+
+    async def _load_pinned(self, agent: str, version: int) -> AdapterHandle:
+        state = self.agents[agent]
+        async with state.lock:
+            handle = self._pinned.get((agent, version))
+            if handle is not None:
+                return handle
+            try:
+                v = checkpoints.validate_version(self.root, agent, version)
+            except CheckpointError as e:
+                raise UnknownModel(f"{agent}@v{version}: {e}") from None
+            ref = self._new_ref(agent, version, v.path)
+            await self._engine.add_adapter(ref)
+            handle = AdapterHandle(agent=agent, version=version, ref=ref, retired=True)
+            self._pinned[(agent, version)] = handle
+            self.write_serving_files()
+            return handle
+
+    def release(self, handle: AdapterHandle) -> None:
+        handle.leases -= 1
+        if handle.leases <= 0 and handle.retired:
+            self._schedule_removal(handle)
+
+    @contextlib.asynccontextmanager
+    async def lease(self, model: str):
+        handle = await self.acquire(model)
+        try:
+            yield handle
+        finally:
+            self.release(handle)
+
+    def _retire(self, handle: AdapterHandle) -> None:
+        handle.retired = True
+        if handle.leases <= 0:
+            self._schedule_removal(handle)
+
+    def _schedule_removal(self, handle: AdapterHandle) -> None:
+        if handle.ref is None:
+            return
+        self._pinned.pop((handle.agent, handle.version), None)
+        task = asyncio.ensure_future(self._remove(handle))
+        self._pending_removals.add(task)
+        task.add_done_callback(self._pending_removals.discard)
+
+    async def _remove(self, handle: AdapterHandle) -> None:
+        if handle.leases > 0 or handle.ref is None:
+            return
+        try:
+            await self._engine.remove_adapter(handle.ref)
+            log.info("agent %s: released v%d", handle.agent, handle.version)
+        except Exception:
+            log.exception("removing adapter %s failed", handle.ref.name)
+        handle.ref = None if handle.leases <= 0 else handle.ref
+        self.write_serving_files()
+
+    # ------------------------------------------------------------------ reporting
+
+    def in_use(self, agent: str) -> list[int]:
+        """Versions of ``agent`` this replica may still read from disk."""
+        state = self.agents.get(agent)
+        versions = set()
+        if state and state.current.ref is not None:
+            versions.add(state.current.version)
+        versions |= {v for (a, v), h in self._pinned.items() if a == agent}
+        return sorted(versions)
+
+    def write_serving_files(self) -> None:
+        """Tell the Trainer which versions this replica still needs (refreshed by watch())."""
+        for agent in self.agents:
+            d = Path(self.root) / agent / ".serving"
+            try:
+                d.mkdir(parents=True, exist_ok=True)
+                checkpoints.write_text_atomic(
+                    d / f"{self.replica_id}.json",
+                    json.dumps({"replica": self.replica_id, "versions": self.in_use(agent), "updated_at": time.time()}),
+                )
+            except OSError as e:
+                log.warning("cannot write serving file for %s: %s", agent, e)
+
+    def remove_serving_files(self) -> None:
+        for agent in self.agents:
+            with contextlib.suppress(OSError):
+                (Path(self.root) / agent / ".serving" / f"{self.replica_id}.json").unlink()
+
+    def describe(self) -> Iterator[dict]:
+        for name, state in sorted(self.agents.items()):
+            yield {
+                "agent": name,
+                "version": state.current.version,
+                "adapter": state.current.ref.name if state.current.ref else None,
+                "reloads": state.reloads,
+                "last_reload_s": state.last_reload_s,
+                "loaded_at": state.current.loaded_at,
+            }
+
+
+def _base_handle(agent: str) -> AdapterHandle:
+    """A fresh handle for the base model (nothing to load or release)."""
+    return AdapterHandle(agent=agent, version=0, ref=None)

@@ -1,0 +1,169 @@
+"""The Explorer's FastAPI app factory: wires config, engine, adapter registry, recorder and routes.
+
+    app = create_app(config)            # the engine named by config.engine.kind
+    app = create_app(config, engine=e)  # tests hand in their own engine
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from fastapi import Depends, FastAPI
+from sqlalchemy.engine import Engine as DBEngine
+
+from services.common.buffer import create_buffer_engine
+from services.common.config import dump_config
+from services.explorer.adapters import AdapterRegistry
+from services.explorer.config import ExplorerConfig
+from services.explorer.deps import require_api_key
+from services.explorer.engines import Engine, build_engine
+from services.explorer.errors import error_body, install_error_handlers
+from services.explorer.feedback import FeedbackService
+from services.explorer.metrics import ExplorerMetrics
+from services.explorer.recorder import Recorder
+from services.explorer.routes import chat, experiences, feedback, health, models
+from services.explorer.service import ChatService
+
+log = logging.getLogger(__name__)
+
+_ROUTES = ("/v1/chat/completions", "/feedback", "/commit", "/experiences", "/v1/models", "/health", "/metrics")
+
+
+@dataclass
+class ExplorerState:
+    config: ExplorerConfig
+    engine: Engine
+    db: DBEngine
+    metrics: ExplorerMetrics
+    recorder: Recorder
+    registry: AdapterRegistry
+    chat: ChatService
+    feedback: FeedbackService
+    api_keys: list[bytes]
+    started_at: float = field(default_factory=time.time)
+    tasks: list[asyncio.Task] = field(default_factory=list)
+
+
+class EdgeMiddleware:
+    """Pure ASGI: refuses oversized bodies with 413 and counts requests by route and status."""
+
+    def __init__(self, app, *, max_body_bytes: int, metrics: ExplorerMetrics):
+        self.app = app
+        self.max = max_body_bytes
+        self.metrics = metrics
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        path = scope.get("path", "")
+        route = next((r for r in _ROUTES if path == r or path.startswith(r + "/")), "other")
+        state = {"code": 500, "started": False, "refused": False}
+
+        async def send_wrapper(message):
+            if state["refused"]:
+                return  # we already answered 413; the app's own answer is dropped
+            if message["type"] == "http.response.start":
+                state["code"], state["started"] = message["status"], True
+            await send(message)
+
+        async def refuse():
+            state["refused"] = True
+            state["code"] = 413
+            body = json.dumps(
+                error_body(413, f"request body is larger than the limit of {self.max} bytes", code="body_too_large")
+            ).encode()
+            await send({"type": "http.response.start", "status": 413,
+                        "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
+            await send({"type": "http.response.body", "body": body})
+
+        length = dict(scope.get("headers") or []).get(b"content-length")
+        if length is not None and length.isdigit() and int(length) > self.max:
+            await refuse()
+        else:
+            seen = 0
+
+            async def receive_wrapper():
+                nonlocal seen
+                if state["refused"]:
+                    return {"type": "http.disconnect"}
+                message = await receive()
+                if message["type"] == "http.request":
+                    seen += len(message.get("body", b""))
+                    if seen > self.max and not state["started"]:
+                        await refuse()
+                        return {"type": "http.disconnect"}
+                return message
+
+            try:
+                await self.app(scope, receive_wrapper, send_wrapper)
+            except Exception:
+                if not state["refused"]:
+                    raise
+        self.metrics.requests.labels(route, str(state["code"])).inc()
+
+
+def create_app(config: ExplorerConfig, *, engine: Engine | None = None) -> FastAPI:
+    metrics = ExplorerMetrics()
+    engine = engine or build_engine(config)
+    db = create_buffer_engine(config.buffer.url)
+    Path(config.checkpoints.root).mkdir(parents=True, exist_ok=True)
+    recorder = Recorder(
+        db=db,
+        flush_interval_ms=config.recorder.flush_interval_ms,
+        max_batch=config.recorder.max_batch,
+        max_pending=config.recorder.max_pending,
+        on_flush=lambda n, s: (metrics.experiences_recorded.inc(n), metrics.recorder_flush.observe(s)),
+    )
+
+    def on_reload(agent: str, version: int, seconds: float) -> None:
+        metrics.adapter_reloads.labels(agent).inc()
+        metrics.adapter_reload_seconds.observe(seconds)
+
+    registry = AdapterRegistry(
+        engine=engine,
+        checkpoints_root=config.checkpoints.root,
+        base_name=config.model.served_name,
+        base_aliases=(config.model.path,),
+        agents=config.agents.names,
+        default_agent=config.agents.default,
+        on_reload=on_reload,
+    )
+    state = ExplorerState(
+        config=config, engine=engine, db=db, metrics=metrics, recorder=recorder, registry=registry,
+        chat=ChatService(config=config, engine=engine, registry=registry, recorder=recorder, metrics=metrics),
+        feedback=FeedbackService(db=db, recorder=recorder, metrics=metrics, unknown_id_grace_s=config.recorder.unknown_id_grace_s),
+        api_keys=[k.encode() for k in config.auth.api_keys],
+    )
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI):
+        log.info("explorer config:\n%s", dump_config(config))
+        await engine.start()
+        await registry.start()
+        await recorder.start()
+        if config.reload.enabled:
+            state.tasks.append(asyncio.create_task(registry.watch(config.reload.poll_interval_s), name="adapter-watch"))
+        try:
+            yield
+        finally:
+            for t in state.tasks:
+                t.cancel()
+            await recorder.stop()
+            await engine.shutdown()
+            registry.remove_serving_files()
+            db.dispose()
+
+    app = FastAPI(title="Kaizen Explorer", lifespan=lifespan, docs_url=None, redoc_url=None)
+    app.state.kaizen = state
+    install_error_handlers(app)
+    auth = [Depends(require_api_key)]
+    app.include_router(health.router)  # /health alone needs no key
+    for r in (chat.router, feedback.router, experiences.router, models.router, health.metrics_router):
+        app.include_router(r, dependencies=auth)
+    app.add_middleware(EdgeMiddleware, max_body_bytes=config.server.max_body_bytes, metrics=metrics)
+    return app

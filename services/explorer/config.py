@@ -1,0 +1,91 @@
+"""ExplorerConfig: every setting of the Explorer service, documented once, here."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import Field, model_validator
+
+from services.common.checkpoints import AGENT_NAME
+from services.common.config import BufferSection, CheckpointsSection, ConfigModel, ModelSection
+
+
+class VLLMSection(ConfigModel):
+    """Settings of the vllm engine (ignored by hf)."""
+
+    gpu_memory_utilization: float = Field(default=0.85, description="Share of GPU memory vLLM may take.")
+    tensor_parallel_size: int = Field(default=1, description="GPUs per engine.")
+    max_loras: int = Field(default=4, description="Adapters in one batch: room for old and new versions of each agent.")
+    max_lora_rank: int = Field(default=16, description="Largest LoRA rank served: 1, 8, 16, 32, 64, ...")
+    enforce_eager: bool = Field(default=False, description="Disable CUDA graphs (faster start, slower decode).")
+    kv_cache_gib: float | None = Field(default=None, description="KV cache size in GiB (CPU: set this).")
+    extra_args: dict[str, Any] = Field(default_factory=dict, description="More AsyncEngineArgs, passed as is.")
+
+
+class EngineSection(ConfigModel):
+    kind: Literal["hf", "vllm"] = Field(default="hf", description="Rollout engine: hf (embedded) or vllm.")
+    device: str = Field(default="auto", description="hf: cpu, cuda, cuda:N or auto.")
+    max_batch_size: int = Field(default=32, ge=1, description="Sequences decoded together in one step.")
+    max_model_len: int | None = Field(default=None, ge=16, description="Context length; default: the model's.")
+    max_waiting: int = Field(default=4096, ge=1, description="Queued requests before new ones get 503.")
+    torch_threads: int | None = Field(default=None, ge=1, description="hf: torch intra-op threads.")
+    seed: int = Field(default=0, description="Seed of the sampler for requests without a seed.")
+    replicas: int = Field(default=1, ge=1, description="Engines behind this Explorer (vllm, one per GPU group).")
+    vllm: VLLMSection = Field(default_factory=VLLMSection)
+
+
+class ServerSection(ConfigModel):
+    host: str = Field(default="127.0.0.1", description="Address the Explorer listens on.")
+    port: int = Field(default=8010, ge=0, le=65535, description="Port the Explorer listens on (0: any free).")
+    max_body_bytes: int = Field(default=8 * 1024 * 1024, ge=1024, description="Larger request bodies get 413.")
+    default_max_tokens: int | None = Field(
+        default=None, ge=1, description="max_tokens when a request gives none; default: the rest of the context."
+    )
+    log_level: str = Field(default="info", description="debug, info, warning, error.")
+
+
+class AuthSection(ConfigModel):
+    api_keys: list[str] = Field(default_factory=list, description="Accepted bearer keys; empty: no auth.")
+
+
+class AgentsSection(ConfigModel):
+    names: list[str] = Field(
+        default_factory=list,
+        description="Agents served (one adapter each); agents found under checkpoints.root are added.",
+    )
+    default: str = Field(default="default", description="Agent that requests naming the base model belong to.")
+
+    @model_validator(mode="after")
+    def _check(self) -> "AgentsSection":
+        for name in [*self.names, self.default]:
+            if not AGENT_NAME.match(name):
+                raise ValueError(f"invalid agent name {name!r}")
+        return self
+
+
+class ReloadSection(ConfigModel):
+    poll_interval_s: float = Field(default=1.0, gt=0, description="How often each agent's LATEST is checked.")
+    enabled: bool = Field(default=True, description="Hot-load new versions while serving.")
+    keep_loaded: int = Field(default=1, ge=0, description="Old versions kept loaded beside the current one (for pinned requests).")
+
+
+class RecorderSection(ConfigModel):
+    enabled: bool = Field(default=True, description="false: serve without recording anything (benchmarks, serving-only replicas).")
+    flush_interval_ms: float = Field(default=20.0, gt=0, description="Longest time a record waits before its batch is written.")
+    max_batch: int = Field(default=512, ge=1, description="Most records written in one transaction.")
+    max_pending: int = Field(default=100_000, ge=1, description="Records held in memory while the database is unreachable.")
+    unknown_id_grace_s: float = Field(
+        default=5.0, ge=0, description="Feedback naming a younger unknown id waits this long for another replica to write it."
+    )
+
+
+class ExplorerConfig(ConfigModel):
+    model: ModelSection
+    engine: EngineSection = Field(default_factory=EngineSection)
+    buffer: BufferSection = Field(default_factory=BufferSection)
+    checkpoints: CheckpointsSection = Field(default_factory=CheckpointsSection)
+    server: ServerSection = Field(default_factory=ServerSection)
+    auth: AuthSection = Field(default_factory=AuthSection)
+    agents: AgentsSection = Field(default_factory=AgentsSection)
+    reload: ReloadSection = Field(default_factory=ReloadSection)
+    recorder: RecorderSection = Field(default_factory=RecorderSection)

@@ -1,0 +1,40 @@
+"""FastAPI dependencies, declared once: the services of the running app and the API-key check."""
+
+from __future__ import annotations
+
+import hmac
+from typing import Annotated
+
+from fastapi import Depends, Request
+
+from services.explorer.errors import APIError
+from services.explorer.feedback import FeedbackService
+from services.explorer.service import ChatService
+
+
+def get_chat(request: Request) -> ChatService:
+    return request.app.state.kaizen.chat
+
+
+def get_feedback(request: Request) -> FeedbackService:
+    return request.app.state.kaizen.feedback
+
+
+def require_api_key(request: Request) -> None:
+    keys: list[bytes] = request.app.state.kaizen.api_keys
+    if not keys:
+        return
+    header = request.headers.get("authorization", "")
+    scheme, _, token = header.partition(" ")
+    if scheme.lower() != "bearer" or not token:
+        raise APIError(401, "missing API key: send Authorization: Bearer <key>", code="invalid_api_key")
+    presented = token.strip().encode()
+    ok = False
+    for key in keys:  # compare with every key, in constant time each, so timing reveals nothing
+        ok |= hmac.compare_digest(presented, key)
+    if not ok:
+        raise APIError(401, "incorrect API key", code="invalid_api_key")
+
+
+ChatDep = Annotated[ChatService, Depends(get_chat)]
+FeedbackDep = Annotated[FeedbackService, Depends(get_feedback)]

@@ -1,0 +1,39 @@
+"""Prometheus metrics of one Explorer (its own registry, so several apps can live in one process)."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+
+
+class ExplorerMetrics:
+    def __init__(self) -> None:
+        r = self.registry = CollectorRegistry()
+        self.requests = Counter("kaizen_requests", "HTTP requests by route and status", ["route", "status"], registry=r)
+        self.completions = Counter("kaizen_completions", "Chat completions served", ["agent"], registry=r)
+        self.prompt_tokens = Counter("kaizen_prompt_tokens", "Prompt tokens consumed", ["agent"], registry=r)
+        self.completion_tokens = Counter("kaizen_completion_tokens", "Tokens generated", ["agent"], registry=r)
+        self.latency = Histogram(
+            "kaizen_request_latency_seconds", "Chat completion latency", ["stream"], buckets=_LATENCY_BUCKETS, registry=r
+        )
+        self.experiences_recorded = Counter("kaizen_experiences_recorded", "Experiences written to the buffer", registry=r)
+        self.recorder_flush = Histogram(
+            "kaizen_recorder_flush_seconds", "Time to write one batch of experiences", buckets=_LATENCY_BUCKETS, registry=r
+        )
+        self.recorder_pending = Gauge("kaizen_recorder_pending", "Experiences waiting to be written", registry=r)
+        self.feedback = Counter("kaizen_feedback", "Experiences given a reward", registry=r)
+        self.committed = Counter("kaizen_committed", "Experiences committed for training", registry=r)
+        self.engine_running = Gauge("kaizen_engine_running", "Sequences in the running batch", registry=r)
+        self.engine_waiting = Gauge("kaizen_engine_waiting", "Requests waiting for the engine", registry=r)
+        self.adapter_version = Gauge("kaizen_adapter_version", "Version each agent serves", ["agent"], registry=r)
+        self.adapter_reloads = Counter("kaizen_adapter_reloads", "Adapter versions hot-loaded", ["agent"], registry=r)
+        self.adapter_reload_failures = Gauge(
+            "kaizen_adapter_reload_failures", "Published versions refused (broken or unloadable)", registry=r
+        )
+        self.adapter_reload_seconds = Histogram(
+            "kaizen_adapter_reload_seconds", "Time to load a new adapter version", buckets=_LATENCY_BUCKETS, registry=r
+        )
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,145 @@
+"""Request bodies of the Explorer's HTTP API.
+
+Chat Completions follows the OpenAI spec's field order; Kaizen's additions are fenced off at the
+end. Unknown request fields are ignored (as vLLM does), so clients written for other servers work;
+fields we accept but cannot honour are rejected by the service with a 400 that names them.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal, Union
+
+from pydantic import BaseModel, ConfigDict, Field, Strict, field_validator
+
+# JSON numbers and booleans only: "0.7" or true where a number belongs is a client bug to report.
+Float = Annotated[float, Strict()]
+Int = Annotated[int, Strict()]
+Bool = Annotated[bool, Strict()]
+
+
+class _Lenient(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+
+class TextPart(_Lenient):
+    type: Literal["text"]
+    text: str
+
+
+class OtherPart(_Lenient):
+    type: str
+
+
+ContentPart = Union[TextPart, OtherPart]
+
+
+class FunctionCall(_Lenient):
+    name: str
+    arguments: str | dict[str, Any] = "{}"
+
+
+class ToolCall(_Lenient):
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class Message(_Lenient):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[ContentPart] | None = None
+    name: str | None = None
+    tool_calls: list[ToolCall] | None = None
+    tool_call_id: str | None = None
+
+
+class FunctionDef(_Lenient):
+    name: str = Field(min_length=1, max_length=64)
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class Tool(_Lenient):
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class NamedToolChoiceFunction(_Lenient):
+    name: str
+
+
+class NamedToolChoice(_Lenient):
+    type: Literal["function"]
+    function: NamedToolChoiceFunction
+
+
+class StreamOptions(_Lenient):
+    include_usage: Bool | None = None
+
+
+class ChatCompletionRequest(_Lenient):
+    messages: list[Message] = Field(min_length=1)
+    model: str = Field(min_length=1)
+    frequency_penalty: Float | None = None
+    logit_bias: dict[str, Float] | None = None
+    logprobs: Bool | None = None
+    top_logprobs: Int | None = Field(default=None, ge=0, le=20)
+    max_tokens: Int | None = Field(default=None, ge=1)
+    max_completion_tokens: Int | None = Field(default=None, ge=1)
+    metadata: dict[str, Any] | None = None
+    n: Int | None = Field(default=None, ge=1, le=128)
+    presence_penalty: Float | None = None
+    response_format: dict[str, Any] | None = None
+    seed: Int | None = None
+    stop: str | list[str] | None = None
+    stream: Bool | None = None
+    stream_options: StreamOptions | None = None
+    temperature: Float | None = Field(default=None, ge=0.0, le=2.0)
+    top_p: Float | None = Field(default=None, gt=0.0, le=1.0)
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
+    user: str | None = None
+
+    # Extensions, not in the OpenAI spec
+    return_token_ids: Bool | None = None
+
+    @field_validator("stop")
+    @classmethod
+    def _check_stop(cls, v: str | list[str] | None) -> str | list[str] | None:
+        if isinstance(v, list) and len(v) > 16:
+            raise ValueError("at most 16 stop sequences")
+        return v
+
+
+class FeedbackRequest(_Lenient):
+    """Compatible with Trinity-RFT's serve-mode body."""
+
+    msg_ids: list[str] = Field(min_length=1, max_length=10_000)
+    reward: Float
+    task_id: str | None = None
+    run_id: Int | str | None = None
+    labels: list[str] | None = None
+    comment: str | None = Field(default=None, max_length=10_000)
+    source: str | None = None
+
+    @field_validator("msg_ids")
+    @classmethod
+    def _check_ids(cls, v: list[str]) -> list[str]:
+        if any(not i for i in v):
+            raise ValueError("msg_ids must not contain empty strings")
+        return v
+
+    @field_validator("reward")
+    @classmethod
+    def _finite(cls, v: float) -> float:
+        if v != v or v in (float("inf"), float("-inf")):
+            raise ValueError("reward must be a finite number")
+        return v
+
+
+class CommitRequest(_Lenient):
+    """Trinity's extra keys (run_id, time_threshold) are accepted and ignored."""
+
+    task_id: str | None = None
+    msg_ids: list[str] | None = Field(default=None, max_length=10_000)

@@ -1,0 +1,1 @@
+"""HTTP routes: parse, call a service object, map the result."""

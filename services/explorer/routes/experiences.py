@@ -1,0 +1,45 @@
+"""GET /experiences/{id} and GET /experiences: what was recorded, token ids and logprobs included."""
+
+from __future__ import annotations
+
+import asyncio
+
+from fastapi import APIRouter, Query, Request
+
+from services.common import buffer
+from services.common.records import ExperienceStatus
+from services.explorer.errors import APIError
+
+router = APIRouter()
+
+
+@router.get("/experiences/{experience_id}")
+async def get_experience(experience_id: str, request: Request):
+    db = request.app.state.kaizen.db
+    await request.app.state.kaizen.recorder.wait_written([experience_id])
+    exp = await asyncio.to_thread(buffer.get_experience, engine=db, experience_id=experience_id)
+    if exp is None:
+        raise APIError(404, f"no experience {experience_id!r}", param="experience_id", code="unknown_id")
+    return exp.model_dump(mode="json")
+
+
+@router.get("/experiences")
+async def list_experiences(
+    request: Request,
+    task_id: str | None = None,
+    status: str | None = None,
+    agent: str | None = None,
+    completion_id: str | None = None,
+    limit: int = Query(default=100, ge=1, le=1000),
+    offset: int = Query(default=0, ge=0),
+):
+    if status is not None and status not in {s.value for s in ExperienceStatus}:
+        allowed = ", ".join(s.value for s in ExperienceStatus)
+        raise APIError(400, f"unknown status {status!r}; use one of {allowed}", param="status")
+    db = request.app.state.kaizen.db
+    await request.app.state.kaizen.recorder.flush()
+    rows = await asyncio.to_thread(
+        buffer.list_experiences, engine=db, task_id=task_id, status=status, agent=agent,
+        completion_id=completion_id, limit=limit, offset=offset,
+    )
+    return {"object": "list", "data": [r.model_dump(mode="json") for r in rows]}

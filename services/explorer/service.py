@@ -1,0 +1,398 @@
+"""The chat service: turns an OpenAI request into an engine call, a response and Experience records.
+
+Routes stay thin; this is where a request is checked, rendered with the model's chat template into
+prompt token ids, run on the engine under a lease of its agent's adapter version, answered (plain
+or as SSE chunks), and recorded token for token.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any, AsyncIterator, Mapping
+
+from services.common.ids import experience_id, new_id
+from services.common.records import Experience
+from services.explorer.adapters import AdapterHandle, AdapterRegistry, UnknownModel
+from services.explorer.config import ExplorerConfig
+from services.explorer.engines.base import ChoiceUpdate, Engine, GenerateRequest, SamplingParams
+from services.explorer.errors import APIError, error_body
+from services.explorer.metrics import ExplorerMetrics
+from services.explorer.protocol import ChatCompletionRequest, Message
+from services.explorer.recorder import Recorder
+from services.explorer.tool_calls import ToolCallStreamFilter, forced_prefix, parse_tool_calls
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class PreparedChat:
+    """A validated request, rendered to prompt token ids."""
+
+    request: ChatCompletionRequest
+    model: str
+    messages: list[dict[str, Any]]
+    tools: list[dict[str, Any]] | None
+    parse_tools: bool
+    prefix: str  # forced start of the response (tool_choice required / named)
+    prompt_ids: list[int]
+    params: SamplingParams
+    n: int
+    task_id: str | None
+    run_id: str | None
+
+
+@dataclass
+class _Choice:
+    index: int
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    top: list[list[tuple[int, float]]] = field(default_factory=list)
+    text: str = ""
+    finish_reason: str | None = None
+
+    def add(self, u: ChoiceUpdate) -> None:
+        self.token_ids += u.token_ids
+        self.logprobs += u.logprobs
+        if u.top_logprobs:
+            self.top += u.top_logprobs
+        self.text += u.text
+        if u.finish_reason:
+            self.finish_reason = u.finish_reason
+
+
+def _text_content(msg: Message, index: int) -> str | None:
+    if msg.content is None or isinstance(msg.content, str):
+        return msg.content
+    parts = []
+    for j, part in enumerate(msg.content):
+        if part.type != "text":
+            raise APIError(
+                400, f"content part type {part.type!r} is not supported; only text parts are",
+                param=f"messages.{index}.content.{j}.type", code="unsupported_content",
+            )
+        parts.append(part.text)
+    return "".join(parts)
+
+
+def _normalize_messages(messages: list[Message]) -> list[dict[str, Any]]:
+    out = []
+    for i, m in enumerate(messages):
+        d: dict[str, Any] = {"role": "system" if m.role == "developer" else m.role, "content": _text_content(m, i)}
+        if m.role == "assistant" and m.tool_calls:
+            d["tool_calls"] = [
+                {
+                    "id": c.id,
+                    "type": "function",
+                    "function": {
+                        "name": c.function.name,
+                        "arguments": c.function.arguments
+                        if isinstance(c.function.arguments, str)
+                        else json.dumps(c.function.arguments),
+                    },
+                }
+                for c in m.tool_calls
+            ]
+        elif d["content"] is None:
+            raise APIError(400, f"messages.{i} ({m.role}) has no content", param=f"messages.{i}.content")
+        if m.role == "tool":
+            d["tool_call_id"] = m.tool_call_id
+        if m.name:
+            d["name"] = m.name
+        out.append(d)
+    return out
+
+
+def _grouping(req: ChatCompletionRequest, headers: Mapping[str, str]) -> tuple[str | None, str | None]:
+    meta = req.metadata or {}
+    task = meta.get("task_id", headers.get("x-task-id"))
+    run = meta.get("run_id", headers.get("x-run-id"))
+    for name, value in (("task_id", task), ("run_id", run)):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, (str, int))):
+            raise APIError(400, f"metadata.{name} must be a string or an integer", param=f"metadata.{name}")
+    return (None if task is None else str(task)), (None if run is None else str(run))
+
+
+class ChatService:
+    def __init__(
+        self,
+        *,
+        config: ExplorerConfig,
+        engine: Engine,
+        registry: AdapterRegistry,
+        recorder: Recorder,
+        metrics: ExplorerMetrics,
+    ):
+        self.config = config
+        self.engine = engine
+        self.registry = registry
+        self.recorder = recorder
+        self.metrics = metrics
+
+    # ------------------------------------------------------------------ preparation
+
+    def prepare(self, req: ChatCompletionRequest, headers: Mapping[str, str]) -> PreparedChat:
+        for name in ("frequency_penalty", "presence_penalty"):
+            if getattr(req, name):
+                raise APIError(400, f"{name} is not supported by this server", param=name, code="unsupported_parameter")
+        if req.logit_bias:
+            raise APIError(400, "logit_bias is not supported by this server", param="logit_bias", code="unsupported_parameter")
+        if req.response_format and req.response_format.get("type") not in (None, "text"):
+            raise APIError(
+                400, "response_format other than text is not supported", param="response_format", code="unsupported_parameter"
+            )
+        if req.top_logprobs and not req.logprobs:
+            raise APIError(400, "top_logprobs requires logprobs to be true", param="top_logprobs")
+        if not self.recorder.has_capacity(req.n or 1):
+            raise APIError(503, "the experience buffer is unreachable and the backlog is full; retry later", code="buffer_unavailable")
+
+        messages = _normalize_messages(req.messages)
+        tool_choice = req.tool_choice.model_dump() if hasattr(req.tool_choice, "model_dump") else req.tool_choice
+        tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
+        if tool_choice not in (None, "none", "auto") and not tools:
+            raise APIError(400, "tool_choice requires tools", param="tool_choice")
+        if isinstance(tool_choice, dict) and tool_choice["function"]["name"] not in {t["function"]["name"] for t in tools}:
+            raise APIError(400, f"tool_choice names unknown function {tool_choice['function']['name']!r}", param="tool_choice")
+        if tool_choice == "none":
+            tools = None
+        prefix = forced_prefix(tool_choice) if tools else ""
+        try:
+            text = self.engine.tokenizer.apply_chat_template(
+                messages, tools=tools, add_generation_prompt=True, tokenize=False
+            )
+        except Exception as e:
+            raise APIError(400, f"the model's chat template rejected these messages: {e}", param="messages") from None
+        prompt_ids = self.engine.tokenizer.encode(text + prefix, add_special_tokens=False)
+
+        limit = self.engine.max_model_len
+        if len(prompt_ids) >= limit:
+            raise APIError(
+                400, f"this model's maximum context length is {limit} tokens, the messages take {len(prompt_ids)}",
+                param="messages", code="context_length_exceeded",
+            )
+        max_tokens = req.max_completion_tokens or req.max_tokens or self.config.server.default_max_tokens
+        if max_tokens is None:
+            max_tokens = limit - len(prompt_ids)
+        elif len(prompt_ids) + max_tokens > limit:
+            raise APIError(
+                400,
+                f"this model's maximum context length is {limit} tokens; the messages take {len(prompt_ids)} "
+                f"and {max_tokens} were asked for the completion",
+                param="max_completion_tokens" if req.max_completion_tokens else "max_tokens",
+                code="context_length_exceeded",
+            )
+        stop = (req.stop,) if isinstance(req.stop, str) else tuple(req.stop or ())
+        params = SamplingParams(
+            temperature=1.0 if req.temperature is None else req.temperature,
+            top_p=1.0 if req.top_p is None else req.top_p,
+            max_tokens=max_tokens,
+            stop=stop,
+            seed=req.seed,
+            top_logprobs=(req.top_logprobs or 0) if req.logprobs else 0,
+        )
+        task_id, run_id = _grouping(req, headers)
+        return PreparedChat(
+            request=req, model=req.model, messages=messages, tools=tools, parse_tools=bool(tools), prefix=prefix,
+            prompt_ids=prompt_ids, params=params, n=req.n or 1, task_id=task_id, run_id=run_id,
+        )
+
+    async def _acquire(self, model: str) -> AdapterHandle:
+        try:
+            return await self.registry.acquire(model)
+        except UnknownModel as e:
+            raise APIError(404, f"the model {str(e)!r} does not exist", param="model", code="model_not_found") from None
+
+    # ------------------------------------------------------------------ responses
+
+    def _message(self, p: PreparedChat, c: _Choice) -> tuple[dict[str, Any], str]:
+        text = p.prefix + c.text if p.prefix else c.text
+        finish = c.finish_reason or "stop"
+        if p.parse_tools:
+            content, calls = parse_tool_calls(text)
+            if calls:
+                return {"role": "assistant", "content": content, "tool_calls": calls}, "tool_calls"
+        return {"role": "assistant", "content": text}, finish
+
+    def _logprobs_json(self, c: _Choice) -> dict[str, Any]:
+        tok = self.engine.tokenizer
+
+        def entry(tid: int, lp: float) -> dict[str, Any]:
+            s = tok.decode([tid])
+            return {"token": s, "logprob": lp, "bytes": list(s.encode("utf-8"))}
+
+        content = []
+        for i, (tid, lp) in enumerate(zip(c.token_ids, c.logprobs)):
+            e = entry(tid, lp)
+            e["top_logprobs"] = [entry(t, v) for t, v in c.top[i]] if i < len(c.top) else []
+            content.append(e)
+        return {"content": content, "refusal": None}
+
+    def _record(self, p: PreparedChat, handle: AdapterHandle, completion_id: str, choices: list[_Choice], messages_out: list[dict]) -> None:
+        if self.config.recorder.enabled:
+            self.recorder.record(self._records(p, handle, completion_id, choices, messages_out))
+
+    def _records(
+        self, p: PreparedChat, handle: AdapterHandle, completion_id: str, choices: list[_Choice], messages_out: list[dict]
+    ) -> list[Experience]:
+        sampling = p.params.as_record()
+        return [
+            Experience(
+                experience_id=experience_id(completion_id, c.index),
+                completion_id=completion_id,
+                agent=handle.agent,
+                model_version=handle.version,
+                task_id=p.task_id,
+                run_id=p.run_id,
+                prompt_token_ids=p.prompt_ids,
+                response_token_ids=c.token_ids,
+                response_logprobs=c.logprobs,
+                messages=p.messages,
+                response=msg,
+                tools=p.tools,
+                finish_reason=c.finish_reason,
+                sampling=sampling,
+            )
+            for c, msg in zip(choices, messages_out)
+        ]
+
+    def _account(self, handle: AdapterHandle, p: PreparedChat, choices: list[_Choice], t0: float, stream: bool) -> None:
+        m = self.metrics
+        m.completions.labels(handle.agent).inc()
+        m.prompt_tokens.labels(handle.agent).inc(len(p.prompt_ids))
+        m.completion_tokens.labels(handle.agent).inc(sum(len(c.token_ids) for c in choices))
+        m.latency.labels("true" if stream else "false").observe(time.perf_counter() - t0)
+
+    def _engine_request(self, p: PreparedChat, handle: AdapterHandle, completion_id: str, stream: bool) -> GenerateRequest:
+        return GenerateRequest(
+            request_id=completion_id, prompt_token_ids=p.prompt_ids, params=p.params, n=p.n,
+            adapter=handle.ref, stream=stream,
+        )
+
+    async def complete(self, p: PreparedChat) -> dict[str, Any]:
+        t0 = time.perf_counter()
+        completion_id = new_id("chatcmpl")
+        handle = await self._acquire(p.model)
+        try:
+            choices = [_Choice(i) for i in range(p.n)]
+            async for updates in self.engine.generate(self._engine_request(p, handle, completion_id, stream=False)):
+                for u in updates:
+                    choices[u.index].add(u)
+        finally:
+            self.registry.release(handle)
+        out_choices, messages_out = [], []
+        for c in choices:
+            message, finish = self._message(p, c)
+            messages_out.append(message)
+            choice: dict[str, Any] = {
+                "index": c.index,
+                "message": message,
+                "logprobs": self._logprobs_json(c) if p.request.logprobs else None,
+                "finish_reason": finish,
+                # Extensions, not in the OpenAI spec
+                "experience_id": experience_id(completion_id, c.index),
+            }
+            if p.request.return_token_ids:
+                choice["token_ids"] = c.token_ids
+            out_choices.append(choice)
+        self._record(p, handle, completion_id, choices, messages_out)
+        self._account(handle, p, choices, t0, stream=False)
+        completion_tokens = sum(len(c.token_ids) for c in choices)
+        body: dict[str, Any] = {
+            "id": completion_id,
+            "object": "chat.completion",
+            "created": int(time.time()),
+            "model": p.model,
+            "choices": out_choices,
+            "usage": {
+                "prompt_tokens": len(p.prompt_ids),
+                "completion_tokens": completion_tokens,
+                "total_tokens": len(p.prompt_ids) + completion_tokens,
+            },
+            "system_fingerprint": f"kaizen-{handle.agent}-v{handle.version}",
+        }
+        if p.request.return_token_ids:
+            body["prompt_token_ids"] = p.prompt_ids
+        return body
+
+    async def stream(self, p: PreparedChat) -> AsyncIterator[bytes]:
+        """SSE chunks; the handle is leased before the first byte so errors can still be a 4xx."""
+        handle = await self._acquire(p.model)
+        return self._stream(p, handle)
+
+    async def _stream(self, p: PreparedChat, handle: AdapterHandle) -> AsyncIterator[bytes]:
+        t0 = time.perf_counter()
+        completion_id = new_id("chatcmpl")
+        created = int(time.time())
+        include_usage = bool(p.request.stream_options and p.request.stream_options.include_usage)
+
+        def chunk(choices: list[dict], **extra) -> bytes:
+            body = {
+                "id": completion_id, "object": "chat.completion.chunk", "created": created, "model": p.model,
+                "system_fingerprint": f"kaizen-{handle.agent}-v{handle.version}", "choices": choices, **extra,
+            }
+            return b"data: " + json.dumps(body).encode() + b"\n\n"
+
+        def choice_json(index: int, delta: dict, finish: str | None = None, **extra) -> dict:
+            d = {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish,
+                 "experience_id": experience_id(completion_id, index), **extra}
+            return d
+
+        choices = [_Choice(i) for i in range(p.n)]
+        filters = [ToolCallStreamFilter() if p.parse_tools else None for _ in range(p.n)]
+        if p.prefix:
+            for f in filters:
+                f.feed(p.prefix)
+        done = False
+        try:
+            first_extra = {"prompt_token_ids": p.prompt_ids} if p.request.return_token_ids else {}
+            yield chunk([choice_json(i, {"role": "assistant", "content": ""}) for i in range(p.n)], **first_extra)
+            async for updates in self.engine.generate(self._engine_request(p, handle, completion_id, stream=True)):
+                out = []
+                for u in updates:
+                    c = choices[u.index]
+                    c.add(u)
+                    text = filters[u.index].feed(u.text) if filters[u.index] else u.text
+                    extra = {}
+                    if p.request.return_token_ids:
+                        extra["token_ids"] = u.token_ids
+                    piece = _Choice(u.index, u.token_ids, u.logprobs, u.top_logprobs or [])
+                    if text or (u.token_ids and (p.request.return_token_ids or p.request.logprobs)):
+                        cj = choice_json(u.index, {"content": text} if text else {}, **extra)
+                        if p.request.logprobs:
+                            cj["logprobs"] = self._logprobs_json(piece)
+                        out.append(cj)
+                    if u.finish_reason:
+                        finish = u.finish_reason
+                        if filters[u.index]:
+                            rest, calls = filters[u.index].finish()
+                            delta: dict[str, Any] = {}
+                            if calls:
+                                delta["tool_calls"] = [{"index": k, **call} for k, call in enumerate(calls)]
+                                finish = "tool_calls"
+                            elif rest:
+                                delta["content"] = rest
+                            out.append(choice_json(u.index, delta, finish))
+                        else:
+                            out.append(choice_json(u.index, {}, finish))
+                if out:
+                    yield chunk(out)
+            done = True
+            messages_out = [self._message(p, c)[0] for c in choices]
+            self._record(p, handle, completion_id, choices, messages_out)
+            self._account(handle, p, choices, t0, stream=True)
+            if include_usage:
+                completion_tokens = sum(len(c.token_ids) for c in choices)
+                usage = {"prompt_tokens": len(p.prompt_ids), "completion_tokens": completion_tokens,
+                         "total_tokens": len(p.prompt_ids) + completion_tokens}
+                yield chunk([], usage=usage)
+        except APIError as e:
+            yield b"data: " + json.dumps(error_body(e.status, e.message, param=e.param, code=e.code)).encode() + b"\n\n"
+        except Exception as e:
+            if not done:
+                log.exception("stream %s failed", completion_id)
+            yield b"data: " + json.dumps(error_body(500, f"stream failed: {e}", code="engine_error")).encode() + b"\n\n"
+        finally:
+            self.registry.release(handle)
+        yield b"data: [DONE]\n\n"

@@ -1,0 +1,1 @@
+"""Benchmarks (`make bench`): ratios measured side by side in one run; never timed assertions."""

@@ -1,0 +1,24 @@
+"""`make bench`: every benchmark, one after the other, each printing ratios measured side by side."""
+
+from __future__ import annotations
+
+import sys
+
+from services.common.logging import setup_logging
+
+
+def main() -> int:
+    setup_logging("warning")
+    from tests.bench import explorer
+
+    sections = [("explorer", explorer.main)]
+    only = set(sys.argv[1:])
+    for name, fn in sections:
+        if only and name not in only:
+            continue
+        print(fn(), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

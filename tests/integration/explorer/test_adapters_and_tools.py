@@ -1,0 +1,107 @@
+"""Per-agent LoRA adapters found under checkpoints.root, and Hermes tool calls parsed into tool_calls."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+
+import pytest
+
+from tests.integration.adapters import publish_adapter, train_adapter
+
+pytestmark = pytest.mark.integration
+
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Weather of a city",
+          "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}]
+ASK = [{"role": "user", "content": "What is the weather in paris?"}]
+CALL_TEXT = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "paris"}}\n</tool_call>'
+
+
+@pytest.fixture(scope="module")
+def tool_adapter(tiny_model):
+    """An adapter trained (a few SFT steps) to answer ASK with a get_weather call, then stop."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny_model)
+    prompt = tok.encode(tok.apply_chat_template(ASK, tools=TOOLS, add_generation_prompt=True, tokenize=False),
+                        add_special_tokens=False)
+    target = tok.encode(CALL_TEXT, add_special_tokens=False) + [tok.convert_tokens_to_ids("<|im_end|>")]
+    return train_adapter(tiny_model, prompt, target)
+
+
+@pytest.fixture
+def agent_explorer(make_explorer, tmp_path, tool_adapter):
+    root = tmp_path / "explorer0" / "checkpoints"  # where make_explorer's first instance looks
+    publish_adapter(tool_adapter, root, "weather", 1)
+    return make_explorer()
+
+
+def test_agent_adapter_serves_and_tool_calls_are_parsed(agent_explorer):
+    ex = agent_explorer
+    assert {m.id: m.model_extra.get("version") for m in ex.client.models.list()}["weather"] == 1
+    r = ex.client.chat.completions.create(model="weather", messages=ASK, tools=TOOLS, temperature=0, max_tokens=40)
+    choice = r.choices[0]
+    assert choice.finish_reason == "tool_calls"
+    call = choice.message.tool_calls[0]
+    assert call.type == "function" and call.function.name == "get_weather"
+    assert json.loads(call.function.arguments) == {"city": "paris"}
+    exp = ex.http.get(f"/experiences/{choice.model_extra['experience_id']}").json()
+    assert exp["agent"] == "weather" and exp["model_version"] == 1
+    assert exp["response"]["tool_calls"][0]["function"]["name"] == "get_weather"
+    assert exp["tools"][0]["function"]["name"] == "get_weather"
+    assert ex.tokenizer.decode(exp["response_token_ids"], skip_special_tokens=True) == CALL_TEXT
+
+
+def test_streamed_tool_calls(agent_explorer):
+    stream = agent_explorer.client.chat.completions.create(
+        model="weather", messages=ASK, tools=TOOLS, temperature=0, max_tokens=40, stream=True
+    )
+    content, calls, finish = "", [], None
+    for chunk in stream:
+        for c in chunk.choices:
+            content += c.delta.content or ""
+            calls += c.delta.tool_calls or []
+            finish = c.finish_reason or finish
+    assert content == "" and finish == "tool_calls"
+    assert calls[0].function.name == "get_weather" and json.loads(calls[0].function.arguments) == {"city": "paris"}
+
+
+def test_base_and_adapter_share_batches_without_mixing(agent_explorer):
+    ex = agent_explorer
+    base_alone = ex.client.chat.completions.create(model="weather@v0", messages=ASK, tools=TOOLS, temperature=0, max_tokens=40)
+    assert base_alone.choices[0].message.tool_calls is None  # the random base model does not call tools
+
+    def one(model):
+        return ex.client.chat.completions.create(model=model, messages=ASK, tools=TOOLS, temperature=0, max_tokens=40)
+
+    models = ["weather", "weather@v0", "default"] * 4
+    with concurrent.futures.ThreadPoolExecutor(len(models)) as pool:
+        results = list(pool.map(one, models))
+    for model, r in zip(models, results):
+        if model == "weather":
+            assert r.choices[0].message.tool_calls[0].function.name == "get_weather"
+        else:
+            assert r.choices[0].message.content == base_alone.choices[0].message.content
+    v0 = ex.http.get(f"/experiences/{results[1].choices[0].model_extra['experience_id']}").json()
+    assert (v0["agent"], v0["model_version"]) == ("weather", 0)
+
+
+def test_named_tool_choice_forces_a_call_prefix(explorer):
+    r = explorer.client.chat.completions.create(
+        model="default", messages=ASK, tools=TOOLS, max_tokens=8,
+        tool_choice={"type": "function", "function": {"name": "get_weather"}},
+    )
+    exp = explorer.http.get(f"/experiences/{r.choices[0].model_extra['experience_id']}").json()
+    prompt = explorer.tokenizer.decode(exp["prompt_token_ids"])
+    # The forced start of the call is part of what the engine consumed, not of what it sampled.
+    assert prompt.endswith('<|im_start|>assistant\n<tool_call>\n{"name": "get_weather", "arguments": ')
+    with pytest.raises(Exception, match="unknown function"):
+        explorer.client.chat.completions.create(
+            model="default", messages=ASK, tools=TOOLS, tool_choice={"type": "function", "function": {"name": "nope"}}
+        )
+
+
+def test_tool_choice_none_hides_tools(explorer):
+    r = explorer.client.chat.completions.create(model="default", messages=ASK, tools=TOOLS, tool_choice="none", max_tokens=4)
+    exp = explorer.http.get(f"/experiences/{r.choices[0].model_extra['experience_id']}").json()
+    assert "<tools>" not in explorer.tokenizer.decode(exp["prompt_token_ids"]) and exp["tools"] is None

@@ -1,0 +1,177 @@
+"""The Explorer through the official openai client: what comes back and what gets recorded."""
+
+from __future__ import annotations
+
+import concurrent.futures
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.integration
+
+USER = [{"role": "user", "content": "Is 17 even or odd?"}]
+
+
+@pytest.fixture(scope="module")
+def reference_model(tiny_model):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32).eval()
+
+
+def teacher_forced_logprobs(model, prompt_ids, response_ids, temperature):
+    """log softmax(logits / T) of each response token given everything before it: one forward."""
+    ids = torch.tensor([prompt_ids + response_ids])
+    with torch.no_grad():
+        logits = model(ids).logits[0, len(prompt_ids) - 1 : -1].float()
+    t = temperature if temperature > 0 else 1.0
+    lp = torch.log_softmax(logits / t, dim=-1)
+    return lp.gather(-1, torch.tensor(response_ids).unsqueeze(-1)).squeeze(-1)
+
+
+def recorded(explorer, experience_id):
+    r = explorer.http.get(f"/experiences/{experience_id}")
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def test_plain_completion_records_exact_tokens(explorer, reference_model):
+    resp = explorer.client.chat.completions.create(
+        model="default", messages=USER, max_tokens=24, temperature=0.7, seed=3,
+        extra_body={"return_token_ids": True, "metadata": {"task_id": "task-1", "run_id": "0"}},
+    )
+    choice = resp.choices[0]
+    exp = recorded(explorer, choice.model_extra["experience_id"])
+    tok = explorer.tokenizer
+    # The prompt is exactly the chat template's rendering, and the ids returned are the ids recorded.
+    rendered = tok.apply_chat_template(USER, add_generation_prompt=True, tokenize=False)
+    assert exp["prompt_token_ids"] == tok.encode(rendered, add_special_tokens=False)
+    assert exp["prompt_token_ids"] == resp.model_extra["prompt_token_ids"]
+    assert exp["response_token_ids"] == choice.model_extra["token_ids"]
+    # Token ids decode to the returned text; one logprob per token.
+    assert tok.decode(exp["response_token_ids"], skip_special_tokens=True) == choice.message.content
+    assert len(exp["response_logprobs"]) == len(exp["response_token_ids"]) == resp.usage.completion_tokens
+    # The recorded logprobs are what a fresh teacher-forced pass of the model gives.
+    ref = teacher_forced_logprobs(reference_model, exp["prompt_token_ids"], exp["response_token_ids"], 0.7)
+    assert torch.allclose(torch.tensor(exp["response_logprobs"]), ref, atol=1e-4)
+    assert exp["task_id"] == "task-1" and exp["run_id"] == "0"
+    assert exp["agent"] == "default" and exp["model_version"] == 0 and exp["status"] == "recorded"
+    assert exp["sampling"]["temperature"] == 0.7 and exp["sampling"]["max_tokens"] == 24 and exp["sampling"]["seed"] == 3
+    assert exp["messages"] == USER and exp["response"]["content"] == choice.message.content
+    assert exp["completion_id"] == resp.id
+
+
+def test_streaming_returns_what_is_recorded(explorer, reference_model):
+    stream = explorer.client.chat.completions.create(
+        model="default", messages=USER, max_tokens=20, stream=True, stream_options={"include_usage": True},
+        logprobs=True, extra_body={"return_token_ids": True},
+    )
+    text, token_ids, logprobs, finish, usage, exp_id = "", [], [], None, None, None
+    for chunk in stream:
+        if chunk.usage:
+            usage = chunk.usage
+        for c in chunk.choices:
+            exp_id = c.model_extra["experience_id"]
+            text += c.delta.content or ""
+            token_ids += c.model_extra.get("token_ids") or []
+            if c.logprobs and c.logprobs.content:
+                logprobs += [e.logprob for e in c.logprobs.content]
+            finish = c.finish_reason or finish
+    exp = recorded(explorer, exp_id)
+    assert text == exp["response"]["content"]
+    assert explorer.tokenizer.decode(exp["response_token_ids"], skip_special_tokens=True) == text
+    assert token_ids == exp["response_token_ids"]
+    assert logprobs == pytest.approx(exp["response_logprobs"])
+    assert usage.completion_tokens == len(token_ids) and finish in ("stop", "length")
+    ref = teacher_forced_logprobs(reference_model, exp["prompt_token_ids"], exp["response_token_ids"], 1.0)
+    assert torch.allclose(torch.tensor(exp["response_logprobs"]), ref, atol=1e-4)
+
+
+def test_n_choices_are_separate_experiences(explorer):
+    resp = explorer.client.chat.completions.create(model="default", messages=USER, max_tokens=12, n=3, temperature=1.0)
+    assert [c.index for c in resp.choices] == [0, 1, 2]
+    ids = [c.model_extra["experience_id"] for c in resp.choices]
+    assert len(set(ids)) == 3
+    rows = explorer.http.get("/experiences", params={"completion_id": resp.id}).json()["data"]
+    assert sorted(r["experience_id"] for r in rows) == sorted(ids)
+    assert len({tuple(r["response_token_ids"]) for r in rows}) > 1  # sampled independently
+    assert all(r["prompt_token_ids"] == rows[0]["prompt_token_ids"] for r in rows)
+
+
+def test_seed_makes_sampling_reproducible(explorer):
+    a = explorer.client.chat.completions.create(model="default", messages=USER, max_tokens=16, seed=11)
+    b = explorer.client.chat.completions.create(model="default", messages=USER, max_tokens=16, seed=11)
+    c = explorer.client.chat.completions.create(model="default", messages=USER, max_tokens=16, seed=12)
+    assert a.choices[0].message.content == b.choices[0].message.content
+    assert a.choices[0].message.content != c.choices[0].message.content
+
+
+def test_stop_sequence_cuts_the_text(explorer):
+    kw = dict(model="default", messages=USER, max_tokens=30, seed=5)  # a seed makes the runs comparable
+    text = explorer.client.chat.completions.create(**kw).choices[0].message.content
+    at = next(i for i in range(len(text) // 3, len(text) - 2) if text[i : i + 2].strip() and text[i : i + 2].isprintable())
+    stop = text[at : at + 2]
+    cut = explorer.client.chat.completions.create(**kw, stop=[stop])
+    assert cut.choices[0].finish_reason == "stop"
+    assert cut.choices[0].message.content == text[: text.find(stop)]
+    # Streaming never shows the stop string either.
+    stream = explorer.client.chat.completions.create(**kw, stop=stop, stream=True)
+    streamed = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
+    assert streamed == cut.choices[0].message.content
+
+
+def test_max_completion_tokens_and_length_finish(explorer):
+    r = explorer.client.chat.completions.create(model="default", messages=USER, max_completion_tokens=5, temperature=0)
+    assert r.usage.completion_tokens <= 5
+    if r.usage.completion_tokens == 5:
+        assert r.choices[0].finish_reason == "length"
+
+
+def test_concurrent_requests_are_batched(explorer):
+    steps_before = explorer.state.engine.steps
+
+    def one(i):
+        return explorer.client.chat.completions.create(
+            model="default", messages=[{"role": "user", "content": f"count {i}"}], max_tokens=16
+        )
+
+    with concurrent.futures.ThreadPoolExecutor(16) as pool:
+        results = list(pool.map(one, range(16)))
+    tokens = sum(r.usage.completion_tokens for r in results)
+    steps = explorer.state.engine.steps - steps_before
+    # One request at a time would need a step per token; batching shares steps between requests.
+    assert steps < tokens / 2, (steps, tokens)
+
+
+def test_message_roles_and_text_parts(explorer):
+    messages = [
+        {"role": "developer", "content": "Answer briefly."},
+        {"role": "user", "content": [{"type": "text", "text": "Weather in "}, {"type": "text", "text": "Paris?"}]},
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": "{\"city\": \"paris\"}"}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "sunny"},
+    ]
+    r = explorer.client.chat.completions.create(model="default", messages=messages, max_tokens=8)
+    exp = recorded(explorer, r.choices[0].model_extra["experience_id"])
+    prompt = explorer.tokenizer.decode(exp["prompt_token_ids"])
+    assert "Answer briefly." in prompt and "Weather in Paris?" in prompt
+    assert '"name": "get_weather"' in prompt and "<tool_response>\nsunny\n</tool_response>" in prompt
+
+
+def test_models_lists_base_and_agents(make_explorer):
+    ex = make_explorer("agents.names=[default, helper]")
+    ids = [m.id for m in ex.client.models.list()]
+    assert ids[0] == ex.state.registry.base_name and {"default", "helper"} <= set(ids)
+    data = ex.http.get("/v1/models").json()["data"]
+    assert next(m for m in data if m["id"] == "helper")["version"] == 0
+    # The base model name means the default agent (Trinity clients send the model path).
+    r = ex.client.chat.completions.create(model=ex.state.config.model.path, messages=USER, max_tokens=4)
+    assert recorded(ex, r.choices[0].model_extra["experience_id"])["agent"] == "default"
+
+
+def test_health_and_metrics(explorer):
+    explorer.client.chat.completions.create(model="default", messages=USER, max_tokens=4)
+    assert explorer.http.get("/health").json()["status"] == "ok"
+    text = explorer.http.get("/metrics").text
+    assert 'kaizen_requests_total{route="/v1/chat/completions",status="200"} 1.0' in text
+    assert "kaizen_completion_tokens_total" in text and "kaizen_request_latency_seconds_bucket" in text

@@ -1,0 +1,129 @@
+"""/feedback and /commit on a real Explorer: durability, all-or-nothing, Trinity-compatible bodies."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+from sqlalchemy import update
+
+from services.common import buffer
+from services.common.ids import new_id
+
+pytestmark = pytest.mark.integration
+
+USER = [{"role": "user", "content": "hello"}]
+
+
+def _chat(ex, **kw):
+    return ex.client.chat.completions.create(model="default", messages=USER, max_tokens=6, **kw)
+
+
+def _status(ex, exp_id):
+    return ex.http.get(f"/experiences/{exp_id}").json()
+
+
+def test_feedback_then_commit(explorer):
+    r = _chat(explorer, n=2)
+    fb = explorer.http.post("/feedback", json={"msg_ids": [r.id], "reward": 0.25, "labels": ["good"], "comment": "ok"})
+    assert fb.status_code == 200 and fb.json()["updated"] == 2
+    e = _status(explorer, r.choices[1].model_extra["experience_id"])
+    assert e["status"] == "rewarded" and e["reward"] == 0.25
+    assert e["feedback"]["labels"] == ["good"] and e["feedback"]["comment"] == "ok"
+    # Sending again replaces the reward.
+    explorer.http.post("/feedback", json={"msg_ids": [r.choices[0].model_extra["experience_id"]], "reward": 1.0})
+    assert _status(explorer, r.choices[0].model_extra["experience_id"])["reward"] == 1.0
+    c = explorer.http.post("/commit", json={})
+    assert c.json() == {"status": "success", "committed": 2}
+    assert _status(explorer, r.choices[0].model_extra["experience_id"])["status"] == "committed"
+
+
+def test_feedback_right_after_the_response_never_says_unknown(make_explorer):
+    # Records sit in memory for 1.5 s before their batch is written; feedback must wait, not fail.
+    ex = make_explorer("recorder.flush_interval_ms=1500")
+    r = _chat(ex)
+    t0 = time.monotonic()
+    fb = ex.http.post("/feedback", json={"msg_ids": [r.id], "reward": 1.0})
+    assert fb.status_code == 200, fb.text
+    assert fb.json()["updated"] == 1
+    assert time.monotonic() - t0 < 10
+
+
+def test_unknown_id_is_404_and_changes_nothing(explorer):
+    r = _chat(explorer)
+    fb = explorer.http.post("/feedback", json={"msg_ids": [r.id, "chatcmpl-nope"], "reward": 1.0})
+    assert fb.status_code == 404
+    err = fb.json()["error"]
+    assert "chatcmpl-nope" in err["message"] and err["param"] == "msg_ids" and err["type"] == "not_found_error"
+    assert _status(explorer, r.choices[0].model_extra["experience_id"])["reward"] is None
+
+
+def test_young_unknown_id_waits_for_other_replicas_then_404s(make_explorer):
+    ex = make_explorer("recorder.unknown_id_grace_s=0.6")
+    ghost = new_id("chatcmpl")  # looks freshly issued, maybe by another replica
+    t0 = time.monotonic()
+    assert ex.http.post("/feedback", json={"msg_ids": [ghost], "reward": 1.0}).status_code == 404
+    assert time.monotonic() - t0 >= 0.5
+    t0 = time.monotonic()
+    assert ex.http.post("/feedback", json={"msg_ids": ["made-up"], "reward": 1.0}).status_code == 404
+    assert time.monotonic() - t0 < 0.5  # not one of our ids: no reason to wait
+
+
+def test_consumed_experience_gives_409(explorer):
+    r = _chat(explorer)
+    explorer.http.post("/feedback", json={"msg_ids": [r.id], "reward": 1.0})
+    explorer.http.post("/commit")
+    with explorer.state.db.begin() as conn:  # what the Trainer does when it trains on it
+        conn.execute(update(buffer.experiences).values(status="consumed", trained_in=1))
+    fb = explorer.http.post("/feedback", json={"msg_ids": [r.id], "reward": 0.0})
+    assert fb.status_code == 409 and fb.json()["error"]["code"] == "already_consumed"
+    assert _status(explorer, r.choices[0].model_extra["experience_id"])["reward"] == 1.0
+
+
+def test_trinity_bodies_work_unchanged(explorer):
+    a, b = _chat(explorer), _chat(explorer)
+    # Trinity's Python client: task_id, no run_id; its Java client: run_id as a string.
+    assert explorer.http.post("/feedback", json={"msg_ids": [a.id], "reward": 1, "task_id": "abc123"}).status_code == 200
+    assert explorer.http.post("/feedback", json={"msg_ids": [b.id], "reward": 0.5, "task_id": "abc123", "run_id": "1"}).status_code == 200
+    assert _status(explorer, b.choices[0].model_extra["experience_id"])["run_id"] == "1"
+    # Java's commit body: every field null, plus time_threshold; Python's: no body at all.
+    c = explorer.http.post("/commit", json={"task_id": None, "run_id": None, "time_threshold": None})
+    assert c.status_code == 200 and c.json()["committed"] == 2
+    assert explorer.http.post("/commit").json() == {"status": "success", "committed": 0}
+
+
+def test_commit_by_task_and_by_ids(explorer):
+    a = _chat(explorer, extra_body={"metadata": {"task_id": "A"}})
+    b = explorer.client.chat.completions.create(
+        model="default", messages=USER, max_tokens=4, extra_headers={"X-Task-Id": "B", "X-Run-Id": "2"}
+    )
+    eb = _status(explorer, b.choices[0].model_extra["experience_id"])
+    assert (eb["task_id"], eb["run_id"]) == ("B", "2")
+    explorer.http.post("/feedback", json={"msg_ids": [a.id, b.id], "reward": 1.0})
+    assert explorer.http.post("/commit", json={"task_id": "A"}).json()["committed"] == 1
+    bad = explorer.http.post("/commit", json={"msg_ids": [b.id, "ghost"]})
+    assert bad.status_code == 404 and "ghost" in bad.json()["error"]["message"]
+    assert explorer.http.post("/commit", json={"msg_ids": [b.id]}).json()["committed"] == 1
+
+
+@pytest.mark.parametrize(
+    "body, param",
+    [
+        ({"reward": 1.0}, "msg_ids"),
+        ({"msg_ids": [], "reward": 1.0}, "msg_ids"),
+        ({"msg_ids": "abc", "reward": 1.0}, "msg_ids"),
+        ({"msg_ids": ["a"], "reward": "high"}, "reward"),
+        ({"msg_ids": ["a"], "reward": True}, "reward"),
+        ({"msg_ids": ["a"]}, "reward"),
+    ],
+)
+def test_bad_feedback_bodies(explorer, body, param):
+    r = explorer.http.post("/feedback", json=body)
+    assert r.status_code == 400
+    assert r.json()["error"]["param"] == param
+
+
+def test_list_experiences_validates_status(explorer):
+    r = explorer.http.get("/experiences", params={"status": "bogus"})
+    assert r.status_code == 400 and "bogus" in r.json()["error"]["message"]
+    assert explorer.http.get("/experiences/nope").status_code == 404

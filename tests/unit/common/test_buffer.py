@@ -1,0 +1,81 @@
+"""Buffer functions against a real SQLite database (one per test)."""
+
+from __future__ import annotations
+
+import pytest
+from sqlalchemy import update
+
+from services.common import buffer
+from services.common.buffer import AlreadyConsumed, UnknownIds
+from services.common.records import Experience
+
+
+def _exp(cid: str, i: int, task: str | None = "t1") -> Experience:
+    return Experience(
+        experience_id=f"{cid}-{i}", completion_id=cid, agent="a", model_version=0, task_id=task, run_id=None,
+        prompt_token_ids=[1, 2, 3], response_token_ids=[4, 5], response_logprobs=[-0.1, -0.2],
+        messages=[{"role": "user", "content": "hi"}], response={"role": "assistant", "content": "yo"},
+        sampling={"temperature": 1.0},
+    )
+
+
+@pytest.fixture
+def db(tmp_path):
+    engine = buffer.create_buffer_engine(f"sqlite:///{tmp_path}/b.db")
+    buffer.insert_experiences(engine=engine, records=[_exp("c1", 0), _exp("c1", 1), _exp("c2", 0, task="t2")])
+    yield engine
+    engine.dispose()
+
+
+def _status(db, eid):
+    return buffer.get_experience(engine=db, experience_id=eid).status.value
+
+
+def test_feedback_by_completion_id_rewards_every_choice(db):
+    res = buffer.apply_feedback(engine=db, msg_ids=["c1"], reward=0.5, feedback={"labels": ["x"]})
+    assert res.experience_ids == ["c1-0", "c1-1"]
+    e = buffer.get_experience(engine=db, experience_id="c1-1")
+    assert e.reward == 0.5 and e.status.value == "rewarded" and e.feedback == {"labels": ["x"]}
+    assert _status(db, "c2-0") == "recorded"
+
+
+def test_feedback_is_all_or_nothing(db):
+    with pytest.raises(UnknownIds) as err:
+        buffer.apply_feedback(engine=db, msg_ids=["c2-0", "ghost"], reward=1.0, feedback={})
+    assert err.value.ids == ["ghost"]
+    assert buffer.get_experience(engine=db, experience_id="c2-0").reward is None
+
+
+def test_feedback_replaces_until_consumed(db):
+    buffer.apply_feedback(engine=db, msg_ids=["c2-0"], reward=0.1, feedback={}, task_id="g", run_id="3")
+    assert buffer.commit_experiences(engine=db) == 1
+    buffer.apply_feedback(engine=db, msg_ids=["c2-0"], reward=0.9, feedback={})
+    e = buffer.get_experience(engine=db, experience_id="c2-0")
+    assert (e.reward, e.status.value, e.task_id, e.run_id) == (0.9, "committed", "g", "3")
+    with db.begin() as conn:
+        conn.execute(update(buffer.experiences).values(status="consumed"))
+    with pytest.raises(AlreadyConsumed):
+        buffer.apply_feedback(engine=db, msg_ids=["c2-0", "c1-0"], reward=0.0, feedback={})
+    assert buffer.get_experience(engine=db, experience_id="c2-0").reward == 0.9
+
+
+def test_commit_filters(db):
+    buffer.apply_feedback(engine=db, msg_ids=["c1", "c2"], reward=1.0, feedback={})
+    assert buffer.commit_experiences(engine=db, task_id="t2") == 1
+    assert buffer.commit_experiences(engine=db, msg_ids=["c1-0"]) == 1
+    with pytest.raises(UnknownIds):
+        buffer.commit_experiences(engine=db, msg_ids=["c1-1", "nope"])
+    assert _status(db, "c1-1") == "rewarded"
+    assert buffer.commit_experiences(engine=db) == 1
+    assert buffer.commit_experiences(engine=db) == 0  # nothing rewarded is left
+
+
+def test_unrewarded_experiences_are_not_committed(db):
+    assert buffer.commit_experiences(engine=db) == 0
+    assert buffer.count_by_status(engine=db) == {"recorded": 3}
+
+
+def test_list_filters_and_order(db):
+    assert [e.experience_id for e in buffer.list_experiences(engine=db, task_id="t1")] == ["c1-0", "c1-1"]
+    assert [e.experience_id for e in buffer.list_experiences(engine=db, limit=1, offset=2)] == ["c2-0"]
+    assert buffer.find_unknown_ids(engine=db, msg_ids=["c1", "c2-0", "zz"]) == ["zz"]

@@ -1,0 +1,41 @@
+import json
+
+from services.explorer.tool_calls import ToolCallStreamFilter, forced_prefix, parse_tool_calls
+
+
+def test_parse_single_and_multiple_calls():
+    text = 'Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "paris"}}\n</tool_call>'
+    content, calls = parse_tool_calls(text)
+    assert content == "Let me check."
+    assert calls[0]["function"] == {"name": "get_weather", "arguments": json.dumps({"city": "paris"})}
+    assert calls[0]["id"].startswith("call_") and calls[0]["type"] == "function"
+    two = '<tool_call>{"name": "a", "arguments": {}}</tool_call>\n<tool_call>{"name": "b", "arguments": {"x": 1}}</tool_call>'
+    content, calls = parse_tool_calls(two)
+    assert content is None and [c["function"]["name"] for c in calls] == ["a", "b"]
+
+
+def test_unterminated_last_call_is_accepted_and_garbage_stays_text():
+    content, calls = parse_tool_calls('<tool_call>{"name": "a", "arguments": {"q": "x"}}')
+    assert calls and calls[0]["function"]["arguments"] == '{"q": "x"}'
+    text = "<tool_call>{not json}</tool_call>"
+    assert parse_tool_calls(text) == (text, [])
+    assert parse_tool_calls("plain answer") == ("plain answer", [])
+
+
+def test_forced_prefix_for_named_choice_parses_back():
+    prefix = forced_prefix({"type": "function", "function": {"name": "lookup"}})
+    content, calls = parse_tool_calls(prefix + '{"id": 7}}\n</tool_call>')
+    assert calls[0]["function"] == {"name": "lookup", "arguments": '{"id": 7}'}
+    assert forced_prefix("auto") == "" and forced_prefix(None) == ""
+
+
+def test_stream_filter_holds_back_a_possible_call():
+    f = ToolCallStreamFilter()
+    out = "".join(f.feed(d) for d in ["Hello ", "wor", "ld <to", "ol_call>{\"name\": ", "\"a\"}</tool_call>"])
+    assert out == "Hello world "
+    rest, calls = f.finish()
+    assert rest == "" and calls[0]["function"]["name"] == "a"
+    g = ToolCallStreamFilter()
+    out = "".join(g.feed(d) for d in ["a <", "b"])  # "<" alone might start a call: held, then released
+    rest, calls = g.finish()
+    assert out + rest == "a <b" and calls == []
