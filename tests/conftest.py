@@ -34,3 +34,26 @@ def tiny_model(tmp_path_factory) -> Path:
     from services.common.tiny_model import build_tiny_model
 
     return build_tiny_model(tmp_path_factory.mktemp("tiny-model") / "model")
+
+
+@pytest.fixture(scope="session")
+def ray_address(tmp_path_factory):
+    """One local Ray cluster for the whole session (loopback only, no dashboard, no auth token)."""
+    import subprocess
+    import sys
+
+    from tests.helpers import free_port
+
+    ray = Path(sys.executable).parent / "ray"
+    port = free_port()
+    env = {**os.environ, "RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0"}
+    subprocess.run(
+        [str(ray), "start", "--head", "--node-ip-address=127.0.0.1", f"--port={port}", "--num-cpus=4",
+         "--include-dashboard=false", "--disable-usage-stats", "--object-store-memory=200000000"],
+        check=True, env=env, capture_output=True, timeout=180,
+    )
+    os.environ["RAY_AUTH_MODE"] = "disabled"
+    try:
+        yield f"127.0.0.1:{port}"
+    finally:
+        subprocess.run([str(ray), "stop", "--force"], env=env, capture_output=True, timeout=120)

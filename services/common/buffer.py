@@ -333,3 +333,136 @@ def count_by_status(*, engine: Engine, agent: str | None = None) -> dict[str, in
         q = q.where(experiences.c.agent == agent)
     with engine.connect() as conn:
         return {status: n for status, n in conn.execute(q)}
+
+
+# ---------------------------------------------------------------------------------------------
+# Trainer side: reading committed experiences, consuming them together with the step's state.
+
+
+class BatchChanged(BufferError):
+    """Rows of a batch changed (reward replaced, status moved) between reading and consuming."""
+
+
+_TRAIN_COLUMNS = (
+    experiences.c.seq,
+    experiences.c.experience_id,
+    experiences.c.agent,
+    experiences.c.model_version,
+    experiences.c.task_id,
+    experiences.c.run_id,
+    experiences.c.prompt_token_ids,
+    experiences.c.response_token_ids,
+    experiences.c.response_logprobs,
+    experiences.c.sampling,
+    experiences.c.reward,
+    experiences.c.feedback,
+    experiences.c.finish_reason,
+    experiences.c.created_at,
+    experiences.c.updated_at,
+)
+
+
+def agents_with_committed(*, engine: Engine) -> list[str]:
+    q = select(experiences.c.agent).where(experiences.c.status == ExperienceStatus.COMMITTED.value).distinct()
+    with engine.connect() as conn:
+        return sorted(conn.scalars(q))
+
+
+def fetch_committed(*, engine: Engine, agent: str, limit: int) -> list[dict[str, Any]]:
+    """The oldest ``limit`` committed experiences of ``agent``, as plain dicts."""
+    q = (
+        select(*_TRAIN_COLUMNS)
+        .where(experiences.c.agent == agent, experiences.c.status == ExperienceStatus.COMMITTED.value)
+        .order_by(experiences.c.seq)
+        .limit(limit)
+    )
+    with engine.connect() as conn:
+        return [dict(r._mapping) for r in conn.execute(q)]
+
+
+def consume_batch(
+    *,
+    engine: Engine,
+    agent: str,
+    step: int,
+    version: int,
+    consumed: dict[str, float | None],
+    discarded: Sequence[str],
+    state_ref: str | None,
+    metrics: dict[str, Any] | None = None,
+) -> None:
+    """In one transaction: mark the batch consumed (trained_in=version), the rejected rows
+    discarded, and record the step with the trainer state it produced.
+
+    ``consumed`` maps experience id -> the reward that was trained on. If any row is no longer
+    committed with that reward, raises BatchChanged and changes nothing, so the caller can roll
+    its model back to the previous state and train on fresh data instead.
+    """
+    ids = list(consumed) + list(discarded)
+    with write_transaction(engine) as conn:
+        seen: dict[str, tuple[str, float | None]] = {}
+        for chunk in iter_chunks(ids, 500):
+            q = (
+                select(experiences.c.experience_id, experiences.c.status, experiences.c.reward)
+                .where(experiences.c.experience_id.in_(chunk))
+                .with_for_update()
+            )
+            seen.update({e: (s, r) for e, s, r in conn.execute(q)})
+        changed = [
+            i for i in ids
+            if i not in seen or seen[i][0] != ExperienceStatus.COMMITTED.value
+            or (i in consumed and seen[i][1] != consumed[i])
+        ]
+        if changed:
+            raise BatchChanged(f"{len(changed)} experience(s) changed since they were read: {', '.join(changed[:5])}")
+        now = utcnow()
+        for chunk in iter_chunks(list(consumed), 500):
+            conn.execute(
+                update(experiences)
+                .where(experiences.c.experience_id.in_(chunk))
+                .values(status=ExperienceStatus.CONSUMED.value, trained_in=version, updated_at=now)
+            )
+        for chunk in iter_chunks(list(discarded), 500):
+            conn.execute(
+                update(experiences)
+                .where(experiences.c.experience_id.in_(chunk))
+                .values(status=ExperienceStatus.DISCARDED.value, updated_at=now)
+            )
+        conn.execute(
+            insert(trainer_steps).values(
+                agent=agent, step=step, version=version, consumed=len(consumed), discarded=len(discarded),
+                state_ref=state_ref, metrics=metrics, created_at=now,
+            )
+        )
+
+
+def discard_experiences(*, engine: Engine, experience_ids: Sequence[str]) -> int:
+    """Mark committed experiences discarded (never trained on); returns how many."""
+    n = 0
+    with write_transaction(engine) as conn:
+        for chunk in iter_chunks(list(experience_ids), 500):
+            res = conn.execute(
+                update(experiences)
+                .where(experiences.c.experience_id.in_(chunk), experiences.c.status == ExperienceStatus.COMMITTED.value)
+                .values(status=ExperienceStatus.DISCARDED.value, updated_at=utcnow())
+            )
+            n += res.rowcount or 0
+    return n
+
+
+def last_trainer_step(*, engine: Engine, agent: str) -> dict[str, Any] | None:
+    q = select(trainer_steps).where(trainer_steps.c.agent == agent).order_by(trainer_steps.c.id.desc()).limit(1)
+    with engine.connect() as conn:
+        row = conn.execute(q).first()
+    return dict(row._mapping) if row else None
+
+
+def consumed_ids(*, engine: Engine, agent: str | None = None) -> list[tuple[str, int]]:
+    """(experience_id, trained_in) of every consumed experience (lineage and tests)."""
+    q = select(experiences.c.experience_id, experiences.c.trained_in).where(
+        experiences.c.status == ExperienceStatus.CONSUMED.value
+    )
+    if agent is not None:
+        q = q.where(experiences.c.agent == agent)
+    with engine.connect() as conn:
+        return [(e, v) for e, v in conn.execute(q)]

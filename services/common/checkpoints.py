@@ -15,6 +15,7 @@ import os
 import re
 import shutil
 import tempfile
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
@@ -138,6 +139,24 @@ def write_text_atomic(path: Path, text: str) -> None:
     _fsync_dir(path.parent)
 
 
+def write_dir_atomic(final: Path, write: Callable[[Path], None]) -> Path:
+    """Fill a temporary sibling of ``final`` with ``write(tmp)``, fsync it, rename it into place."""
+    if final.exists():
+        raise CheckpointError(f"{final} already exists")
+    parent = final.parent
+    parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{final.name}-", dir=parent))
+    try:
+        write(tmp)
+        _fsync_tree(tmp)
+        os.rename(tmp, final)
+        _fsync_dir(parent)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return final
+
+
 def publish_version(
     root: str | Path,
     agent: str,
@@ -153,22 +172,17 @@ def publish_version(
     final = version_dir(root, agent, version)
     if final.exists():
         raise CheckpointError(f"{final} already exists; versions are immutable")
-    parent = final.parent
-    parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".tmp-v{version}-", dir=parent))
-    try:
+
+    def write(tmp: Path) -> None:
         write_adapter(tmp)
-        (tmp / "manifest.json").write_text(json.dumps({**manifest, "version": version, "agent": agent}, indent=2))
+        body = {**manifest, "version": version, "agent": agent, "created_at": time.time()}
+        (tmp / "manifest.json").write_text(json.dumps(body, indent=2))
         missing = [f for f in REQUIRED_FILES if not (tmp / f).is_file()]
         if missing:
             raise CheckpointError(f"adapter writer left out {', '.join(missing)}")
-        _fsync_tree(tmp)
-        os.rename(tmp, final)
-        _fsync_dir(parent)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    write_text_atomic(parent / "LATEST", f"{version}\n")
+
+    write_dir_atomic(final, write)
+    write_text_atomic(final.parent / "LATEST", f"{version}\n")
     return AdapterVersion(agent=agent, version=version, path=final)
 
 

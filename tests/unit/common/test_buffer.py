@@ -79,3 +79,25 @@ def test_list_filters_and_order(db):
     assert [e.experience_id for e in buffer.list_experiences(engine=db, task_id="t1")] == ["c1-0", "c1-1"]
     assert [e.experience_id for e in buffer.list_experiences(engine=db, limit=1, offset=2)] == ["c2-0"]
     assert buffer.find_unknown_ids(engine=db, msg_ids=["c1", "c2-0", "zz"]) == ["zz"]
+
+
+def test_consume_batch_is_atomic_with_its_step(db):
+    buffer.apply_feedback(engine=db, msg_ids=["c1", "c2"], reward=1.0, feedback={})
+    buffer.commit_experiences(engine=db)
+    rows = buffer.fetch_committed(engine=db, agent="a", limit=10)
+    assert [r["experience_id"] for r in rows] == ["c1-0", "c1-1", "c2-0"]
+    # The reward of c1-1 changes between reading and consuming: the whole step is refused.
+    buffer.apply_feedback(engine=db, msg_ids=["c1-1"], reward=0.0, feedback={})
+    with pytest.raises(buffer.BatchChanged):
+        buffer.consume_batch(engine=db, agent="a", step=1, version=1, consumed={"c1-0": 1.0, "c1-1": 1.0},
+                             discarded=["c2-0"], state_ref="s1")
+    assert buffer.last_trainer_step(engine=db, agent="a") is None
+    assert buffer.count_by_status(engine=db) == {"committed": 3}
+    buffer.consume_batch(engine=db, agent="a", step=1, version=1, consumed={"c1-0": 1.0, "c1-1": 0.0},
+                         discarded=["c2-0"], state_ref="s1", metrics={"loss": 0.5})
+    assert buffer.count_by_status(engine=db) == {"consumed": 2, "discarded": 1}
+    assert sorted(buffer.consumed_ids(engine=db)) == [("c1-0", 1), ("c1-1", 1)]
+    last = buffer.last_trainer_step(engine=db, agent="a")
+    assert (last["step"], last["version"], last["state_ref"], last["consumed"]) == (1, 1, "s1", 2)
+    with pytest.raises(buffer.BatchChanged):  # already consumed: never twice
+        buffer.consume_batch(engine=db, agent="a", step=2, version=2, consumed={"c1-0": 1.0}, discarded=[], state_ref="s2")

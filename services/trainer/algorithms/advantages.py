@@ -1,0 +1,87 @@
+"""Advantage estimators: GAE for PPO, group-relative for GRPO. Pure functions over tensors."""
+
+from __future__ import annotations
+
+import torch
+
+from services.trainer.algorithms.masking import masked_sum
+
+
+def terminal_rewards(rewards: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """(B,) episode rewards -> (B, T) per-token rewards with the reward on each last real token."""
+    lengths = mask.sum(-1).long()  # (B,)
+    out = torch.zeros_like(mask, dtype=rewards.dtype)
+    rows = torch.arange(mask.shape[0])
+    has = lengths > 0
+    out[rows[has], lengths[has] - 1] = rewards[has]
+    return out
+
+
+def gae(
+    token_rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, *, gamma: float, lam: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Generalized Advantage Estimation (Schulman et al. 2016, eq. 16), per token.
+
+    Args:
+        token_rewards: (B, T) reward received after each token (usually only the last is non-zero).
+        values: (B, T) V(s_t), the critic's value before token t is generated.
+        mask: (B, T) 1 on real response tokens. The value after the last real token is 0 (terminal).
+
+    Returns (advantages, returns), both (B, T) and 0 on padding:
+        delta_t = r_t + gamma * V_{t+1} * m_{t+1} - V_t
+        A_t     = delta_t + gamma * lam * A_{t+1} * m_{t+1}
+        G_t     = A_t + V_t
+    """
+    B, T = values.shape
+    adv = torch.zeros_like(values)
+    next_adv = torch.zeros(B, dtype=values.dtype, device=values.device)
+    next_value = torch.zeros(B, dtype=values.dtype, device=values.device)
+    for t in reversed(range(T)):
+        m = mask[:, t]
+        delta = token_rewards[:, t] + gamma * next_value - values[:, t]
+        a = delta + gamma * lam * next_adv
+        adv[:, t] = a * m
+        # Padding after the end must not leak into the last real token: carry zeros through it.
+        next_adv = a * m
+        next_value = values[:, t] * m
+    returns = (adv + values) * mask
+    return adv, returns
+
+
+def group_relative(rewards: torch.Tensor, group_ids: torch.Tensor, *, std_normalize: bool, eps: float = 1e-6) -> torch.Tensor:
+    """GRPO advantages (Shao et al. 2024, DeepSeekMath, sec. 4.1.2): each reward relative to its group.
+
+    Args:
+        rewards: (B,) one reward per sequence.
+        group_ids: (B,) integer group of each sequence (same task_id = same group).
+    Returns (B,): (r - mean_g) / (std_g + eps) with std normalisation, else r - mean_g.
+    The std is the population std of the group; a group whose rewards are all equal gets 0.
+    """
+    adv = torch.zeros_like(rewards)
+    for g in group_ids.unique():
+        sel = group_ids == g
+        r = rewards[sel]
+        centered = r - r.mean()
+        if std_normalize:
+            centered = centered / (r.std(unbiased=False) + eps)
+        adv[sel] = centered
+    return adv
+
+
+def batch_relative(rewards: torch.Tensor, *, std_normalize: bool, eps: float = 1e-6) -> torch.Tensor:
+    """Fallback for sequences without a usable group: relative to the whole batch."""
+    return group_relative(rewards, torch.zeros_like(rewards, dtype=torch.long), std_normalize=std_normalize, eps=eps)
+
+
+def sequence_logprob(token_logprobs: torch.Tensor, mask: torch.Tensor, *, mode: str) -> torch.Tensor:
+    """(B, T) token logprobs -> (B,) log-probability of the whole response as one action.
+
+    ``sum`` is the true log-probability of the action (MARFT's action-level optimisation);
+    ``mean`` is its length-normalised form (GSPO), which keeps the sequence ratio well-scaled.
+    """
+    total = masked_sum(token_logprobs, mask, dim=-1)
+    if mode == "sum":
+        return total
+    if mode == "mean":
+        return total / mask.sum(-1).clamp(min=1)
+    raise ValueError(f"unknown sequence logprob mode {mode!r}")

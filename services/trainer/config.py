@@ -1,0 +1,121 @@
+"""TrainerConfig: every setting of the Trainer service, documented once, here."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field, model_validator
+
+from services.common.config import BufferSection, CheckpointsSection, ConfigModel, ModelSection
+
+
+class AlgorithmSection(ConfigModel):
+    name: Literal["ppo", "grpo", "sft"] = Field(default="grpo", description="Objective: ppo, grpo or sft.")
+    level: Literal["token", "sequence"] = Field(
+        default="token", description="token: every token is an action; sequence: the whole response is one action (MARFT)."
+    )
+    sequence_logprob: Literal["sum", "mean"] = Field(
+        default="mean", description="Sequence level: log-prob of a response as the sum (true) or mean (GSPO) of its tokens."
+    )
+    clip_low: float = Field(default=0.2, ge=0, description="Ratio clipped below at 1 - clip_low.")
+    clip_high: float = Field(default=0.2, ge=0, description="Ratio clipped above at 1 + clip_high (DAPO: raise it).")
+    kl_coef: float = Field(default=0.0, ge=0, description="Weight of the KL penalty to the base model (adapter off).")
+    entropy_coef: float = Field(default=0.0, ge=0, description="Weight of an entropy bonus.")
+    kl_metric: bool = Field(
+        default=True, description="Log the KL to the base model every step even when kl_coef is 0 (one forward without gradients)."
+    )
+    # PPO
+    gamma: float = Field(default=1.0, ge=0, le=1, description="ppo: discount.")
+    lam: float = Field(default=0.95, ge=0, le=1, description="ppo: GAE lambda.")
+    value_clip: float = Field(default=0.2, gt=0, description="ppo: value-loss clipping range.")
+    vf_coef: float = Field(default=0.5, ge=0, description="ppo: weight of the value loss.")
+    critic_lr: float = Field(default=1e-3, gt=0, description="ppo: learning rate of the value head.")
+    # GRPO
+    std_normalize: bool = Field(default=True, description="grpo: divide group-centred rewards by the group std.")
+    min_group_size: int = Field(default=2, ge=1, description="grpo: smallest group trained as a group.")
+    group_size: int | None = Field(
+        default=None, ge=1, description="grpo: a group this large is complete at once; smaller ones wait group_wait_s."
+    )
+    group_wait_s: float = Field(default=30.0, ge=0, description="grpo: how long an incomplete group waits for more runs.")
+    small_groups: Literal["wait", "discard", "batch"] = Field(
+        default="batch",
+        description="grpo: after group_wait_s, groups under min_group_size keep waiting, are discarded, "
+        "or are trained against the batch mean.",
+    )
+    # SFT
+    sft_min_reward: float | None = Field(default=1.0, description="sft: train on experiences with at least this reward.")
+    sft_label: str | None = Field(default="demonstration", description="sft: also train on experiences with this feedback label.")
+
+
+class LoraSection(ConfigModel):
+    r: int = Field(default=16, ge=1, description="LoRA rank (the vllm engine needs 1, 8, 16, 32, 64, ...).")
+    alpha: float = Field(default=32, gt=0, description="LoRA alpha.")
+    dropout: float = Field(default=0.0, ge=0, lt=1, description="LoRA dropout.")
+    target_modules: list[str] = Field(
+        default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+        description="Modules that get LoRA weights.",
+    )
+
+
+class OptimSection(ConfigModel):
+    lr: float = Field(default=1e-4, gt=0, description="AdamW learning rate of the adapter.")
+    weight_decay: float = Field(default=0.0, ge=0, description="AdamW weight decay.")
+    betas: tuple[float, float] = Field(default=(0.9, 0.999), description="AdamW betas.")
+    grad_clip: float = Field(default=1.0, gt=0, description="Clip the global gradient norm to this.")
+    warmup_steps: int = Field(default=0, ge=0, description="Linear learning-rate warm-up steps.")
+
+
+class StalenessSection(ConfigModel):
+    max_staleness: int = Field(default=4, ge=0, description="Experiences from more versions back than this are stale.")
+    policy: Literal["discard", "downweight"] = Field(default="discard", description="What happens to stale experiences.")
+    downweight: float = Field(default=0.5, gt=0, le=1, description="downweight: factor per version beyond max_staleness.")
+
+
+class CheckpointsTrainerSection(CheckpointsSection):
+    keep_versions: int = Field(default=5, ge=1, description="Newest published versions kept on disk.")
+    delete_grace_s: float = Field(
+        default=600.0, ge=0, description="An old version is deleted only this long after a newer one appeared, "
+        "and never while an Explorer replica reports it in use.",
+    )
+    keep_states: int = Field(default=2, ge=1, description="Trainer state snapshots kept (the newest is the resume point).")
+
+
+class TrainerLoopSection(ConfigModel):
+    max_steps: int | None = Field(default=None, ge=1, description="Stop after this many steps in this run (absent: forever).")
+    poll_interval_s: float = Field(default=1.0, gt=0, description="How often the buffer is polled when idle.")
+    run_dir: str = Field(default="runs/trainer", description="Metrics (JSONL, TensorBoard) go here.")
+    device: str = Field(default="auto", description="cpu, cuda or auto.")
+    seed: int = Field(default=0, description="Seed of adapter init and data order.")
+    agents: list[str] = Field(default_factory=list, description="Train only these agents (empty: every agent with data).")
+    micro_batch_size: int = Field(default=8, ge=1, description="Sequences per forward/backward (gradient accumulation).")
+    epochs: int = Field(default=1, ge=1, description="Optimizer updates per batch.")
+    torch_threads: int | None = Field(default=None, ge=1, description="torch intra-op threads of each learner.")
+    progress: bool = Field(default=True, description="Show a progress line on a terminal.")
+
+
+class RaySection(ConfigModel):
+    address: str | None = Field(default=None, description="Join this Ray cluster (e.g. auto, ray://host:10001); absent: start a local one.")
+    workers: int = Field(default=1, ge=1, description="Data-parallel learner workers (gradients all-reduced).")
+    num_cpus_per_worker: float = Field(default=1, gt=0, description="CPUs Ray reserves for each learner worker.")
+    num_gpus_per_worker: float = Field(default=0, ge=0, description="GPUs Ray reserves for each learner worker.")
+
+
+class TrainerConfig(ConfigModel):
+    model: ModelSection
+    buffer: BufferSection = Field(default_factory=BufferSection)
+    checkpoints: CheckpointsTrainerSection = Field(default_factory=CheckpointsTrainerSection)
+    algorithm: AlgorithmSection = Field(default_factory=AlgorithmSection)
+    lora: LoraSection = Field(default_factory=LoraSection)
+    optim: OptimSection = Field(default_factory=OptimSection)
+    staleness: StalenessSection = Field(default_factory=StalenessSection)
+    train_batch_size: int = Field(default=16, ge=1, description="Experiences per training step (per agent).")
+    save_interval: int = Field(default=1, ge=1, description="Steps per published adapter version.")
+    trainer: TrainerLoopSection = Field(default_factory=TrainerLoopSection)
+    ray: RaySection = Field(default_factory=RaySection)
+    log_level: str = Field(default="info", description="debug, info, warning, error.")
+
+    @model_validator(mode="after")
+    def _check(self) -> "TrainerConfig":
+        if self.algorithm.name == "sft" and self.algorithm.sft_min_reward is None and not self.algorithm.sft_label:
+            raise ValueError("sft needs algorithm.sft_min_reward or algorithm.sft_label to pick demonstrations")
+        return self

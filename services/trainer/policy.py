@@ -1,0 +1,185 @@
+"""The policy being trained: one base model, one LoRA adapter (and value head) per agent.
+
+Agents share the frozen base weights (MARFT's multi-adapter setup); each has its own adapter, so
+the memory cost of an agent is its adapter and optimizer state. The reference policy for the KL
+term is the base model with the adapter disabled, not a second copy.
+
+Batches are laid out with prompts left-padded to a common length P and responses right-padded to
+R, so the logits that score response token t sit at column P - 1 + t for every row.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Sequence
+
+import torch
+from torch import nn
+
+log = logging.getLogger(__name__)
+
+
+class ValueHead(nn.Module):
+    """The critic: a small MLP on the policy's final hidden states (detached)."""
+
+    def __init__(self, hidden_size: int):
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(hidden_size, hidden_size), nn.Tanh(), nn.Linear(hidden_size, 1))
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:  # (B, T, H) -> (B, T)
+        return self.net(hidden.float()).squeeze(-1)
+
+
+@dataclass
+class PackedBatch:
+    input_ids: torch.Tensor  # (B, P + R)
+    attention_mask: torch.Tensor  # (B, P + R)
+    position_ids: torch.Tensor  # (B, P + R)
+    response_ids: torch.Tensor  # (B, R)
+    response_mask: torch.Tensor  # (B, R) float
+    temperatures: torch.Tensor  # (B,)
+    prompt_len: int  # P
+    response_len: int  # R
+
+
+def pack(prompts: Sequence[Sequence[int]], responses: Sequence[Sequence[int]], temperatures: Sequence[float], pad_id: int) -> PackedBatch:
+    B = len(prompts)
+    P = max(len(p) for p in prompts)
+    R = max(len(r) for r in responses)
+    ids = torch.full((B, P + R), pad_id, dtype=torch.long)
+    attn = torch.zeros((B, P + R), dtype=torch.long)
+    resp = torch.full((B, R), pad_id, dtype=torch.long)
+    rmask = torch.zeros((B, R))
+    for i, (p, r) in enumerate(zip(prompts, responses)):
+        ids[i, P - len(p) : P] = torch.tensor(p, dtype=torch.long)
+        ids[i, P : P + len(r)] = torch.tensor(r, dtype=torch.long)
+        attn[i, P - len(p) : P + len(r)] = 1
+        resp[i, : len(r)] = torch.tensor(r, dtype=torch.long)
+        rmask[i, : len(r)] = 1.0
+    pos = (attn.cumsum(-1) - 1).clamp(min=0)
+    return PackedBatch(ids, attn, pos, resp, rmask, torch.tensor(list(temperatures), dtype=torch.float32), P, R)
+
+
+@dataclass
+class ForwardOut:
+    logprobs: torch.Tensor  # (B, R) of the response tokens, at each row's temperature
+    entropy: torch.Tensor  # (B, R), with grad only when asked for (entropy bonus)
+    hidden: torch.Tensor | None  # (B, R, H): the state before each response token (for the critic)
+
+
+class Policy:
+    def __init__(self, *, model_path: str, dtype: str, device: str, lora, seed: int = 0):
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+        from transformers.utils import logging as hf_logging
+
+        from services.explorer.engines.hf import resolve_device, resolve_dtype
+
+        hf_logging.disable_progress_bar()
+        self.device = resolve_device(device)
+        self.dtype = resolve_dtype(dtype, self.device)
+        self.model_path = model_path
+        self.tokenizer = AutoTokenizer.from_pretrained(model_path)
+        self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
+        base = AutoModelForCausalLM.from_pretrained(model_path, dtype=self.dtype).to(self.device)
+        base.config.use_cache = False
+        self.base = base
+        self.lora = lora
+        self.seed = seed
+        self.model = None  # PeftModel, once the first agent exists
+        self.value_heads: dict[str, ValueHead] = {}
+        self.active: str | None = None
+
+    # ------------------------------------------------------------------ adapters
+
+    def _lora_config(self):
+        from peft import LoraConfig
+
+        return LoraConfig(
+            r=self.lora.r, lora_alpha=self.lora.alpha, lora_dropout=self.lora.dropout,
+            target_modules=list(self.lora.target_modules), bias="none", task_type="CAUSAL_LM",
+        )
+
+    def has_agent(self, agent: str) -> bool:
+        return self.model is not None and agent in self.model.peft_config
+
+    def add_agent(self, agent: str, *, critic: bool) -> None:
+        """A fresh adapter (LoRA B = 0: the agent starts exactly at the base model)."""
+        from peft import get_peft_model
+
+        torch.manual_seed(self.seed)
+        if self.model is None:
+            self.model = get_peft_model(self.base, self._lora_config(), adapter_name=agent)
+        else:
+            self.model.add_adapter(agent, self._lora_config())
+        if critic:
+            self.value_heads[agent] = ValueHead(self.base.config.hidden_size).to(self.device)
+        self.activate(agent)
+
+    def activate(self, agent: str) -> None:
+        if self.active != agent:
+            self.model.set_adapter(agent)  # also makes only this adapter trainable
+            self.active = agent
+        self.model.train()
+
+    def adapter_parameters(self, agent: str) -> list[nn.Parameter]:
+        return [p for n, p in self.model.named_parameters() if f".{agent}." in n and "lora_" in n]
+
+    def adapter_state(self, agent: str) -> dict[str, torch.Tensor]:
+        from peft import get_peft_model_state_dict
+
+        return {k: v.detach().cpu().contiguous() for k, v in get_peft_model_state_dict(self.model, adapter_name=agent).items()}
+
+    def load_adapter_state(self, agent: str, state: dict[str, torch.Tensor]) -> None:
+        from peft import set_peft_model_state_dict
+
+        result = set_peft_model_state_dict(self.model, {k: v.to(self.device) for k, v in state.items()}, adapter_name=agent)
+        unexpected = getattr(result, "unexpected_keys", [])
+        if unexpected:
+            raise ValueError(f"adapter state for {agent} has unexpected keys, e.g. {unexpected[:3]}")
+
+    def load_adapter_dir(self, agent: str, path: Path) -> None:
+        """Initialise an agent from a published PEFT adapter directory (e.g. a warm start)."""
+        from safetensors.torch import load_file
+
+        cfg = json.loads((path / "adapter_config.json").read_text())
+        if int(cfg.get("r", -1)) != self.lora.r:
+            raise ValueError(f"{path} has LoRA rank {cfg.get('r')}, the trainer is configured for lora.r={self.lora.r}")
+        self.load_adapter_state(agent, load_file(str(path / "adapter_model.safetensors")))
+
+    def save_adapter(self, agent: str, out: Path) -> None:
+        """Write a flat PEFT adapter dir (adapter_config.json + adapter_model.safetensors)."""
+        from safetensors.torch import save_file
+
+        cfg = self.model.peft_config[agent]
+        cfg.base_model_name_or_path = self.model_path
+        cfg.save_pretrained(str(out))
+        save_file(self.adapter_state(agent), str(out / "adapter_model.safetensors"), metadata={"format": "pt"})
+
+    # ------------------------------------------------------------------ forward passes
+
+    def forward(self, batch: PackedBatch, *, need_hidden: bool, adapter: bool = True, entropy_grad: bool = False) -> ForwardOut:
+        """Logprobs of the response tokens (with grad unless under no_grad), entropy, hidden states."""
+        P, R = batch.prompt_len, batch.response_len
+        kwargs = dict(
+            input_ids=batch.input_ids.to(self.device),
+            attention_mask=batch.attention_mask.to(self.device),
+            position_ids=batch.position_ids.to(self.device),
+            use_cache=False,
+            output_hidden_states=need_hidden,
+            logits_to_keep=R + 1,  # positions P-1 .. P+R-1; the last one predicts nothing we need
+        )
+        if adapter:
+            out = self.model(**kwargs)
+        else:
+            with self.model.disable_adapter():
+                out = self.model(**kwargs)
+        logits = out.logits[:, :-1, :].float() / batch.temperatures.to(self.device).view(-1, 1, 1)  # (B, R, V)
+        logp_all = torch.log_softmax(logits, dim=-1)
+        logprobs = logp_all.gather(-1, batch.response_ids.to(self.device).unsqueeze(-1)).squeeze(-1)
+        with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
+            entropy = -(logp_all.exp() * logp_all).sum(-1)
+        hidden = out.hidden_states[-1][:, P - 1 : P - 1 + R, :] if need_hidden else None
+        return ForwardOut(logprobs=logprobs, entropy=entropy, hidden=hidden)

@@ -1,0 +1,310 @@
+"""The Trainer service: poll the buffer, train on Ray, publish versions. Read it top to bottom.
+
+    kaizen trainer --config configs/trainer.yaml [--max-steps N] [dotted.key=value ...]
+
+Per agent, forever (or for ``trainer.max_steps`` steps):
+  1. read the oldest committed experiences; pick a batch (staleness, demonstrations, GRPO groups);
+  2. run one training step on the learner workers (Ray actors, data parallel when workers > 1);
+  3. save the trainer state for that step, then in ONE database transaction mark the batch
+     consumed (trained_in = the version the step goes into) and record the step with its state;
+  4. every ``save_interval`` steps publish ``v<N>`` atomically and move LATEST.
+
+A crash anywhere leaves the database pointing at the last state whose batch was consumed: a
+restarted trainer loads that state, so no experience is trained twice and none is skipped.
+"""
+
+from __future__ import annotations
+
+import logging
+import shutil
+import signal
+import statistics
+import threading
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from services.common import buffer, checkpoints
+from services.common.buffer import BatchChanged, create_buffer_engine
+from services.common.config import dump_config
+from services.trainer.batches import Selection, select_batch
+from services.trainer.config import TrainerConfig
+from services.trainer.metrics import MetricsSink
+from services.trainer.retention import prune_versions
+
+log = logging.getLogger("kaizen.trainer")
+
+
+@dataclass
+class AgentProgress:
+    step: int  # steps trained so far (all runs)
+    published: int  # newest published version (0: the base model)
+    next_version: int  # the version the next step goes into
+    state_path: str  # the state the learners hold right now (rollback point)
+
+
+class LearnerGroup:
+    """The learner workers as Ray actors; rank 0 writes files."""
+
+    def __init__(self, cfg: TrainerConfig):
+        import ray
+
+        from services.trainer.learner import LearnerWorker
+
+        r = cfg.ray
+        remote = ray.remote(num_cpus=r.num_cpus_per_worker, num_gpus=r.num_gpus_per_worker)(LearnerWorker)
+        payload = cfg.model_dump(mode="json")
+        self.workers = [remote.remote(payload, rank, r.workers) for rank in range(r.workers)]
+        addr, port = ray.get(self.workers[0].rendezvous_address.remote()) if r.workers > 1 else (None, None)
+        info = ray.get([w.setup.remote(addr, port) for w in self.workers])
+        log.info("learners ready: %s", info)
+
+    def all(self, method: str, *args, **kwargs) -> list[Any]:
+        import ray
+
+        return ray.get([getattr(w, method).remote(*args, **kwargs) for w in self.workers])
+
+    def rank0(self, method: str, *args, **kwargs) -> Any:
+        import ray
+
+        return ray.get(getattr(self.workers[0], method).remote(*args, **kwargs))
+
+    def train(self, agent: str, shards: list[list[dict]], norms: dict, step: int, version: int) -> list[dict]:
+        import ray
+
+        return ray.get([w.train_step.remote(agent, s, norms, step, version) for w, s in zip(self.workers, shards)])
+
+
+def _shard(items: list, n: int) -> list[list]:
+    """Split items into n shards of similar token counts (longest first, to the lightest shard)."""
+    shards: list[list] = [[] for _ in range(n)]
+    loads = [0] * n
+    for it in sorted(items, key=lambda i: -(len(i.prompt_ids) + len(i.response_ids))):
+        k = loads.index(min(loads))
+        shards[k].append(it)
+        loads[k] += len(it.prompt_ids) + len(it.response_ids)
+    return shards
+
+
+class TrainerService:
+    def __init__(self, cfg: TrainerConfig):
+        self.cfg = cfg
+        self.root = Path(cfg.checkpoints.root)
+        self.db = create_buffer_engine(cfg.buffer.url)
+        self.metrics = MetricsSink(cfg.trainer.run_dir, progress=cfg.trainer.progress)
+        self.learners: LearnerGroup | None = None
+        self.agents: dict[str, AgentProgress] = {}
+        self.stop_event = threading.Event()
+        self.steps_this_run = 0
+        self._started_ray = False
+
+    # ------------------------------------------------------------------ start / stop
+
+    def start(self) -> None:
+        import ray
+
+        log.info("trainer config:\n%s", dump_config(self.cfg))
+        if not ray.is_initialized():
+            kwargs: dict[str, Any] = dict(include_dashboard=False, logging_level=logging.WARNING, log_to_driver=True)
+            if self.cfg.ray.address:
+                ray.init(address=self.cfg.ray.address, **kwargs)
+            else:
+                ray.init(object_store_memory=256 * 1024 * 1024, **kwargs)
+                self._started_ray = True
+        self.learners = LearnerGroup(self.cfg)
+
+    def close(self) -> None:
+        self.metrics.close()
+        self.db.dispose()
+        if self._started_ray:
+            import ray
+
+            ray.shutdown()
+
+    # ------------------------------------------------------------------ agents
+
+    def _state_path(self, agent: str, step: int) -> Path:
+        return checkpoints.state_dir(self.root, agent) / f"step-{step:08d}"
+
+    def _init_agent(self, agent: str) -> AgentProgress:
+        """Resume from the state the database names, else start from the newest published adapter."""
+        last = buffer.last_trainer_step(engine=self.db, agent=agent)
+        latest = checkpoints.read_latest(self.root, agent) or 0
+        if last and last["state_ref"] and (self.root / last["state_ref"]).is_dir():
+            state = self.root / last["state_ref"]
+            self.learners.all("ensure_agent", agent, state_dir=str(state))
+            progress = AgentProgress(step=last["step"], published=latest, next_version=last["version"], state_path=str(state))
+            if last["step"] % self.cfg.save_interval == 0:
+                if latest < last["version"]:  # crashed between the commit and the publication
+                    self._publish(agent, progress, last["version"])
+                progress.next_version = last["version"] + 1
+            log.info("agent %s: resumed at step %d from %s (serving v%d)", agent, progress.step, state, latest)
+            return progress
+        if last:
+            log.warning("agent %s: state %s named by the buffer is missing; starting from v%d", agent, last["state_ref"], latest)
+        adapter_dir = str(checkpoints.version_dir(self.root, agent, latest)) if latest else None
+        self.learners.all("ensure_agent", agent, adapter_dir=adapter_dir)
+        step = last["step"] if last else 0
+        state = self._state_path(agent, step)
+        if not state.exists():
+            self.learners.rank0("save_state", agent, str(state), {"agent": agent, "step": step, "version": latest})
+        log.info("agent %s: starting at step %d from %s", agent, step, f"v{latest}" if latest else "the base model")
+        return AgentProgress(step=step, published=latest, next_version=latest + 1, state_path=str(state))
+
+    def _agents_to_poll(self) -> list[str]:
+        have = buffer.agents_with_committed(engine=self.db)
+        wanted = self.cfg.trainer.agents
+        return [a for a in have if not wanted or a in wanted]
+
+    # ------------------------------------------------------------------ the loop
+
+    def run(self) -> int:
+        max_steps = self.cfg.trainer.max_steps
+        while not self.stop_event.is_set():
+            if max_steps is not None and self.steps_this_run >= max_steps:
+                log.info("reached trainer.max_steps=%d", max_steps)
+                break
+            trained = False
+            for agent in self._agents_to_poll():
+                if self.stop_event.is_set() or (max_steps is not None and self.steps_this_run >= max_steps):
+                    break
+                trained |= self._poll_agent(agent)
+            if not trained:
+                self.metrics.waiting("waiting for committed experiences ...")
+                self.stop_event.wait(self.cfg.trainer.poll_interval_s)
+        return 0
+
+    def _poll_agent(self, agent: str) -> bool:
+        window = max(self.cfg.train_batch_size * 8, 256)
+        rows = buffer.fetch_committed(engine=self.db, agent=agent, limit=window)
+        if not rows:
+            return False
+        if agent not in self.agents:
+            self.agents[agent] = self._init_agent(agent)
+        progress = self.agents[agent]
+        selection = select_batch(rows, cfg=self.cfg, current_version=progress.published)
+        if not selection.ready:
+            if selection.discarded:
+                n = buffer.discard_experiences(engine=self.db, experience_ids=list(selection.discarded))
+                self._log_discards(agent, selection, n)
+            return False
+        return self._train(agent, progress, selection)
+
+    def _log_discards(self, agent: str, selection: Selection, n: int) -> None:
+        reasons: dict[str, int] = {}
+        for why in selection.discarded.values():
+            reasons[why.split(":")[0]] = reasons.get(why.split(":")[0], 0) + 1
+        log.info("agent %s: discarded %d experiences (%s)", agent, n, ", ".join(f"{k}: {v}" for k, v in reasons.items()))
+
+    def _train(self, agent: str, progress: AgentProgress, selection: Selection) -> bool:
+        cfg = self.cfg
+        items = selection.items
+        norms = {"tokens": float(sum(len(i.response_ids) for i in items)), "sequences": float(len(items))}
+        shards = [[asdict(i) for i in s] for s in _shard(items, cfg.ray.workers)]
+        t0 = time.perf_counter()
+        results = self.learners.train(agent, shards, norms, progress.step, progress.published)
+        seconds = time.perf_counter() - t0
+        step, version = progress.step + 1, progress.next_version
+        state = self._state_path(agent, step)
+        self.learners.rank0("save_state", agent, str(state), {"agent": agent, "step": step, "version": version})
+        record = self._step_record(agent, step, version, selection, results, norms, seconds)
+        try:
+            buffer.consume_batch(
+                engine=self.db, agent=agent, step=step, version=version,
+                consumed={i.experience_id: i.reward for i in items}, discarded=list(selection.discarded),
+                state_ref=str(state.relative_to(self.root)), metrics=record,
+            )
+        except BatchChanged as e:
+            log.warning("agent %s: %s; rolling the step back and retrying with fresh data", agent, e)
+            self.learners.all("load_state", agent, progress.state_path)
+            shutil.rmtree(state, ignore_errors=True)
+            return False
+        if selection.discarded:
+            self._log_discards(agent, selection, len(selection.discarded))
+        progress.step, progress.state_path = step, str(state)
+        self.steps_this_run += 1
+        if step % cfg.save_interval == 0:
+            self._publish(agent, progress, version)
+            progress.next_version = version + 1
+            record["published"] = True
+        self._prune_states(agent)
+        self.metrics.step(record)
+        return True
+
+    def _publish(self, agent: str, progress: AgentProgress, version: int) -> None:
+        lineage = sorted(e for e, v in buffer.consumed_ids(engine=self.db, agent=agent) if v == version)
+        manifest = {
+            "step": progress.step,
+            "base_model": self.cfg.model.path,
+            "algorithm": self.cfg.algorithm.name,
+            "level": self.cfg.algorithm.level,
+            "lora": self.cfg.lora.model_dump(),
+            "parent_version": progress.published,
+            "experience_ids": lineage,
+            "experience_count": len(lineage),
+        }
+        path = self.learners.rank0("publish", agent, str(self.root), version, manifest)
+        progress.published = version
+        log.info("agent %s: published v%d (%d experiences) at %s", agent, version, len(lineage), path)
+        prune_versions(self.root, agent, keep=self.cfg.checkpoints.keep_versions, grace_s=self.cfg.checkpoints.delete_grace_s)
+
+    def _prune_states(self, agent: str) -> None:
+        d = checkpoints.state_dir(self.root, agent)
+        states = sorted(p for p in d.glob("step-*") if p.is_dir())
+        for old in states[: -self.cfg.checkpoints.keep_states]:
+            shutil.rmtree(old, ignore_errors=True)
+
+    def _step_record(self, agent, step, version, selection, results, norms, seconds) -> dict[str, Any]:
+        total: dict[str, float] = {}
+        for r in results:
+            for k, v in r.items():
+                total[k] = total.get(k, 0.0) + v
+        tokens = max(total.get("tokens", 0.0), 1.0)
+        items = selection.items
+        rewards = [i.reward for i in items]
+        lags = [self.agents[agent].published - i.model_version for i in items]
+        rec: dict[str, Any] = {
+            "agent": agent, "step": step, "version": version, "algorithm": self.cfg.algorithm.name,
+            "batch_size": len(items), "tokens": int(norms["tokens"]),
+            "reward_mean": statistics.fmean(rewards), "reward_std": statistics.pstdev(rewards),
+            "loss": total.get("loss", 0.0), "entropy": total.get("entropy_sum", 0.0) / tokens,
+            "tokens_per_s": total.get("tokens", 0.0) / max(seconds, 1e-9), "step_seconds": seconds,
+            "grad_norm": max(r.get("grad_norm", 0.0) for r in results), "lr": results[0].get("lr", 0.0),
+            "staleness_mean": statistics.fmean(lags), "staleness_max": max(lags),
+            "stale_downweighted": selection.stale_downweighted, "discarded": len(selection.discarded),
+            "small_groups": selection.small_groups,
+            "logprob_mismatch": total.get("first_mismatch_sum", 0.0) / tokens,
+        }
+        for k in ("policy_loss", "value_loss", "kl_loss", "clip_frac", "ratio_mean", "nll"):
+            if k in total:
+                rec[k] = total[k]
+        if "kl_sum" in total:
+            rec["kl"] = total["kl_sum"] / tokens
+        if total.get("first_on_policy_tokens"):
+            rec["logprob_mismatch_on_policy"] = total["first_mismatch_on_policy_sum"] / total["first_on_policy_tokens"]
+        if "adv_count" in total:
+            n = max(total["adv_count"], 1.0)
+            mean = total["adv_sum"] / n
+            rec["advantage_mean"], rec["advantage_std"] = mean, max(total["adv_sq_sum"] / n - mean**2, 0.0) ** 0.5
+            rec["value_mean"] = total["value_sum"] / tokens
+        elif items and items[0].advantage is not None:
+            adv = [i.advantage for i in items]
+            rec["advantage_mean"], rec["advantage_std"] = statistics.fmean(adv), statistics.pstdev(adv)
+        return rec
+
+
+def run_trainer(cfg: TrainerConfig) -> int:
+    service = TrainerService(cfg)
+
+    def _stop(signum, _frame):
+        log.info("signal %d: finishing the current step, then stopping", signum)
+        service.stop_event.set()
+
+    signal.signal(signal.SIGTERM, _stop)
+    signal.signal(signal.SIGINT, _stop)
+    try:
+        service.start()
+        return service.run()
+    finally:
+        service.close()
