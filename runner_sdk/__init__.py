@@ -1,0 +1,48 @@
+"""Kaizen runner SDK: the thin client inside an agent application (httpx + pydantic, no torch).
+
+It selects which requests become training data, computes rewards, and sends feedback and commits
+to the Kaizen Explorer. See README.md ("Runner SDK") for a ten-line example of each mode.
+"""
+
+from runner_sdk.client import AgentClient, ExplorerClient, ExplorerError, tracked_async_http_client, tracked_http_client
+from runner_sdk.environment import Environment, EnvironmentRunner, EpisodeResult
+from runner_sdk.records import AgentRun, RunnerStats
+from runner_sdk.rewards import ExactMatch, FunctionReward, LLMJudge, RegexMatch, RewardCalculator
+from runner_sdk.runner import TrainingRunner
+from runner_sdk.selection import (
+    ContextThread,
+    ContextThreadPoolExecutor,
+    Decision,
+    ExplicitMarking,
+    RequestInfo,
+    SamplingRate,
+    SelectionStrategy,
+    mark,
+)
+
+__all__ = [
+    "AgentClient",
+    "AgentRun",
+    "ContextThread",
+    "ContextThreadPoolExecutor",
+    "Decision",
+    "Environment",
+    "EnvironmentRunner",
+    "EpisodeResult",
+    "ExactMatch",
+    "ExplicitMarking",
+    "ExplorerClient",
+    "ExplorerError",
+    "FunctionReward",
+    "LLMJudge",
+    "RegexMatch",
+    "RequestInfo",
+    "RewardCalculator",
+    "RunnerStats",
+    "SamplingRate",
+    "SelectionStrategy",
+    "TrainingRunner",
+    "mark",
+    "tracked_async_http_client",
+    "tracked_http_client",
+]

@@ -11,8 +11,11 @@ from __future__ import annotations
 import argparse
 import sys
 
-from services.common.config import ConfigError, load_config
-from services.common.logging import setup_logging
+try:
+    from services.common.config import ConfigError, load_config
+    from services.common.logging import setup_logging
+except ModuleNotFoundError as e:  # the base install is the runner SDK alone
+    sys.exit(f"kaizen: {e.name} is missing; the services need the server extra: pip install 'kaizen[server]'")
 
 
 def _explorer(args: argparse.Namespace) -> int:
@@ -84,6 +87,9 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
+    except ModuleNotFoundError as e:
+        print(f"kaizen {args.command}: {e.name} is missing; install the server extra: pip install 'kaizen[server]'", file=sys.stderr)
+        return 2
     except ConfigError as e:
         print(f"kaizen {args.command}: configuration error: {e}", file=sys.stderr)
         return 2

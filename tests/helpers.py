@@ -49,8 +49,9 @@ class ThreadedServer:
         return self
 
     def __exit__(self, *exc) -> None:
-        self.server.should_exit = True
-        self.thread.join(60)
+        if self.thread.is_alive():
+            self.server.should_exit = True
+            self.thread.join(60)
 
 
 def wait_http(url: str, timeout: float = 180.0, proc: subprocess.Popen | None = None) -> None:

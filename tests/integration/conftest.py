@@ -1,4 +1,4 @@
-"""A fresh real Explorer (uvicorn on loopback, tiny model, its own SQLite buffer) per test."""
+"""Integration fixtures: a fresh real Explorer (uvicorn on loopback, tiny model, its own SQLite buffer) per test."""
 
 from __future__ import annotations
 
@@ -23,6 +23,11 @@ class RunningExplorer:
     client: openai.OpenAI
     http: httpx.Client
     root: Path
+    server: ThreadedServer
+
+    def stop(self) -> None:
+        """Shut this Explorer down now (as if it had been killed), mid-test."""
+        self.server.__exit__(None, None, None)
 
     @property
     def tokenizer(self):
@@ -54,7 +59,7 @@ def make_explorer(tiny_model, tmp_path):
         headers = {"Authorization": f"Bearer {api_key}"}
         http = stack.enter_context(httpx.Client(base_url=server.url, headers=headers, timeout=120))
         client = openai.OpenAI(base_url=f"{server.url}/v1", api_key=api_key, max_retries=0, timeout=120)
-        return RunningExplorer(url=server.url, state=state, client=client, http=http, root=root)
+        return RunningExplorer(url=server.url, state=state, client=client, http=http, root=root, server=server)
 
     yield _make
     stack.close()

@@ -1,0 +1,219 @@
+"""HTTP client of the Explorer (same method names as its routes) and the call tracking.
+
+Calls to ``/chat/completions`` made while an ``AgentRun`` is current carry its task and run ids
+(``X-Task-Id`` / ``X-Run-Id``) and have the completion id the Explorer returns collected into
+``run.msg_ids``, whether the response is plain JSON or an SSE stream and whichever client made the
+call (this SDK's ``AgentClient``, or the official ``openai`` client built on ``tracked_http_client``).
+"""
+
+from __future__ import annotations
+
+import contextvars
+import re
+from dataclasses import dataclass, field
+from typing import Any, AsyncIterator, Iterator
+
+import httpx
+
+from runner_sdk.records import AgentRun
+
+_current_run: contextvars.ContextVar[AgentRun | None] = contextvars.ContextVar("kaizen_run", default=None)
+_COMPLETION_ID = re.compile(rb'"id"\s*:\s*"(chatcmpl-[^"]+)"')
+_SNIFF_BYTES = 8192
+
+
+class ExplorerError(RuntimeError):
+    """The Explorer answered with an error (OpenAI shape)."""
+
+    def __init__(self, status: int, message: str, code: str | None = None):
+        super().__init__(f"{status}: {message}")
+        self.status = status
+        self.message = message
+        self.code = code
+
+    @property
+    def retryable(self) -> bool:
+        return self.status in (408, 425, 429) or self.status >= 500
+
+
+def current_run() -> AgentRun | None:
+    return _current_run.get()
+
+
+def _track(request: httpx.Request) -> AgentRun | None:
+    run = _current_run.get()
+    if run is None or not run.selected or not request.url.path.endswith("/chat/completions"):
+        return None
+    request.headers["X-Task-Id"] = run.task_id
+    request.headers["X-Run-Id"] = run.run_id
+    return run
+
+
+class _Sniffer:
+    """Looks for the completion id in the first bytes of a response while passing them on."""
+
+    def __init__(self, run: AgentRun):
+        self.run = run
+        self.head = b""
+        self.done = False
+
+    def feed(self, chunk: bytes) -> None:
+        if self.done:
+            return
+        self.head += chunk
+        m = _COMPLETION_ID.search(self.head)
+        if m:
+            cid = m.group(1).decode()
+            if cid not in self.run.msg_ids:
+                self.run.msg_ids.append(cid)
+            self.done = True
+        elif len(self.head) > _SNIFF_BYTES:
+            self.done = True
+
+
+class _AsyncStream(httpx.AsyncByteStream):
+    def __init__(self, inner: httpx.AsyncByteStream, sniffer: _Sniffer):
+        self.inner, self.sniffer = inner, sniffer
+
+    async def __aiter__(self) -> AsyncIterator[bytes]:
+        async for chunk in self.inner:
+            self.sniffer.feed(chunk)
+            yield chunk
+
+    async def aclose(self) -> None:
+        await self.inner.aclose()
+
+
+class _SyncStream(httpx.SyncByteStream):
+    def __init__(self, inner: httpx.SyncByteStream, sniffer: _Sniffer):
+        self.inner, self.sniffer = inner, sniffer
+
+    def __iter__(self) -> Iterator[bytes]:
+        for chunk in self.inner:
+            self.sniffer.feed(chunk)
+            yield chunk
+
+    def close(self) -> None:
+        self.inner.close()
+
+
+class TrackingAsyncTransport(httpx.AsyncBaseTransport):
+    def __init__(self, inner: httpx.AsyncBaseTransport | None = None):
+        self.inner = inner or httpx.AsyncHTTPTransport()
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        run = _track(request)
+        response = await self.inner.handle_async_request(request)
+        if run is None or response.status_code >= 400:
+            return response
+        return httpx.Response(response.status_code, headers=response.headers,
+                              stream=_AsyncStream(response.stream, _Sniffer(run)), extensions=response.extensions)
+
+    async def aclose(self) -> None:
+        await self.inner.aclose()
+
+
+class TrackingTransport(httpx.BaseTransport):
+    def __init__(self, inner: httpx.BaseTransport | None = None):
+        self.inner = inner or httpx.HTTPTransport()
+
+    def handle_request(self, request: httpx.Request) -> httpx.Response:
+        run = _track(request)
+        response = self.inner.handle_request(request)
+        if run is None or response.status_code >= 400:
+            return response
+        return httpx.Response(response.status_code, headers=response.headers,
+                              stream=_SyncStream(response.stream, _Sniffer(run)), extensions=response.extensions)
+
+    def close(self) -> None:
+        self.inner.close()
+
+
+def tracked_http_client(*, timeout: float = 600.0, **kwargs: Any) -> httpx.Client:
+    """An httpx.Client for ``openai.OpenAI(http_client=...)`` that tags and collects calls."""
+    return httpx.Client(transport=TrackingTransport(), timeout=timeout, **kwargs)
+
+
+def tracked_async_http_client(*, timeout: float = 600.0, **kwargs: Any) -> httpx.AsyncClient:
+    """An httpx.AsyncClient for ``openai.AsyncOpenAI(http_client=...)`` that tags and collects calls."""
+    return httpx.AsyncClient(transport=TrackingAsyncTransport(), timeout=timeout, **kwargs)
+
+
+class ExplorerClient:
+    """Async client of the Explorer's API; method names mirror its routes."""
+
+    def __init__(self, endpoint: str, *, api_key: str | None = None, timeout: float = 30.0):
+        self.endpoint = endpoint.rstrip("/")
+        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self._http = httpx.AsyncClient(base_url=self.endpoint, headers=headers, timeout=timeout,
+                                       transport=TrackingAsyncTransport())
+
+    async def _call(self, method: str, path: str, **kwargs) -> Any:
+        r = await self._http.request(method, path, **kwargs)
+        if r.status_code >= 400:
+            try:
+                err = r.json().get("error", {})
+            except ValueError:
+                err = {}
+            raise ExplorerError(r.status_code, err.get("message") or r.text[:500], err.get("code"))
+        return r.json()
+
+    async def chat_completions(self, **body: Any) -> dict[str, Any]:
+        return await self._call("POST", "/v1/chat/completions", json=body)
+
+    async def feedback(self, *, msg_ids: list[str], reward: float, task_id: str | None = None,
+                       run_id: str | None = None, labels: list[str] | None = None, comment: str | None = None,
+                       source: str | None = None) -> dict[str, Any]:
+        body = {"msg_ids": msg_ids, "reward": reward, "task_id": task_id, "run_id": run_id,
+                "labels": labels, "comment": comment, "source": source}
+        return await self._call("POST", "/feedback", json={k: v for k, v in body.items() if v is not None})
+
+    async def commit(self, *, task_id: str | None = None, msg_ids: list[str] | None = None) -> dict[str, Any]:
+        body = {k: v for k, v in {"task_id": task_id, "msg_ids": msg_ids}.items() if v is not None}
+        return await self._call("POST", "/commit", json=body)
+
+    async def experiences(self, **filters: Any) -> list[dict[str, Any]]:
+        return (await self._call("GET", "/experiences", params={k: v for k, v in filters.items() if v is not None}))["data"]
+
+    async def models(self) -> list[dict[str, Any]]:
+        return (await self._call("GET", "/v1/models"))["data"]
+
+    async def health(self) -> dict[str, Any]:
+        return await self._call("GET", "/health")
+
+    async def aclose(self) -> None:
+        await self._http.aclose()
+
+
+@dataclass
+class ChatReply:
+    id: str
+    content: str | None
+    tool_calls: list[dict[str, Any]] = field(default_factory=list)
+    raw: dict[str, Any] = field(default_factory=dict)
+
+
+class AgentClient:
+    """What an agent function gets in shadow and environment runs: chat with the trainable model."""
+
+    def __init__(self, explorer: ExplorerClient, model: str, api_key: str | None = None):
+        self.explorer = explorer
+        self.model = model
+        self._api_key = api_key
+
+    async def chat(self, messages: list[dict[str, Any]] | str, **params: Any) -> ChatReply:
+        if isinstance(messages, str):
+            messages = [{"role": "user", "content": messages}]
+        raw = await self.explorer.chat_completions(model=self.model, messages=messages, **params)
+        msg = raw["choices"][0]["message"]
+        return ChatReply(id=raw["id"], content=msg.get("content"), tool_calls=msg.get("tool_calls") or [], raw=raw)
+
+    async def complete(self, messages: list[dict[str, Any]] | str, **params: Any) -> str:
+        return (await self.chat(messages, **params)).content or ""
+
+    def openai(self):
+        """An ``openai.AsyncOpenAI`` on the Explorer whose calls are tracked (needs the openai package)."""
+        import openai
+
+        return openai.AsyncOpenAI(base_url=f"{self.explorer.endpoint}/v1", api_key=self._api_key or "none",
+                                  http_client=tracked_async_http_client())

@@ -1,0 +1,127 @@
+"""Offline / simulated training: drive a dataset of tasks through an agent and an environment.
+
+    class Env:                                     # the Environment protocol
+        def reset(self): return observation
+        def step(self, action): return observation, reward, done, info
+
+    async def agent(client, observation):          # client: AgentClient on the Explorer
+        return await client.complete(observation)
+
+    runner = EnvironmentRunner(endpoint=URL, model="solver", make_env=Env, agent=agent, repeat=4)
+    results = runner.run_sync(tasks)               # rewards sent, experiences committed
+
+Each task runs ``repeat`` times as run ids 0..repeat-1 under one task_id, so GRPO gets groups. The
+episode's reward (the sum of the step rewards) goes to every Explorer call the agent made in it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable, Protocol, runtime_checkable
+
+from runner_sdk.client import AgentClient, ExplorerClient, _current_run
+from runner_sdk.records import AgentRun
+from runner_sdk.runner import maybe_await
+
+log = logging.getLogger("runner_sdk")
+
+
+@runtime_checkable
+class Environment(Protocol):
+    def reset(self) -> Any: ...
+
+    def step(self, action: Any) -> tuple[Any, float, bool, dict]: ...
+
+
+@dataclass
+class EpisodeResult:
+    task_id: str
+    run_id: str
+    task: Any
+    reward: float
+    steps: int
+    msg_ids: list[str] = field(default_factory=list)
+    error: str | None = None
+    info: dict = field(default_factory=dict)
+
+
+class EnvironmentRunner:
+    def __init__(
+        self,
+        *,
+        endpoint: str,
+        model: str,
+        make_env: Callable[[Any], Environment],
+        agent: Callable[[AgentClient, Any], Any],
+        repeat: int = 1,
+        concurrency: int = 8,
+        max_steps: int = 16,
+        api_key: str | None = None,
+        timeout: float = 120.0,
+        commit: bool = True,
+        task_id: Callable[[Any, int], str] | None = None,
+    ):
+        self.endpoint = endpoint
+        self.model = model
+        self.make_env = make_env
+        self.agent = agent
+        self.repeat = repeat
+        self.concurrency = concurrency
+        self.max_steps = max_steps
+        self.api_key = api_key
+        self.timeout = timeout
+        self.commit = commit
+        self.task_id = task_id or (lambda task, i: f"env-{uuid.uuid4().hex[:12]}")
+
+    async def _episode(self, client: ExplorerClient, task: Any, task_id: str, run_id: str, sem: asyncio.Semaphore) -> EpisodeResult:
+        run = AgentRun(task_id=task_id, run_id=run_id, input=task, selected=True)
+        result = EpisodeResult(task_id=task_id, run_id=run_id, task=task, reward=0.0, steps=0)
+        async with sem:
+            token = _current_run.set(run)
+            try:
+                env = self.make_env(task)
+                obs = await maybe_await(env.reset())
+                agent_client = AgentClient(client, self.model, self.api_key)
+                for _ in range(self.max_steps):
+                    action = await maybe_await(self.agent(agent_client, obs))
+                    obs, reward, done, info = await maybe_await(env.step(action))
+                    result.reward += float(reward)
+                    result.steps += 1
+                    result.info = info or {}
+                    if done:
+                        break
+            except Exception as e:
+                result.error = f"{type(e).__name__}: {e}"
+                log.warning("episode %s/%s failed: %s", task_id, run_id, result.error)
+            finally:
+                _current_run.reset(token)
+        result.msg_ids = list(run.msg_ids)
+        if result.error is None and result.msg_ids:
+            try:
+                await client.feedback(msg_ids=result.msg_ids, reward=result.reward, task_id=task_id, run_id=run_id,
+                                      source="environment_runner")
+            except Exception as e:  # one lost reward must not stop the dataset
+                result.error = f"feedback failed: {e}"
+                log.warning("feedback for %s/%s failed: %s", task_id, run_id, e)
+        return result
+
+    async def run(self, tasks: Iterable[Any]) -> list[EpisodeResult]:
+        client = ExplorerClient(self.endpoint, api_key=self.api_key, timeout=self.timeout)
+        sem = asyncio.Semaphore(self.concurrency)
+        try:
+            jobs = []
+            for k, task in enumerate(tasks):
+                tid = self.task_id(task, k)
+                jobs += [self._episode(client, task, tid, str(i), sem) for i in range(self.repeat)]
+            results = await asyncio.gather(*jobs)
+            if self.commit and any(r.error is None and r.msg_ids for r in results):
+                await client.commit()
+            return list(results)
+        finally:
+            await client.aclose()
+
+    def run_sync(self, tasks: Iterable[Any]) -> list[EpisodeResult]:
+        return asyncio.run(self.run(tasks))

@@ -1,0 +1,427 @@
+"""TrainingRunner: turns an agent's live traffic into rewarded, committed experiences.
+
+Direct mode (the production agent itself talks to the Explorer):
+
+    runner = TrainingRunner(endpoint=URL, model="support", selection=SamplingRate(0.3), reward=ExactMatch())
+    client = runner.openai_client()               # OpenAI client on the Explorer, calls tracked
+    with runner:
+        with runner.run(question, expected=answer) as run:
+            run.output = my_agent(client, question)
+
+Shadow mode (production is served by another model; the trainable one learns alongside):
+
+    runner = TrainingRunner(endpoint=URL, model="support", mode="shadow", agent=my_agent, repeat=4, ...)
+    with runner:
+        reply = production_agent(question)         # unchanged, never waits on the Explorer
+        runner.shadow(question, expected=answer)   # selected? then my_agent runs 4x in the background
+
+Everything that talks to the Explorer afterwards (rewards, feedback, commits, shadow runs) happens on
+the runner's own event loop thread, retried with backoff and bounded in memory, so an Explorer that
+is down or slow never raises into, nor slows, the application.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextvars
+import inspect
+import logging
+import threading
+import time
+import uuid
+from concurrent.futures import Future
+from typing import Any, Awaitable, Callable, Literal
+
+import httpx
+
+from runner_sdk.client import (
+    AgentClient,
+    ExplorerClient,
+    ExplorerError,
+    _current_run,
+    tracked_async_http_client,
+    tracked_http_client,
+)
+from runner_sdk.records import AgentRun, RunnerStats
+from runner_sdk.selection import RequestInfo, SamplingRate, SelectionStrategy, decide
+
+log = logging.getLogger("runner_sdk")
+
+AgentFn = Callable[[AgentClient, Any], Any]  # (client, input) -> output, sync or async
+
+
+async def maybe_await(value: Any) -> Any:
+    return await value if inspect.isawaitable(value) else value
+
+
+class _BackgroundLoop:
+    """An asyncio loop in a daemon thread: the runner's work never runs on the caller's thread."""
+
+    def __init__(self) -> None:
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, name="kaizen-runner", daemon=True)
+
+    def start(self) -> None:
+        self.thread.start()
+
+    def submit(self, coro) -> Future:
+        return asyncio.run_coroutine_threadsafe(coro, self.loop)
+
+    def stop(self) -> None:
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(10)
+        if not self.thread.is_alive():
+            self.loop.close()
+
+
+class _RunScope:
+    """``with runner.run(...) as run:`` (or ``async with``): one request of a directly served agent."""
+
+    def __init__(self, runner: "TrainingRunner", run: AgentRun):
+        self.runner = runner
+        self.run = run
+        self._token: contextvars.Token | None = None
+
+    def __enter__(self) -> AgentRun:
+        self._token = _current_run.set(self.run)
+        return self.run
+
+    def __exit__(self, exc_type, exc, tb) -> bool:
+        _current_run.reset(self._token)
+        if exc is not None:
+            self.run.error = f"{exc_type.__name__}: {exc}"
+        self.runner._finish(self.run)
+        return False  # the application's own exceptions are its own
+
+    async def __aenter__(self) -> AgentRun:
+        return self.__enter__()
+
+    async def __aexit__(self, exc_type, exc, tb) -> bool:
+        return self.__exit__(exc_type, exc, tb)
+
+
+class TrainingRunner:
+    def __init__(
+        self,
+        *,
+        endpoint: str,
+        model: str,
+        selection: SelectionStrategy | None = None,
+        reward: Callable[[AgentRun], float | Awaitable[float]] | None = None,
+        mode: Literal["direct", "shadow"] = "direct",
+        agent: AgentFn | None = None,
+        repeat: int = 1,
+        commit_interval: float = 60.0,
+        api_key: str | None = None,
+        timeout: float = 30.0,
+        max_pending: int = 10_000,
+        shadow_concurrency: int = 4,
+        max_shadow_queue: int = 1_000,
+        retry_initial: float = 0.5,
+        retry_max: float = 30.0,
+    ):
+        if mode not in ("direct", "shadow"):
+            raise ValueError(f"mode must be 'direct' or 'shadow', not {mode!r}")
+        if mode == "shadow" and agent is None:
+            raise ValueError("shadow mode needs agent=<function (client, input) -> output> to replay")
+        if repeat < 1:
+            raise ValueError("repeat must be at least 1")
+        self.endpoint = endpoint.rstrip("/")
+        self.model = model
+        self.selection = selection or SamplingRate(1.0)
+        self.reward = reward
+        self.mode = mode
+        self.agent = agent
+        self.repeat = repeat
+        self.commit_interval = commit_interval
+        self.api_key = api_key
+        self.timeout = timeout
+        self.max_pending = max_pending
+        self.shadow_concurrency = shadow_concurrency
+        self.max_shadow_queue = max_shadow_queue
+        self.retry_initial = retry_initial
+        self.retry_max = retry_max
+        self.stats = RunnerStats()
+        self._bg: _BackgroundLoop | None = None
+        self._explorer: ExplorerClient | None = None
+        self._pending: collections.deque[dict[str, Any]] = collections.deque()
+        self._wake: asyncio.Event | None = None
+        self._tasks: list[asyncio.Task] = []
+        self._inflight: set[Future] = set()
+        self._shadow_sem: asyncio.Semaphore | None = None
+        self._shadow_queued = 0
+        self._sent_since_commit = 0
+        self._lock = threading.Lock()
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def start(self) -> "TrainingRunner":
+        if self._bg is not None:
+            return self
+        self._bg = _BackgroundLoop()
+        self._bg.start()
+        self._bg.submit(self._setup()).result(timeout=30)
+        return self
+
+    async def _setup(self) -> None:
+        self._explorer = ExplorerClient(self.endpoint, api_key=self.api_key, timeout=self.timeout)
+        self._wake = asyncio.Event()
+        self._shadow_sem = asyncio.Semaphore(self.shadow_concurrency)
+        self._tasks = [asyncio.create_task(self._deliver_forever())]
+        if self.commit_interval > 0:
+            self._tasks.append(asyncio.create_task(self._commit_forever()))
+
+    def stop(self, timeout: float = 30.0) -> None:
+        """Finish shadow runs and deliver pending feedback (up to ``timeout`` s), commit, shut down."""
+        if self._bg is None:
+            return
+        deadline = time.monotonic() + timeout
+        for fut in list(self._inflight):
+            try:
+                fut.result(timeout=max(0.0, deadline - time.monotonic()))
+            except Exception:
+                pass
+        try:
+            self._bg.submit(self._shutdown(max(0.0, deadline - time.monotonic()))).result(timeout=timeout + 5)
+        except Exception as e:
+            log.warning("runner shutdown was not clean: %s", e)
+        self._bg.stop()
+        self._bg = None
+
+    async def _shutdown(self, budget: float) -> None:
+        deadline = time.monotonic() + budget
+        while self._pending and time.monotonic() < deadline:
+            self._wake.set()
+            await asyncio.sleep(0.05)
+        if self._pending:
+            log.warning("runner stopped with %d feedback messages undelivered", len(self._pending))
+            self.stats.feedback_dropped += len(self._pending)
+            self._pending.clear()
+        for t in self._tasks:
+            t.cancel()
+        await self._commit_once()
+        await self._explorer.aclose()
+
+    def __enter__(self) -> "TrainingRunner":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    async def __aenter__(self) -> "TrainingRunner":
+        await asyncio.to_thread(self.start)
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await asyncio.to_thread(self.stop)
+
+    # ------------------------------------------------------------------ clients for the agent
+
+    @property
+    def base_url(self) -> str:
+        return f"{self.endpoint}/v1"
+
+    def http_client(self) -> httpx.Client:
+        return tracked_http_client()
+
+    def async_http_client(self) -> httpx.AsyncClient:
+        return tracked_async_http_client()
+
+    def openai_client(self):
+        """``openai.OpenAI`` on the Explorer with tracked calls (needs the openai package)."""
+        import openai
+
+        return openai.OpenAI(base_url=self.base_url, api_key=self.api_key or "none", http_client=self.http_client())
+
+    def async_openai_client(self):
+        import openai
+
+        return openai.AsyncOpenAI(base_url=self.base_url, api_key=self.api_key or "none", http_client=self.async_http_client())
+
+    # ------------------------------------------------------------------ direct mode
+
+    def _new_run(self, input: Any, expected: Any, task_id: str | None, run_id: str, metadata: dict) -> AgentRun:
+        with self._lock:
+            self.stats.requests += 1
+        decision = decide(self.selection, RequestInfo(input=input, metadata=metadata))
+        meta = {**decision.metadata, **metadata}
+        task = task_id or meta.pop("task_id", None) or f"task-{uuid.uuid4().hex[:16]}"
+        if decision.selected:
+            with self._lock:
+                self.stats.selected += 1
+        return AgentRun(task_id=str(task), run_id=run_id, input=input, expected=expected, labels=decision.labels,
+                        metadata=meta, selected=decision.selected)
+
+    def run(self, input: Any = None, *, expected: Any = None, task_id: str | None = None, **metadata: Any) -> _RunScope:
+        """Scope one request of a directly served agent; set ``run.output`` inside it."""
+        return _RunScope(self, self._new_run(input, expected, task_id, "0", metadata))
+
+    def _finish(self, run: AgentRun) -> None:
+        if not run.selected:
+            return
+        with self._lock:
+            self.stats.runs += 1
+        if run.error:
+            log.info("run %s failed (%s): no feedback", run.task_id, run.error)
+            return
+        self._spawn(self._reward_and_queue(run))
+
+    def _spawn(self, coro) -> bool:
+        if self._bg is None:
+            log.warning("TrainingRunner is not started: nothing is sent (call start() or use `with runner:`)")
+            coro.close()
+            return False
+        fut = self._bg.submit(coro)
+        self._inflight.add(fut)
+        fut.add_done_callback(self._inflight.discard)
+        return True
+
+    # ------------------------------------------------------------------ shadow mode
+
+    def shadow(self, input: Any, *, expected: Any = None, task_id: str | None = None, **metadata: Any) -> bool:
+        """Maybe replay ``agent`` on ``input`` ``repeat`` times against the Explorer, in the background.
+
+        Returns at once (True if the request was selected). Production code never waits on it.
+        """
+        if self.mode != "shadow":
+            raise RuntimeError("shadow() needs mode='shadow'")
+        base = self._new_run(input, expected, task_id, "0", metadata)
+        if not base.selected:
+            return False
+        with self._lock:
+            if self._shadow_queued >= self.max_shadow_queue:
+                self.stats.shadow_dropped += 1
+                return True
+            self._shadow_queued += 1
+        if not self._spawn(self._shadow_task(base)):
+            with self._lock:
+                self._shadow_queued -= 1
+        return True
+
+    async def _shadow_task(self, base: AgentRun) -> None:
+        try:
+            await asyncio.gather(*(self._shadow_run(base, i) for i in range(self.repeat)))
+        finally:
+            with self._lock:
+                self._shadow_queued -= 1
+
+    async def _shadow_run(self, base: AgentRun, i: int) -> None:
+        run = AgentRun(task_id=base.task_id, run_id=str(i), input=base.input, expected=base.expected,
+                       labels=base.labels, metadata=dict(base.metadata), selected=True)
+        async with self._shadow_sem:
+            token = _current_run.set(run)
+            try:
+                run.output = await maybe_await(self.agent(AgentClient(self._explorer, self.model, self.api_key), run.input))
+            except Exception as e:
+                with self._lock:
+                    self.stats.shadow_failures += 1
+                log.warning("shadow run %s/%s failed: %s", run.task_id, run.run_id, e)
+                return
+            finally:
+                _current_run.reset(token)
+        with self._lock:
+            self.stats.shadow_runs += 1
+            self.stats.runs += 1
+        await self._reward_and_queue(run)
+
+    # ------------------------------------------------------------------ rewards, feedback, commits
+
+    async def _reward_and_queue(self, run: AgentRun) -> None:
+        if self.reward is None:
+            return
+        try:
+            run.reward = float(await maybe_await(self.reward(run)))
+        except Exception as e:
+            with self._lock:
+                self.stats.reward_errors += 1
+            log.warning("reward calculator failed for %s/%s, skipping it: %r", run.task_id, run.run_id, e)
+            return
+        if not run.msg_ids:
+            log.debug("run %s/%s made no Explorer calls: nothing to reward", run.task_id, run.run_id)
+            return
+        self.queue_feedback(msg_ids=run.msg_ids, reward=run.reward, task_id=run.task_id, run_id=run.run_id,
+                            labels=list(run.labels) or None)
+
+    def queue_feedback(self, **body: Any) -> None:
+        """Queue one /feedback call; it is sent from the runner's loop. Oldest entries go first when full."""
+        if self._bg is not None and threading.current_thread() is not self._bg.thread:
+            self._bg.loop.call_soon_threadsafe(lambda: self.queue_feedback(**body))
+            return
+        if len(self._pending) >= self.max_pending:
+            self._pending.popleft()
+            with self._lock:
+                self.stats.feedback_dropped += 1
+        body.setdefault("source", "runner_sdk")
+        self._pending.append(body)
+        if self._wake is not None:
+            self._wake.set()
+
+    async def _deliver_forever(self) -> None:
+        backoff = self.retry_initial
+        while True:
+            if not self._pending:
+                self._wake.clear()
+                await self._wake.wait()
+                continue
+            body = self._pending[0]
+            try:
+                await self._explorer.feedback(**body)
+            except (httpx.HTTPError, ExplorerError) as e:
+                if isinstance(e, ExplorerError) and not e.retryable:
+                    log.warning("feedback refused, dropping it: %s", e)
+                    self._pending.popleft()
+                    with self._lock:
+                        self.stats.feedback_dropped += 1
+                    continue
+                with self._lock:
+                    self.stats.feedback_failed_attempts += 1
+                log.debug("feedback failed (%s), retrying in %.1fs", e, backoff)
+                await asyncio.sleep(backoff)
+                backoff = min(backoff * 2, self.retry_max)
+                continue
+            backoff = self.retry_initial
+            if self._pending and self._pending[0] is body:
+                self._pending.popleft()
+            with self._lock:
+                self.stats.feedback_sent += 1
+                self._sent_since_commit += 1
+
+    async def _commit_forever(self) -> None:
+        while True:
+            await asyncio.sleep(self.commit_interval)
+            await self._commit_once()
+
+    async def _commit_once(self) -> None:
+        if not self._sent_since_commit:
+            return
+        try:
+            result = await self._explorer.commit()
+        except (httpx.HTTPError, ExplorerError) as e:
+            with self._lock:
+                self.stats.commit_failures += 1
+            log.warning("commit failed, will retry: %s", e)
+            return
+        with self._lock:
+            self._sent_since_commit = 0
+            self.stats.commits += 1
+            self.stats.committed += int(result.get("committed", 0))
+
+    def commit_now(self, timeout: float = 30.0) -> None:
+        """Deliver what is pending and commit, now (blocks up to ``timeout``)."""
+        if self._bg is None:
+            return
+
+        async def _flush():
+            deadline = time.monotonic() + timeout
+            while self._pending and time.monotonic() < deadline:
+                self._wake.set()
+                await asyncio.sleep(0.02)
+            await self._commit_once()
+
+        for fut in list(self._inflight):
+            try:
+                fut.result(timeout=timeout)
+            except Exception:
+                pass
+        self._bg.submit(_flush()).result(timeout=timeout + 5)

@@ -1,0 +1,136 @@
+"""Selection strategies and reward calculators: pure logic, plus the judge against a real HTTP server."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+
+import pytest
+from fastapi import FastAPI, Request  # module level: the route's annotations are resolved here
+
+from runner_sdk import (
+    AgentRun,
+    ContextThread,
+    ContextThreadPoolExecutor,
+    ExactMatch,
+    ExplicitMarking,
+    FunctionReward,
+    LLMJudge,
+    RegexMatch,
+    RequestInfo,
+    SamplingRate,
+    mark,
+)
+
+
+def test_sampling_rate_is_roughly_p():
+    s = SamplingRate(0.3, seed=1)
+    n = sum(s.should_select(RequestInfo()).selected for _ in range(10_000))
+    assert 2800 < n < 3200  # mean 3000, sd 46
+    with pytest.raises(ValueError):
+        SamplingRate(1.5)
+
+
+def test_marks_select_and_carry_labels():
+    s = ExplicitMarking()
+    assert not s.should_select(RequestInfo()).selected
+    with mark("vip", "support", source="chat"):
+        d = s.should_select(RequestInfo())
+        assert d.selected and d.labels == ("vip", "support") and d.metadata == {"source": "chat"}
+        with mark("inner"):
+            assert s.should_select(RequestInfo()).labels == ("inner",)
+        assert s.should_select(RequestInfo()).labels == ("vip", "support")
+    assert not s.should_select(RequestInfo()).selected
+
+
+def test_mark_expires_after_ttl():
+    s = ExplicitMarking(ttl=0.05)
+    with mark("x"):
+        assert s.should_select(RequestInfo()).selected
+        time.sleep(0.08)
+        assert not s.should_select(RequestInfo()).selected
+
+
+def test_mark_follows_tasks_and_threads_started_inside():
+    s = ExplicitMarking()
+    seen = {}
+
+    def probe(name):
+        seen[name] = s.should_select(RequestInfo()).selected
+
+    async def main():
+        with mark("m"):
+            await asyncio.gather(asyncio.create_task(asyncio.sleep(0, result=probe("task"))))
+            await asyncio.to_thread(probe, "to_thread")
+            t = ContextThread(target=probe, args=("thread",))
+            t.start()
+            t.join()
+            with ContextThreadPoolExecutor(2) as pool:
+                pool.submit(probe, "pool").result()
+        plain = threading.Thread(target=probe, args=("outside",))
+        plain.start()
+        plain.join()
+
+    asyncio.run(main())
+    assert seen == {"task": True, "to_thread": True, "thread": True, "pool": True, "outside": False}
+
+
+def test_mark_as_decorator_sync_and_async():
+    s = ExplicitMarking()
+
+    @mark("deco")
+    def f():
+        return s.should_select(RequestInfo()).labels
+
+    @mark("adeco")
+    async def g():
+        return s.should_select(RequestInfo()).labels
+
+    assert f() == ("deco",) and asyncio.run(g()) == ("adeco",)
+
+
+def _run(output, expected=None, input=None):
+    return AgentRun(task_id="t", run_id="0", input=input, output=output, expected=expected)
+
+
+def test_match_rewards():
+    assert ExactMatch()(_run("  Paris ", "paris")) == 1.0
+    assert ExactMatch()(_run("Paris.", "paris")) == 0.0
+    assert ExactMatch(normalize=False)(_run("paris", "Paris")) == 0.0
+    assert RegexMatch()(_run("The answer is 42.", "42")) == 1.0
+    assert RegexMatch()(_run("The answer is 420.", "42")) == 0.0
+    assert RegexMatch(r"^\d+$")(_run("17")) == 1.0
+    assert FunctionReward(lambda text: len(text) / 10)(_run("hello")) == 0.5
+    with pytest.raises(ValueError):
+        ExactMatch()(_run("x"))
+
+
+@pytest.fixture
+def judge_server():
+    """A real OpenAI-shaped HTTP server on loopback that grades by a fixed rule (is 'Paris' in the answer)."""
+    from tests.helpers import ThreadedServer
+
+    app = FastAPI()
+    seen = []
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request):
+        body = await request.json()
+        seen.append(body)
+        user = body["messages"][-1]["content"]
+        answer = user.split("Agent's answer:\n")[1].split("\n\n")[0]
+        score = "Score: 9" if "Paris" in answer else "2"
+        return {"id": "x", "object": "chat.completion", "choices": [{"index": 0, "message": {"role": "assistant", "content": score}, "finish_reason": "stop"}]}
+
+    with ThreadedServer(app) as s:
+        yield s.url, seen
+
+
+def test_llm_judge_scores_through_an_openai_compatible_endpoint(judge_server):
+    url, seen = judge_server
+    judge = LLMJudge(base_url=f"{url}/v1", model="grader", rubric="Grade 0-10.")
+    assert asyncio.run(judge(_run("It is Paris.", "Paris", input="Capital of France?"))) == pytest.approx(0.9)
+    assert asyncio.run(judge(_run("Lyon", "Paris"))) == pytest.approx(0.2)
+    assert seen[0]["model"] == "grader" and seen[0]["messages"][0] == {"role": "system", "content": "Grade 0-10."}
+    assert "Reference answer:\nParis" in seen[0]["messages"][1]["content"]
