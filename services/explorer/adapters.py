@@ -141,22 +141,38 @@ class AdapterRegistry:
         log.error("agent %s: refusing version %s, still serving v%d: %s", state.name, version, state.current.version, why)
 
     async def sync_all(self) -> None:
-        for name in checkpoints.list_agents(self.root):
-            if name not in self.agents:
-                self.agents[name] = AgentState(name=name, current=AdapterHandle(agent=name, version=0, ref=None))
-                log.info("discovered agent %s under %s", name, self.root)
+        self._discover()
         for name in list(self.agents):
             await self.sync(name)
 
-    async def watch(self, interval_s: float) -> None:
-        """Poll every agent's LATEST forever (cancel the task to stop)."""
+    async def watch(self, interval_s: float, *, discover_every_s: float = 5.0, heartbeat_s: float = 10.0) -> None:
+        """Poll every agent's LATEST forever (cancel the task to stop).
+
+        Reading one small file per agent is cheap, so the poll can be frequent; scanning the root
+        for new agents and refreshing the serving files (the Trainer's view of what is in use)
+        happen less often.
+        """
+        last_discovery = last_heartbeat = time.monotonic()
         while True:
             await asyncio.sleep(interval_s)
             try:
-                await self.sync_all()
-                self.write_serving_files()
+                now = time.monotonic()
+                if now - last_discovery >= discover_every_s:
+                    self._discover()
+                    last_discovery = now
+                for name in list(self.agents):
+                    await self.sync(name)
+                if now - last_heartbeat >= heartbeat_s:
+                    self.write_serving_files()
+                    last_heartbeat = now
             except Exception:
                 log.exception("adapter watch failed; will retry")
+
+    def _discover(self) -> None:
+        for name in checkpoints.list_agents(self.root):
+            if name not in self.agents:
+                self.agents[name] = AgentState(name=name, current=_base_handle(name))
+                log.info("discovered agent %s under %s", name, self.root)
 
     # ------------------------------------------------------------------ leases
 

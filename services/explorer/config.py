@@ -64,9 +64,8 @@ class AgentsSection(ConfigModel):
 
 
 class ReloadSection(ConfigModel):
-    poll_interval_s: float = Field(default=1.0, gt=0, description="How often each agent's LATEST is checked.")
+    poll_interval_s: float = Field(default=0.25, gt=0, description="How often each agent's LATEST is checked.")
     enabled: bool = Field(default=True, description="Hot-load new versions while serving.")
-    keep_loaded: int = Field(default=1, ge=0, description="Old versions kept loaded beside the current one (for pinned requests).")
 
 
 class RecorderSection(ConfigModel):

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import logging
 import time
+from datetime import datetime, timezone
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Mapping
 
@@ -229,13 +230,17 @@ class ChatService:
             content.append(e)
         return {"content": content, "refusal": None}
 
-    def _record(self, p: PreparedChat, handle: AdapterHandle, completion_id: str, choices: list[_Choice], messages_out: list[dict]) -> None:
+    def _record(self, p: PreparedChat, handle: AdapterHandle, completion_id: str, choices: list[_Choice],
+                messages_out: list[dict], leased_at: datetime) -> None:
         if self.config.recorder.enabled:
-            self.recorder.record(self._records(p, handle, completion_id, choices, messages_out))
+            self.recorder.record(self._records(p, handle, completion_id, choices, messages_out, leased_at))
 
     def _records(
-        self, p: PreparedChat, handle: AdapterHandle, completion_id: str, choices: list[_Choice], messages_out: list[dict]
+        self, p: PreparedChat, handle: AdapterHandle, completion_id: str, choices: list[_Choice], messages_out: list[dict],
+        leased_at: datetime,
     ) -> list[Experience]:
+        """One record per choice; created_at is when the version was leased, so ordering by it
+        orders experiences by the version that produced them."""
         sampling = p.params.as_record()
         return [
             Experience(
@@ -253,6 +258,7 @@ class ChatService:
                 tools=p.tools,
                 finish_reason=c.finish_reason,
                 sampling=sampling,
+                created_at=leased_at,
             )
             for c, msg in zip(choices, messages_out)
         ]
@@ -274,6 +280,7 @@ class ChatService:
         t0 = time.perf_counter()
         completion_id = new_id("chatcmpl")
         handle = await self._acquire(p.model)
+        leased_at = datetime.now(timezone.utc)
         try:
             choices = [_Choice(i) for i in range(p.n)]
             async for updates in self.engine.generate(self._engine_request(p, handle, completion_id, stream=False)):
@@ -296,7 +303,7 @@ class ChatService:
             if p.request.return_token_ids:
                 choice["token_ids"] = c.token_ids
             out_choices.append(choice)
-        self._record(p, handle, completion_id, choices, messages_out)
+        self._record(p, handle, completion_id, choices, messages_out, leased_at)
         self._account(handle, p, choices, t0, stream=False)
         completion_tokens = sum(len(c.token_ids) for c in choices)
         body: dict[str, Any] = {
@@ -319,9 +326,9 @@ class ChatService:
     async def stream(self, p: PreparedChat) -> AsyncIterator[bytes]:
         """SSE chunks; the handle is leased before the first byte so errors can still be a 4xx."""
         handle = await self._acquire(p.model)
-        return self._stream(p, handle)
+        return self._stream(p, handle, datetime.now(timezone.utc))
 
-    async def _stream(self, p: PreparedChat, handle: AdapterHandle) -> AsyncIterator[bytes]:
+    async def _stream(self, p: PreparedChat, handle: AdapterHandle, leased_at: datetime) -> AsyncIterator[bytes]:
         t0 = time.perf_counter()
         completion_id = new_id("chatcmpl")
         created = int(time.time())
@@ -380,7 +387,7 @@ class ChatService:
                     yield chunk(out)
             done = True
             messages_out = [self._message(p, c)[0] for c in choices]
-            self._record(p, handle, completion_id, choices, messages_out)
+            self._record(p, handle, completion_id, choices, messages_out, leased_at)
             self._account(handle, p, choices, t0, stream=True)
             if include_usage:
                 completion_tokens = sum(len(c.token_ids) for c in choices)

@@ -39,7 +39,8 @@ COMPLETION_LEN = (32, 64)
 LR = 1e-4
 EPSILON = 0.2
 GRAD_CLIP = 1.0
-LORA = dict(r=16, alpha=32, dropout=0.0, target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])
+LORA = dict(r=16, alpha=32, dropout=0.0,
+            target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])
 WARMUP, ROUNDS = 2, 5
 
 
@@ -163,9 +164,10 @@ class TRL:
         # What _generate_and_score_completions returns: prompts left-padded, completions right-padded.
         pad_id = tok.pad_token_id
         prompt_ids = pad([torch.tensor(p) for p in batch.prompts], padding_value=pad_id, padding_side="left")
-        prompt_mask = pad([torch.ones(len(p), dtype=torch.long) for p in batch.prompts], padding_value=0, padding_side="left")
+        ones = lambda xs: [torch.ones(len(x), dtype=torch.long) for x in xs]  # noqa: E731
+        prompt_mask = pad(ones(batch.prompts), padding_value=0, padding_side="left")
         completion_ids = pad([torch.tensor(c) for c in batch.completions], padding_value=pad_id, padding_side="right")
-        completion_mask = pad([torch.ones(len(c), dtype=torch.long) for c in batch.completions], padding_value=0, padding_side="right")
+        completion_mask = pad(ones(batch.completions), padding_value=0, padding_side="right")
         self.inputs = {
             "prompt_ids": prompt_ids, "prompt_mask": prompt_mask,
             "completion_ids": completion_ids, "completion_mask": completion_mask,
@@ -211,6 +213,10 @@ def main() -> str:
 
     hf_logging.set_verbosity_error()
     model = os.environ.get("KAIZEN_BENCH_MODEL", TINY)
+    if model == TINY and not os.path.exists(os.path.join(TINY, "config.json")):
+        from services.common.tiny_model import build_tiny_model  # what `kaizen tiny-model` runs
+
+        build_tiny_model(TINY)
     threads = int(os.environ.get("KAIZEN_BENCH_THREADS", "2"))
     batch = make_batch(AutoTokenizer.from_pretrained(model))
     with tempfile.TemporaryDirectory() as d:

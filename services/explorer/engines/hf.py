@@ -243,7 +243,7 @@ class HFEngine:
     def _remove_adapter(self, ref: AdapterRef) -> None:
         if ref.name not in self._adapters:
             return
-        if any(r.adapter_name == ref.name for r in self._rows):
+        if any(r.adapter_name == ref.name and not r.request.aborted for r in self._rows):
             raise EngineError(f"adapter {ref.name} is still in use by a running request")
         self._peft.delete_adapter(ref.name)
         self._active_adapter = None
