@@ -51,7 +51,7 @@ async def _sample(model_path: Path, prompts: list[str], n: int, max_tokens: int,
     return engine.tokenizer, out
 
 
-def fill_buffer(url: str, model_path: Path, *, agent: str = "default", n: int = 4, max_tokens: int = 8,
+def fill_buffer(url: str, model_path: Path, *, agent: str = "default", n: int = 4, max_tokens: int = 2,
                 seed: int = 0, prompts: list[str] = PROMPTS, model_version: int = 0) -> list[Experience]:
     """Sample n responses per prompt (one task_id per prompt), reward them, commit them."""
     tokenizer, sampled = asyncio.run(_sample(model_path, prompts, n, max_tokens, seed))

@@ -86,6 +86,7 @@ def test_each_algorithm_raises_the_rewarded_probability(algorithm, steps, tiny_m
     with trained.disable_adapter():
         before = even_first_token_probability(trained, tok)
     after = even_first_token_probability(trained, tok)
+    print("LEARN", algorithm, before, after)
     assert after > before + 0.02, (algorithm, before, after)
     # lineage: what each version trained on is recorded in the buffer and the manifest
     db = buffer.create_buffer_engine(url)
@@ -119,7 +120,9 @@ def test_sequence_level_actions_learn_too(algorithm, tiny_model, sampled_db, bas
     trained = PeftModel.from_pretrained(model, str(tmp_path / "ck" / "default" / "v5"))
     with trained.disable_adapter():
         before = even_first_token_probability(trained, tok)
-    assert even_first_token_probability(trained, tok) > before + 0.02
+    after = even_first_token_probability(trained, tok)
+    print("LEARN-seq", algorithm, before, after)
+    assert after > before + 0.02
 
 
 def _steps_in_db(url: str) -> list[int]:
