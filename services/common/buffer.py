@@ -118,6 +118,10 @@ def utcnow() -> datetime:
 def create_buffer_engine(url: str, *, create_tables: bool = True) -> Engine:
     """An Engine on ``url`` with the settings every service needs, tables created if missing."""
     parsed = make_url(url)
+    if parsed.drivername in ("postgresql", "postgres"):
+        # A bare postgresql:// means psycopg2 to SQLAlchemy; the server extra installs psycopg 3.
+        parsed = parsed.set(drivername="postgresql+psycopg")
+        url = parsed.render_as_string(hide_password=False)
     if parsed.get_backend_name() == "sqlite":
         database = parsed.database
         if database and database != ":memory:" and not database.startswith("file:"):
