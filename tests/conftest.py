@@ -46,7 +46,7 @@ def ray_address(tmp_path_factory):
 
     ray = Path(sys.executable).parent / "ray"
     port = free_port()
-    env = {**os.environ, "RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0"}
+    env = {**os.environ, "RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0", "RAY_worker_niceness": "0"}
     subprocess.run(
         [str(ray), "start", "--head", "--node-ip-address=127.0.0.1", f"--port={port}", "--num-cpus=4",
          "--include-dashboard=false", "--disable-usage-stats", "--object-store-memory=200000000"],

@@ -27,9 +27,10 @@ def free_port() -> int:
 class ThreadedServer:
     """A uvicorn server for ``app`` on a free loopback port, in a background thread."""
 
-    def __init__(self, app):
+    def __init__(self, app, start_timeout: float = 120.0):
         import uvicorn
 
+        self.start_timeout = start_timeout
         self.config = uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning", lifespan="on")
         self.server = uvicorn.Server(self.config)
         self.thread = threading.Thread(target=self.server.run, daemon=True)
@@ -37,7 +38,7 @@ class ThreadedServer:
 
     def __enter__(self) -> "ThreadedServer":
         self.thread.start()
-        deadline = time.monotonic() + 120
+        deadline = time.monotonic() + self.start_timeout
         while not self.server.started:
             if not self.thread.is_alive():
                 raise RuntimeError("server thread died during start-up")

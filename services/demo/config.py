@@ -36,6 +36,13 @@ class DemoConfig(ConfigModel):
     agent: str = Field(default="parity", description="Name of the agent (adapter) being trained.")
     seed: int = Field(default=0, description="Seed of the task split and the warm start.")
     duration_s: float = Field(default=300.0, gt=0, description="How long the online loop runs.")
+    min_new_versions: int = Field(
+        default=0, ge=0,
+        description="Keep the online loop going past duration_s until its traffic was served by this many versions "
+        "newer than the start one (0: stop at duration_s). For slow machines and tests.")
+    max_duration_s: float | None = Field(
+        default=None, gt=0,
+        description="Hard limit of the online loop when min_new_versions extends it (default: 4 x duration_s).")
     progress_every_s: float = Field(default=5.0, gt=0, description="Seconds between progress lines.")
     task: TaskSection = Field(default_factory=TaskSection)
     warm_start: WarmStartSection = Field(default_factory=WarmStartSection)

@@ -91,6 +91,7 @@ def report(demo, evals, start_version: int, serving: dict, seconds: float) -> in
         "warm_start_gain": evals[1].mean - evals[0].mean if len(evals) > 2 else None,
         "experiences": counts, "rewarded": len(rows), "trainer_steps": last["step"] if last else 0,
         "versions_published": len(versions), "reloads": serving["reloads"], "failed_requests": demo.failed_requests,
+        "explorer_requests": demo.explorer_requests,
         "wall_seconds": seconds, "rounds": demo.batches,
     }, indent=2))
     return 0

@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import sqlalchemy as sa
 import yaml
 
 from runner_sdk import EnvironmentRunner
@@ -63,12 +64,15 @@ class Demo:
         self.run = run_dir
         self.root = run_dir / "checkpoints"
         self.db_url = f"sqlite:///{run_dir / 'buffer.db'}"
+        self.start_version = 1 if cfg.warm_start.enabled else 0
         self.split = parity.split(cfg.seed, cfg.task.train_numbers, cfg.task.heldout_numbers, cfg.warm_start.examples)
         self.port = self._free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.procs: list[subprocess.Popen] = []
         self.batches: list[dict[str, Any]] = []  # per traffic round: time, mean reward, episodes
-        self.failed_requests = 0
+        self.failed_requests = 0  # episodes of the simulated traffic that ended in an error
+        self.explorer_requests: dict[str, dict[str, int]] = {}  # route -> HTTP status -> count, at the end
+        self._extended = False  # the loop went past duration_s (min_new_versions)
         self.t0 = time.monotonic()
 
     @staticmethod
@@ -192,6 +196,18 @@ class Demo:
         sd = statistics.pstdev(per_prompt) if len(per_prompt) > 1 else 0.0
         return EvalResult(label, version, statistics.fmean(per_prompt), 1.96 * sd / math.sqrt(len(per_prompt)), list(per_prompt))
 
+    def http_statuses(self) -> dict[str, dict[str, int]]:
+        """The Explorer's own count of the answers it gave, by route and HTTP status (from /metrics)."""
+        from prometheus_client.parser import text_string_to_metric_families
+
+        out: dict[str, dict[str, int]] = {}
+        text = httpx.get(f"{self.url}/metrics", timeout=10).text
+        for family in text_string_to_metric_families(text):
+            for s in family.samples:
+                if s.name == "kaizen_requests_total":
+                    out.setdefault(s.labels["route"], {})[s.labels["status"]] = int(s.value)
+        return out
+
     def serving(self) -> dict:
         data = httpx.get(f"{self.url}/v1/models", timeout=10).json()["data"]
         return next(m for m in data if m["id"] == self.cfg.agent)
@@ -207,10 +223,9 @@ class Demo:
                                    repeat=tr.repeat, concurrency=tr.concurrency, task_id=lambda n, i: f"n{n}-{time.time_ns()}")
         db = buffer.create_buffer_engine(self.db_url, create_tables=False)
         rng = __import__("random").Random(self.cfg.seed + 1)
-        end = self.t0 + self.cfg.duration_s
         last_print = 0.0
         try:
-            while time.monotonic() < end:
+            while not self.loop_done(db):
                 backlog = buffer.count_by_status(engine=db, agent=self.cfg.agent).get("committed", 0)
                 if backlog >= tr.max_backlog:  # the trainer is behind: do not pile up stale data
                     await asyncio.sleep(0.2)
@@ -226,6 +241,31 @@ class Demo:
                     self.progress(db)
         finally:
             db.dispose()
+
+    def loop_done(self, db) -> bool:
+        """duration_s is up and, if min_new_versions asks for it, traffic has seen that many new versions
+        (or max_duration_s is up, or a service died)."""
+        cfg, elapsed = self.cfg, time.monotonic() - self.t0
+        if elapsed < cfg.duration_s:
+            return False
+        if cfg.min_new_versions == 0 or elapsed >= (cfg.max_duration_s or 4 * cfg.duration_s):
+            return True
+        if any(p.poll() is not None for p in self.procs):
+            return True
+        if self.new_versions_served(db) >= cfg.min_new_versions:
+            return True
+        if not self._extended:
+            self._extended = True
+            say(f"  (extending the loop until traffic was served by {cfg.min_new_versions} versions after v{self.start_version})")
+        return False
+
+    def new_versions_served(self, db) -> int:
+        """Distinct versions newer than the start one that served traffic (evaluation requests carry no task id)."""
+        e = buffer.experiences.c
+        q = (sa.select(sa.func.count(sa.distinct(e.model_version)))
+             .where(e.agent == self.cfg.agent, e.task_id.is_not(None), e.model_version > self.start_version))
+        with db.connect() as conn:
+            return int(conn.execute(q).scalar() or 0)
 
     def progress(self, db) -> None:
         recent = self.batches[-5:]
@@ -265,7 +305,7 @@ def run_demo(config_path: str | None, overrides: list[str]) -> int:
         say(f"- warm start: {cfg.warm_start.steps} SFT steps on {cfg.warm_start.examples} questions with RANDOM labels "
             "(teaches the format 'even'/'odd', not the rule) -> v1")
         demo.warm_start(trainer_cfg)
-    start_version = 1 if cfg.warm_start.enabled else 0
+    start_version = demo.start_version
     say("- starting the Explorer and the Trainer (separate processes, shared SQLite buffer and checkpoints)")
     demo.start_services(explorer_cfg, trainer_cfg)
     try:
@@ -281,6 +321,7 @@ def run_demo(config_path: str | None, overrides: list[str]) -> int:
         final_version = demo.serving()["version"]
         evals.append(asyncio.run(demo.evaluate("after online loop", final_version)))
         serving = demo.serving()
+        demo.explorer_requests = demo.http_statuses()
     finally:
         demo.stop_services()
     from services.demo.report import report

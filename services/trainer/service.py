@@ -110,7 +110,9 @@ class TrainerService:
             if self.cfg.ray.address:
                 ray.init(address=self.cfg.ray.address, **kwargs)
             else:
-                ray.init(object_store_memory=256 * 1024 * 1024, **kwargs)
+                # Ray starts workers at nice 15 by default; the learner is the whole point of this
+                # process, so it must not starve behind an Explorer sharing the machine.
+                ray.init(object_store_memory=256 * 1024 * 1024, _system_config={"worker_niceness": 0}, **kwargs)
                 self._started_ray = True
         self.learners = LearnerGroup(self.cfg)
 

@@ -80,6 +80,7 @@ class EngineStats:
     running: int = 0
     waiting: int = 0
     extra: dict[str, float] = field(default_factory=dict)
+    error: str | None = None  # set when the engine can no longer serve (health answers 503)
 
 
 @runtime_checkable
@@ -102,5 +103,10 @@ class Engine(Protocol):
     async def add_adapter(self, adapter: AdapterRef) -> None: ...
 
     async def remove_adapter(self, adapter: AdapterRef) -> None: ...
+
+    @property
+    def adapters(self) -> list[str]:
+        """Names of the adapter versions loaded now."""
+        ...
 
     def stats(self) -> EngineStats: ...

@@ -211,6 +211,11 @@ class HFEngine:
     async def add_adapter(self, adapter: AdapterRef) -> None:
         await self._call_in_engine("add", adapter)
 
+    @property
+    def adapters(self) -> list[str]:
+        """Names of the adapter versions loaded now."""
+        return list(self._adapters)
+
     async def remove_adapter(self, adapter: AdapterRef) -> None:
         await self._call_in_engine("remove", adapter)
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from fastapi import APIRouter, Request
-from starlette.responses import Response
+from starlette.responses import JSONResponse, Response
 
 router = APIRouter()  # no auth
 metrics_router = APIRouter()
@@ -13,7 +13,12 @@ metrics_router = APIRouter()
 async def health(request: Request):
     k = request.app.state.kaizen
     stats = k.engine.stats()
-    return {"status": "ok", "engine": {"running": stats.running, "waiting": stats.waiting}, "recorder_pending": k.recorder.pending}
+    body = {"status": "ok" if stats.error is None else "error",
+            "engine": {"running": stats.running, "waiting": stats.waiting}, "recorder_pending": k.recorder.pending}
+    if stats.error is not None:
+        body["error"] = stats.error
+        return JSONResponse(body, status_code=503)
+    return body
 
 
 @metrics_router.get("/metrics")

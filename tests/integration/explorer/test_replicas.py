@@ -1,0 +1,59 @@
+"""``engine.replicas``: several engines behind one Explorer share the load and reload together."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import time
+
+import pytest
+
+from services.explorer.engines.replicas import ReplicatedEngine
+from tests.integration.adapters import publish_adapter, train_adapter
+
+pytestmark = pytest.mark.integration
+
+ASK = [{"role": "user", "content": "Where should I go?"}]
+TARGETS = {1: "Go to paris.", 2: "Go to london."}
+
+
+@pytest.fixture(scope="module")
+def adapters(tiny_model):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny_model)
+    prompt = tok.encode(tok.apply_chat_template(ASK, add_generation_prompt=True, tokenize=False), add_special_tokens=False)
+    end = tok.convert_tokens_to_ids("<|im_end|>")
+    return {v: train_adapter(tiny_model, prompt, tok.encode(t, add_special_tokens=False) + [end]) for v, t in TARGETS.items()}
+
+
+def test_two_replicas_share_requests_and_reload_together(make_explorer, tmp_path, adapters):
+    root = tmp_path / "explorer0" / "checkpoints"
+    publish_adapter(adapters[1], root, "guide", 1)
+    ex = make_explorer("engine.replicas=2", "engine.torch_threads=1")
+    engine = ex.state.engine
+    assert isinstance(engine, ReplicatedEngine) and len(engine.engines) == 2
+
+    def ask(_):
+        return ex.client.chat.completions.create(model="guide", messages=ASK, temperature=0, max_tokens=12).choices[0].message.content
+
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        answers = list(pool.map(ask, range(16)))
+    assert answers == [TARGETS[1]] * 16
+    produced = [e.tokens_generated for e in engine.engines]
+    assert all(n > 0 for n in produced), produced  # both replicas served requests
+    deadline = time.monotonic() + 5  # a finished row leaves the batch just after its last token is sent
+    while ex.http.get("/health").json()["engine"]["running"] and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert ex.http.get("/health").json()["engine"]["running"] == 0
+
+    publish_adapter(adapters[2], root, "guide", 2)
+    deadline = time.monotonic() + 30
+    while ask(0) != TARGETS[2]:
+        assert time.monotonic() < deadline, "v2 was not loaded"
+        time.sleep(0.1)
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        assert list(pool.map(ask, range(8))) == [TARGETS[2]] * 8
+    deadline = time.monotonic() + 10
+    while any("guide-v1" in e.adapters for e in engine.engines) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert [sorted(e.adapters) for e in engine.engines] == [["guide-v2"], ["guide-v2"]]  # v1 released on both
