@@ -16,6 +16,7 @@ from typing import Any, AsyncIterator, Iterator
 import httpx
 
 from runner_sdk.records import AgentRun
+from runner_sdk.threads import carry_into_threads
 
 _current_run: contextvars.ContextVar[AgentRun | None] = contextvars.ContextVar("kaizen_run", default=None)
 _COMPLETION_ID = re.compile(rb'"id"\s*:\s*"(chatcmpl-[^"]+)"')
@@ -38,6 +39,12 @@ class ExplorerError(RuntimeError):
 
 def current_run() -> AgentRun | None:
     return _current_run.get()
+
+
+def _enter_run(run: AgentRun) -> contextvars.Token:
+    """Make ``run`` the current one here and in the tasks and threads started from here."""
+    carry_into_threads(_current_run)
+    return _current_run.set(run)
 
 
 def _track(request: httpx.Request) -> AgentRun | None:

@@ -22,7 +22,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Protocol, runtime_checkable
 
-from runner_sdk.client import AgentClient, ExplorerClient, _current_run
+from runner_sdk.client import AgentClient, ExplorerClient, _current_run, _enter_run
 from runner_sdk.records import AgentRun
 from runner_sdk.runner import maybe_await
 
@@ -80,7 +80,7 @@ class EnvironmentRunner:
         run = AgentRun(task_id=task_id, run_id=run_id, input=task, selected=True)
         result = EpisodeResult(task_id=task_id, run_id=run_id, task=task, reward=0.0, steps=0)
         async with sem:
-            token = _current_run.set(run)
+            token = _enter_run(run)
             try:
                 env = self.make_env(task)
                 obs = await maybe_await(env.reset())

@@ -40,6 +40,7 @@ from runner_sdk.client import (
     ExplorerClient,
     ExplorerError,
     _current_run,
+    _enter_run,
     tracked_async_http_client,
     tracked_http_client,
 )
@@ -84,7 +85,7 @@ class _RunScope:
         self._token: contextvars.Token | None = None
 
     def __enter__(self) -> AgentRun:
-        self._token = _current_run.set(self.run)
+        self._token = _enter_run(self.run)
         return self.run
 
     def __exit__(self, exc_type, exc, tb) -> bool:
@@ -310,7 +311,7 @@ class TrainingRunner:
         run = AgentRun(task_id=base.task_id, run_id=str(i), input=base.input, expected=base.expected,
                        labels=base.labels, metadata=dict(base.metadata), selected=True)
         async with self._shadow_sem:
-            token = _current_run.set(run)
+            token = _enter_run(run)
             try:
                 run.output = await maybe_await(self.agent(AgentClient(self._explorer, self.model, self.api_key), run.input))
             except Exception as e:

@@ -4,9 +4,10 @@
     ExplicitMarking(ttl=60)        # only requests made inside `with mark("vip"):` (or @mark)
 
 A strategy answers per request; unselected requests get no feedback and are never trained on.
-Marks live in a contextvar, so they follow the code into asyncio tasks and into threads started
-with ``asyncio.to_thread``, ``ContextThread`` or ``ContextThreadPoolExecutor`` (plain
-``threading.Thread`` does not carry context on Python < 3.14).
+Marks live in a contextvar, so they follow the code into asyncio tasks, ``asyncio.to_thread`` and
+threads started inside the mark (``runner_sdk.threads`` carries the mark into a plain
+``threading.Thread`` on Python < 3.14 too). Pool workers, which outlive the task that started them,
+do not inherit it: submit through ``ContextThreadPoolExecutor`` to carry a mark into pooled tasks.
 """
 
 from __future__ import annotations
@@ -20,6 +21,8 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Callable, Protocol, runtime_checkable
+
+from runner_sdk.threads import carry_into_threads
 
 
 @dataclass(frozen=True)
@@ -84,6 +87,7 @@ class mark:  # noqa: N801 - reads like a statement: `with mark("vip"):`
 
     def __enter__(self) -> Mark:
         m = Mark(self.labels, dict(self.metadata), time.monotonic())
+        carry_into_threads(_current_mark)
         self._tokens.append(_current_mark.set(m))
         return m
 

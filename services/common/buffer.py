@@ -4,7 +4,9 @@ SQLAlchemy Core over any SQL database (SQLite with WAL by default, PostgreSQL in
 Functions take keyword arguments and either an Engine (they open their own transaction) or a
 Connection already inside one. Nothing here assumes SQLite: row locks use ``FOR UPDATE`` (ignored
 by SQLite, which serialises writers anyway), and SQLite write transactions start with
-``BEGIN IMMEDIATE`` so two writers never deadlock upgrading a read lock.
+``BEGIN IMMEDIATE`` so two writers never deadlock upgrading a read lock. On PostgreSQL every writer
+locks the rows it changes before changing them, always in ascending experience_id order
+(``_lock_rows``), so concurrent writers (Explorer replicas, the Trainer) queue instead of deadlocking.
 """
 
 from __future__ import annotations
@@ -191,21 +193,47 @@ def insert_experiences(*, engine: Engine, records: Sequence[Experience]) -> None
         conn.execute(insert(experiences), rows)
 
 
+def _lock_rows(conn: Connection, experience_ids: Iterable[str]) -> dict[str, tuple[str, float | None]]:
+    """Lock the rows FOR UPDATE in ascending experience_id order; {id: (status, reward)} of those
+    that exist, as they are once locked (the newest committed values, even under READ COMMITTED).
+
+    Every writer takes its row locks through here, so two transactions wanting overlapping rows
+    always lock them in the same order and one waits for the other: never a deadlock.
+    """
+    ids = sorted(set(experience_ids))  # code point order, which PostgreSQL's "C" collation matches
+    key = experiences.c.experience_id
+    order = key.collate("C") if conn.dialect.name == "postgresql" else key
+    seen: dict[str, tuple[str, float | None]] = {}
+    for chunk in iter_chunks(ids, 500):
+        q = (
+            select(key, experiences.c.status, experiences.c.reward)
+            .where(key.in_(chunk))
+            .order_by(order)
+            .with_for_update()
+        )
+        seen.update({e: (st, r) for e, st, r in conn.execute(q)})
+    return seen
+
+
 def _resolve(conn: Connection, msg_ids: Sequence[str], *, lock: bool) -> dict[str, list[tuple[str, str]]]:
-    """Map each msg id (completion id or experience id) to its [(experience_id, status)]."""
+    """Map each msg id (completion id or experience id) to its [(experience_id, status)].
+
+    With ``lock``, the rows are locked (``_lock_rows``) and the statuses are the locked ones.
+    """
     ids = list(dict.fromkeys(msg_ids))
     found: dict[str, list[tuple[str, str]]] = {i: [] for i in ids}
     for chunk in iter_chunks(ids, 500):
         q = select(
             experiences.c.experience_id, experiences.c.completion_id, experiences.c.status
         ).where(or_(experiences.c.experience_id.in_(chunk), experiences.c.completion_id.in_(chunk)))
-        if lock:
-            q = q.with_for_update()
         for exp_id, comp_id, status in conn.execute(q):
             if exp_id in found:
                 found[exp_id].append((exp_id, status))
             if comp_id in found:
                 found[comp_id].append((exp_id, status))
+    if lock:
+        current = _lock_rows(conn, {e for rows in found.values() for e, _ in rows})
+        found = {i: [(e, current[e][0]) for e, _ in rows if e in current] for i, rows in found.items()}
     return found
 
 
@@ -278,16 +306,25 @@ def commit_experiences(
         if task_id is not None:
             conds.append(experiences.c.task_id == task_id)
         if msg_ids:
-            found = _resolve(conn, msg_ids, lock=True)
+            found = _resolve(conn, msg_ids, lock=False)
             unknown = [i for i, rows in found.items() if not rows]
             if unknown:
                 raise UnknownIds(unknown)
-            targets = sorted({e for rows in found.values() for e, _ in rows})
-            conds.append(experiences.c.experience_id.in_(targets))
-        result = conn.execute(
-            update(experiences).where(and_(*conds)).values(**_now_row(status=ExperienceStatus.COMMITTED.value))
-        )
-        return result.rowcount or 0
+            targets = {e for rows in found.values() for e, _ in rows}
+        else:
+            targets = set(conn.scalars(select(experiences.c.experience_id).where(and_(*conds))))
+        # Lock first, in the common order, then update only what is still rewarded once locked.
+        locked = _lock_rows(conn, targets)
+        chosen = sorted(e for e, (status, _) in locked.items() if status == ExperienceStatus.REWARDED.value)
+        n = 0
+        for chunk in iter_chunks(chosen, 500):
+            result = conn.execute(
+                update(experiences)
+                .where(and_(*conds), experiences.c.experience_id.in_(chunk))
+                .values(**_now_row(status=ExperienceStatus.COMMITTED.value))
+            )
+            n += result.rowcount or 0
+        return n
 
 
 def _row_to_experience(row: Any) -> Experience:
@@ -404,14 +441,7 @@ def consume_batch(
     """
     ids = list(consumed) + list(discarded)
     with write_transaction(engine) as conn:
-        seen: dict[str, tuple[str, float | None]] = {}
-        for chunk in iter_chunks(ids, 500):
-            q = (
-                select(experiences.c.experience_id, experiences.c.status, experiences.c.reward)
-                .where(experiences.c.experience_id.in_(chunk))
-                .with_for_update()
-            )
-            seen.update({e: (s, r) for e, s, r in conn.execute(q)})
+        seen = _lock_rows(conn, ids)
         changed = [
             i for i in ids
             if i not in seen or seen[i][0] != ExperienceStatus.COMMITTED.value
@@ -444,6 +474,7 @@ def discard_experiences(*, engine: Engine, experience_ids: Sequence[str]) -> int
     """Mark committed experiences discarded (never trained on); returns how many."""
     n = 0
     with write_transaction(engine) as conn:
+        _lock_rows(conn, experience_ids)
         for chunk in iter_chunks(list(experience_ids), 500):
             res = conn.execute(
                 update(experiences)

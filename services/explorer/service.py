@@ -233,7 +233,9 @@ class ChatService:
     def _record(self, p: PreparedChat, handle: AdapterHandle, completion_id: str, choices: list[_Choice],
                 messages_out: list[dict], leased_at: datetime) -> None:
         if self.config.recorder.enabled:
+            t0 = time.perf_counter()
             self.recorder.record(self._records(p, handle, completion_id, choices, messages_out, leased_at))
+            self.metrics.record_handoff.observe(time.perf_counter() - t0)
 
     def _records(
         self, p: PreparedChat, handle: AdapterHandle, completion_id: str, choices: list[_Choice], messages_out: list[dict],

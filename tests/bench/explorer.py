@@ -141,18 +141,34 @@ def main() -> str:
         b_c, e_c = med("bare", c, lambda r: r.completions_per_s), med("explorer", c, lambda r: r.completions_per_s)
         b_t, e_t = med("bare", c, lambda r: r.tokens_per_s), med("explorer", c, lambda r: r.tokens_per_s)
         b_p, e_p, n_p = (med(n, c, lambda r: r.p(0.5)) * 1e3 for n in ("bare", "explorer", "no-recording"))
+        # The same round's two servers ran back to back: their p50 difference, median over rounds.
+        paired = [(e.p(0.5) - n.p(0.5)) * 1e3 for e, n in zip(res[("explorer", c)], res[("no-recording", c)])]
         fails = sum(r.failures for r in res[("explorer", c)])
         rows.append([c, f"{b_c:.1f}", f"{e_c:.1f}", f"{e_c / b_c:.2f}", f"{b_t:.0f}", f"{e_t:.0f}", f"{e_t / b_t:.2f}",
-                     f"{b_p:.1f}", f"{n_p:.1f}", f"{e_p:.1f}", f"{e_p - n_p:+.1f}", fails])
+                     f"{b_p:.1f}", f"{n_p:.1f}", f"{e_p:.1f}", f"{e_p - n_p:+.1f}",
+                     f"{statistics.median(paired):+.1f} ({min(paired):+.0f}..{max(paired):+.0f})", fails])
     out = table(
         f"Explorer (HTTP + recording) vs the bare HFEngine in-process; tiny model, max_tokens={MAX_TOKENS}, "
         f"1 torch thread, median of {rounds} interleaved rounds",
         ["conc", "bare c/s", "explorer c/s", "ratio", "bare tok/s", "explorer tok/s", "ratio",
-         "p50 bare ms", "p50 http-only ms", "p50 explorer ms", "recording adds ms", "failed"],
+         "p50 bare ms", "p50 http-only ms", "p50 explorer ms", "recording adds ms",
+         "paired (range)", "failed"],
         rows,
     )
-    recorded_n = next((line.split()[-1] for line in recorded.splitlines() if line.startswith("kaizen_experiences_recorded_total")), "?")
-    out += f"\n(experiences the explorer recorded during the run: {recorded_n}; http-only = the same server with recorder.enabled=false)"
+    def metric(name: str) -> float:
+        return next((float(line.split()[-1]) for line in recorded.splitlines() if line.startswith(name + " ")), float("nan"))
+
+    recorded_n = metric("kaizen_experiences_recorded_total")
+    handoffs, flushes = metric("kaizen_record_handoff_seconds_count"), metric("kaizen_recorder_flush_seconds_count")
+    out += (
+        f"\nRecording on the request path (build the records, queue them): mean "
+        f"{1e6 * metric('kaizen_record_handoff_seconds_sum') / handoffs:.0f} us per request over {handoffs:.0f} requests "
+        f"(goal: under 5 ms). Background writes: {flushes:.0f} batches, mean "
+        f"{1e3 * metric('kaizen_recorder_flush_seconds_sum') / flushes:.1f} ms each, "
+        f"{recorded_n / flushes:.1f} experiences per batch."
+    )
+    out += f"\n(experiences the explorer recorded during the run: {recorded_n:.0f}; http-only = the same server with recorder.enabled=false; "
+    out += "paired = median over rounds of the p50 difference between the two servers run back to back, with its range)"
     rate, stored = buffer_write_rate()
     out += table("Buffer sustained write rate (SQLite WAL, synchronous=FULL, batches of 512)",
                  ["experiences", "stored", "experiences/s"], [[20_000, stored, f"{rate:.0f}"]])

@@ -68,3 +68,106 @@ def make_explorer(tiny_model, tmp_path):
 @pytest.fixture
 def explorer(make_explorer) -> RunningExplorer:
     return make_explorer()
+
+
+# ---------------------------------------------------------------------------------------------
+# PostgreSQL: one throwaway server per test session, a fresh database per test.
+
+_PG_BIN_DIRS = ("/usr/lib/postgresql/15/bin", "/usr/local/bin", "/usr/bin")
+
+
+def _pg_tool(name: str) -> str | None:
+    import os
+    import shutil
+
+    for d in _PG_BIN_DIRS:
+        path = Path(d) / name
+        if path.is_file() and os.access(path, os.X_OK):
+            return str(path)
+    return shutil.which(name)
+
+
+@pytest.fixture(scope="session")
+def postgres_url():
+    """A PostgreSQL server of our own on 127.0.0.1 (trust auth, fsync on), for the whole session.
+
+    Yields the SQLAlchemy URL of its ``postgres`` database; use ``postgres_db_url`` for a fresh
+    database per test. PostgreSQL refuses to run as root, so as root the server runs as the
+    ``postgres`` system user (its data lives in a temporary directory that user owns). Skips when
+    the server binaries, or a user to run them as, are missing. Stopped (immediate) at session end.
+    """
+    import os
+    import pwd
+    import shutil
+    import subprocess
+    import tempfile
+    import time
+
+    from tests.helpers import free_port
+
+    initdb, pg_ctl = _pg_tool("initdb"), _pg_tool("pg_ctl")
+    if not (initdb and pg_ctl):
+        pytest.skip("PostgreSQL server binaries (initdb, pg_ctl) are not installed")
+    prefix: list[str] = []
+    owner = None
+    if os.geteuid() == 0:
+        runuser = shutil.which("runuser")
+        try:
+            owner = pwd.getpwnam("postgres")
+        except KeyError:
+            pytest.skip("running as root and there is no 'postgres' system user to run PostgreSQL as")
+        if not runuser:
+            pytest.skip("running as root and runuser is missing, so PostgreSQL cannot run as 'postgres'")
+        prefix = [runuser, "-u", "postgres", "--"]
+
+    base = Path(tempfile.mkdtemp(prefix="kaizen-pg-"))  # not under pytest's mode-700 tmp dirs
+    base.chmod(0o755)
+    if owner is not None:
+        os.chown(base, owner.pw_uid, owner.pw_gid)
+    data, log = base / "data", base / "server.log"
+
+    def pg(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+        return subprocess.run([*prefix, *args], cwd=base, capture_output=True, text=True, timeout=timeout,
+                              env={**os.environ, "LC_ALL": "C.UTF-8", "LANG": "C.UTF-8"})
+
+    started = False
+    try:
+        res = pg(initdb, "-D", str(data), "--auth=trust", "--username=postgres", "--encoding=UTF8",
+                 "--locale=C.UTF-8", "--no-sync")
+        if res.returncode != 0:
+            pytest.fail(f"initdb failed:\n{res.stdout}\n{res.stderr}")
+        for _attempt in range(3):  # the free port can be taken before the server binds it
+            port = free_port()
+            options = (f"-c listen_addresses=127.0.0.1 -p {port} -c unix_socket_directories={base} "
+                       "-c max_connections=300 -c fsync=on")
+            res = pg(pg_ctl, "-D", str(data), "-l", str(log), "-o", options, "-w", "-t", "60", "start")
+            if res.returncode == 0:
+                started = True
+                break
+            time.sleep(0.2)
+        if not started:
+            server_log = log.read_text(errors="replace") if log.exists() else ""
+            pytest.fail(f"PostgreSQL did not start:\n{res.stdout}\n{res.stderr}\n{server_log[-4000:]}")
+        yield f"postgresql+psycopg://postgres@127.0.0.1:{port}/postgres"
+    finally:
+        if started:
+            pg(pg_ctl, "-D", str(data), "-m", "immediate", "-w", "stop", timeout=60)
+        shutil.rmtree(base, ignore_errors=True)
+
+
+@pytest.fixture
+def postgres_db_url(postgres_url):
+    """A fresh, empty database on the session's PostgreSQL server, dropped after the test."""
+    import uuid
+
+    import psycopg
+    from sqlalchemy.engine import make_url
+
+    admin = make_url(postgres_url)
+    conninfo = dict(host=admin.host, port=admin.port, user=admin.username, dbname=admin.database, autocommit=True)
+    name = f"kaizen_{uuid.uuid4().hex[:16]}"
+    with psycopg.connect(**conninfo) as conn:
+        conn.execute(f'CREATE DATABASE "{name}"')
+    yield admin.set(database=name).render_as_string(hide_password=False)
+    with psycopg.connect(**conninfo) as conn:
+        conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')

@@ -1,8 +1,9 @@
 """A buffer with a known reward signal, sampled for real from the tiny model.
 
 Reward 1 when the response starts with a token of even id, 0 otherwise: a signal the base model
-hits about half the time, that depends on the response alone, and whose probability can be read
-off the model exactly (the total probability of even ids at the first response position).
+hits about half the time and that depends on the response alone. What the objectives optimize can
+be read off a model exactly: the share of probability it gives to the rewarded responses among
+the responses it trained on (``rewarded_share``).
 """
 
 from __future__ import annotations
@@ -38,7 +39,9 @@ async def _sample(model_path: Path, prompts: list[str], n: int, max_tokens: int,
     async def one(i: int, text: str):
         ids = prompt_ids(engine.tokenizer, text)
         choices = {}
-        req = GenerateRequest(request_id=str(i), prompt_token_ids=ids, params=SamplingParams(max_tokens=max_tokens), n=n)
+        # A seed per request: the samples do not depend on how the engine happened to batch them.
+        params = SamplingParams(max_tokens=max_tokens, seed=seed * 100_003 + i)
+        req = GenerateRequest(request_id=str(i), prompt_token_ids=ids, params=params, n=n)
         async for ups in engine.generate(req):
             for u in ups:
                 c = choices.setdefault(u.index, ([], []))
@@ -73,12 +76,28 @@ def fill_buffer(url: str, model_path: Path, *, agent: str = "default", n: int = 
     return records
 
 
-def even_first_token_probability(model, tokenizer, prompts: list[str] = PROMPTS) -> float:
-    """Mean over prompts of P(first response token has an even id), read exactly from the logits."""
-    probs = []
+def rewarded_share(model, experiences) -> float:
+    """How much of its probability the model gives to the rewarded responses among the responses
+    sampled for the same prompt: per prompt, sum of P(rewarded) / sum of P(all), averaged over the
+    prompts that have both kinds (each distinct response counted once).
+
+    ``experiences``: records with prompt_token_ids, response_token_ids and reward (0 or 1).
+    """
+    groups: dict[tuple, dict[tuple, float]] = {}
+    for e in experiences:
+        groups.setdefault(tuple(e.prompt_token_ids), {})[tuple(e.response_token_ids)] = float(e.reward)
+    shares = []
     with torch.no_grad():
-        for text in prompts:
-            logits = model(torch.tensor([prompt_ids(tokenizer, text)])).logits[0, -1].float()
-            p = torch.softmax(logits, -1)
-            probs.append(p[0::2].sum().item())
-    return sum(probs) / len(probs)
+        for prompt, responses in groups.items():
+            if len(set(responses.values())) < 2:
+                continue
+            logps = {}
+            for resp in responses:
+                ids = list(prompt) + list(resp)
+                logits = model(torch.tensor([ids])).logits[0, len(prompt) - 1: -1].float()
+                logps[resp] = torch.log_softmax(logits, -1).gather(-1, torch.tensor(resp).unsqueeze(-1)).sum()
+            all_lp = torch.stack(list(logps.values()))
+            rewarded = torch.stack([lp for r, lp in logps.items() if responses[r] == 1.0])
+            shares.append(torch.exp(torch.logsumexp(rewarded, 0) - torch.logsumexp(all_lp, 0)).item())
+    assert shares, "the trained batches must hold prompts with rewarded and unrewarded responses"
+    return sum(shares) / len(shares)

@@ -16,7 +16,7 @@ import torch
 
 from services.common import buffer, checkpoints
 from tests.helpers import REPO
-from tests.integration.trainer.data import even_first_token_probability, fill_buffer
+from tests.integration.trainer.data import fill_buffer, rewarded_share
 
 pytestmark = pytest.mark.integration
 
@@ -46,6 +46,22 @@ def _args(tiny_model, run: Path, ray_address: str, *extra: str) -> list[str]:
     ]
 
 
+def _share_gain(url: str, base_model, adapter_path) -> float:
+    """``rewarded_share`` over every experience the run took from the buffer (trained on, or
+    discarded as SFT does with the unrewarded ones): with the adapter minus without it."""
+    from peft import PeftModel
+
+    db = buffer.create_buffer_engine(url)
+    seen = [e for status in ("consumed", "discarded") for e in buffer.list_experiences(engine=db, status=status, limit=100_000)]
+    db.dispose()
+    model, _ = base_model
+    peft_model = PeftModel.from_pretrained(model, str(adapter_path))
+    with peft_model.disable_adapter():
+        before = rewarded_share(peft_model, seen)
+    after = rewarded_share(peft_model, seen)
+    return after - before
+
+
 def _copy_db(sampled_db: Path, run: Path) -> str:
     run.mkdir(parents=True, exist_ok=True)
     shutil.copy(sampled_db, run / "buffer.db")
@@ -68,8 +84,6 @@ def _adapter(run: Path, version: int) -> dict[str, torch.Tensor]:
 
 @pytest.mark.parametrize("algorithm, steps", [("ppo", 5), ("grpo", 5), ("sft", 4)])
 def test_each_algorithm_raises_the_rewarded_probability(algorithm, steps, tiny_model, sampled_db, base_model, ray_address, tmp_path):
-    from peft import PeftModel
-
     url = _copy_db(sampled_db, tmp_path)
     log = _train(tiny_model, tmp_path, ray_address, f"algorithm.name={algorithm}", "--max-steps", str(steps))
     root = tmp_path / "ck"
@@ -80,14 +94,9 @@ def test_each_algorithm_raises_the_rewarded_probability(algorithm, steps, tiny_m
     v = checkpoints.validate_version(root, "default", steps)
     manifest = v.manifest()
     assert manifest["algorithm"] == algorithm and manifest["step"] == steps and manifest["experience_count"] == 16
-    model, tok = base_model
-    trained = PeftModel.from_pretrained(model, str(v.path))
-    # (b) the rewarded responses (first token of even id) became more likely than under the base model
-    with trained.disable_adapter():
-        before = even_first_token_probability(trained, tok)
-    after = even_first_token_probability(trained, tok)
-    print("LEARN", algorithm, before, after)
-    assert after > before + 0.02, (algorithm, before, after)
+    # (b) among the responses it trained on, it gives the rewarded ones a larger share of probability
+    gain = _share_gain(url, base_model, v.path)
+    assert gain > 0.04, (algorithm, gain)  # measured +0.09 to +0.30 over buffers sampled with seeds 0 and 1
     # lineage: what each version trained on is recorded in the buffer and the manifest
     db = buffer.create_buffer_engine(url)
     consumed = buffer.consumed_ids(engine=db)
@@ -111,18 +120,11 @@ def test_each_algorithm_raises_the_rewarded_probability(algorithm, steps, tiny_m
 
 @pytest.mark.parametrize("algorithm", ["ppo", "grpo"])
 def test_sequence_level_actions_learn_too(algorithm, tiny_model, sampled_db, base_model, ray_address, tmp_path):
-    from peft import PeftModel
-
     _copy_db(sampled_db, tmp_path)
     _train(tiny_model, tmp_path, ray_address, f"algorithm.name={algorithm}", "algorithm.level=sequence",
            "algorithm.sequence_logprob=sum", "--max-steps", "5")
-    model, tok = base_model
-    trained = PeftModel.from_pretrained(model, str(tmp_path / "ck" / "default" / "v5"))
-    with trained.disable_adapter():
-        before = even_first_token_probability(trained, tok)
-    after = even_first_token_probability(trained, tok)
-    print("LEARN-seq", algorithm, before, after)
-    assert after > before + 0.02
+    gain = _share_gain(f"sqlite:///{tmp_path}/buffer.db", base_model, tmp_path / "ck" / "default" / "v5")
+    assert gain > 0.04, (algorithm, gain)
 
 
 def _steps_in_db(url: str) -> list[int]:

@@ -1,4 +1,4 @@
-"""Buffer functions against a real SQLite database (one per test)."""
+"""Buffer functions against a real SQLite database (one per test); rerun on PostgreSQL by the integration tier."""
 
 from __future__ import annotations
 
@@ -20,8 +20,14 @@ def _exp(cid: str, i: int, task: str | None = "t1") -> Experience:
 
 
 @pytest.fixture
-def db(tmp_path):
-    engine = buffer.create_buffer_engine(f"sqlite:///{tmp_path}/b.db")
+def buffer_url(tmp_path) -> str:
+    """The database under test; tests/integration/common/test_buffer_postgres.py overrides it."""
+    return f"sqlite:///{tmp_path}/b.db"
+
+
+@pytest.fixture
+def db(buffer_url):
+    engine = buffer.create_buffer_engine(buffer_url)
     buffer.insert_experiences(engine=engine, records=[_exp("c1", 0), _exp("c1", 1), _exp("c2", 0, task="t2")])
     yield engine
     engine.dispose()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+from concurrent.futures import ThreadPoolExecutor
 import time
 
 import pytest
@@ -59,21 +60,60 @@ def test_mark_follows_tasks_and_threads_started_inside():
     def probe(name):
         seen[name] = s.should_select(RequestInfo()).selected
 
+    async def aprobe(name):
+        probe(name)
+
+    class Worker(threading.Thread):  # a subclass with its own run()
+        def run(self):
+            probe("subclass")
+
+    def spawn_nested():
+        probe("thread")
+        inner = threading.Thread(target=probe, args=("nested",))
+        inner.start()
+        inner.join()
+
     async def main():
         with mark("m"):
-            await asyncio.gather(asyncio.create_task(asyncio.sleep(0, result=probe("task"))))
+            await asyncio.create_task(aprobe("task"))
             await asyncio.to_thread(probe, "to_thread")
-            t = ContextThread(target=probe, args=("thread",))
-            t.start()
-            t.join()
+            for t in (threading.Thread(target=spawn_nested), Worker(), ContextThread(target=probe, args=("context",))):
+                t.start()
+                t.join()
             with ContextThreadPoolExecutor(2) as pool:
-                pool.submit(probe, "pool").result()
-        plain = threading.Thread(target=probe, args=("outside",))
-        plain.start()
-        plain.join()
+                pool.submit(probe, "context-pool").result()
+            # A plain pool's worker outlives this task and must not carry the mark into later ones.
+            plain_pool = ThreadPoolExecutor(1)
+            plain_pool.submit(probe, "pool-inside").result()
+        plain_pool.submit(probe, "pool-later").result()
+        plain_pool.shutdown()
+        after = threading.Thread(target=probe, args=("outside",))
+        after.start()
+        after.join()
 
     asyncio.run(main())
-    assert seen == {"task": True, "to_thread": True, "thread": True, "pool": True, "outside": False}
+    assert seen == {"task": True, "to_thread": True, "thread": True, "nested": True, "subclass": True,
+                    "context": True, "context-pool": True, "pool-inside": False, "pool-later": False,
+                    "outside": False}
+
+
+def test_current_run_follows_threads_started_inside_it():
+    from runner_sdk.client import _current_run, _enter_run, current_run
+    from runner_sdk.records import AgentRun
+
+    run = AgentRun(task_id="t", run_id="0", input=None, selected=True)
+    seen = {}
+    token = _enter_run(run)
+    try:
+        t = threading.Thread(target=lambda: seen.setdefault("inside", current_run()))
+        t.start()
+        t.join()
+    finally:
+        _current_run.reset(token)
+    t = threading.Thread(target=lambda: seen.setdefault("after", current_run()))
+    t.start()
+    t.join()
+    assert seen == {"inside": run, "after": None}
 
 
 def test_mark_as_decorator_sync_and_async():
