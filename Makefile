@@ -12,7 +12,7 @@ PYTEST_ARGS ?=
 # GPU machines: VLLM=none, then `.venv/bin/pip install -e '.[vllm]'`.
 VLLM   ?= cpu
 
-.PHONY: all install demo test test-unit bench tiny-model clean
+.PHONY: all install postgres demo test test-unit bench tiny-model clean
 
 all: test
 
@@ -41,7 +41,17 @@ tiny-model: $(TINY)/config.json
 demo: $(STAMP)
 	$(BIN)/kaizen demo --config configs/demo.yaml
 
-test: $(STAMP)
+# The PostgreSQL tests start their own server from the server binaries (initdb, pg_ctl): install
+# them with apt when they are missing and we can; otherwise those tests skip and say why.
+postgres:
+	@if command -v initdb >/dev/null 2>&1 || ls /usr/lib/postgresql/*/bin/initdb >/dev/null 2>&1; then :; \
+	elif [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+		echo "installing the PostgreSQL server binaries for the PostgreSQL tests"; \
+		(apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq postgresql) >/dev/null 2>&1 \
+			|| echo "could not install PostgreSQL: the PostgreSQL tests will skip"; \
+	else echo "no PostgreSQL server binaries (apt-get install postgresql): the PostgreSQL tests will skip"; fi
+
+test: $(STAMP) postgres
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
 test-unit: $(STAMP)

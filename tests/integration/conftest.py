@@ -73,14 +73,14 @@ def explorer(make_explorer) -> RunningExplorer:
 # ---------------------------------------------------------------------------------------------
 # PostgreSQL: one throwaway server per test session, a fresh database per test.
 
-_PG_BIN_DIRS = ("/usr/lib/postgresql/15/bin", "/usr/local/bin", "/usr/bin")
-
 
 def _pg_tool(name: str) -> str | None:
+    """The newest Debian-packaged PostgreSQL's tool, else the one on PATH."""
     import os
     import shutil
 
-    for d in _PG_BIN_DIRS:
+    debian = sorted(Path("/usr/lib/postgresql").glob("*/bin"), key=lambda p: int(p.parent.name) if p.parent.name.isdigit() else 0)
+    for d in [*reversed(debian), Path("/usr/local/bin"), Path("/usr/bin")]:
         path = Path(d) / name
         if path.is_file() and os.access(path, os.X_OK):
             return str(path)
