@@ -71,7 +71,7 @@ def report(demo, evals, start_version: int, serving: dict, seconds: float) -> in
         lines.append(f"  {e.label + f' (v{e.version})':<{width}} {e.mean:5.2f} ± {e.ci95:.2f}")
     lines.append("")
     if len(evals) > 2:
-        lines.append(f"  warm start gave      {evals[1].mean - evals[0].mean:+.2f}  (supervised, random labels: format only)")
+        lines.append(f"  warm start gave      {evals[1].mean - evals[0].mean:+.2f}  (supervised on a last-digit code that is right for half the digits)")
     lines.append(f"  online loop gave     {final.mean - start.mean:+.2f}  (v{start.version} -> v{final.version}, "
                  f"same run, measured through the Explorer)")
     total = sum(counts.values())

@@ -2,7 +2,7 @@
 
     kaizen demo [--config configs/demo.yaml] [dotted.key=value ...]
 
-1. builds the tiny model if it is missing; 2. a format-only warm start (random labels) published
+1. builds the tiny model if it is missing; 2. a warm start that teaches the format, not the rule (see task.warm_start_code), published
 as v1; 3. a real Explorer and a real Trainer, as separate processes sharing a SQLite buffer and a
 checkpoint folder in the run folder, and a simulated agent app (the runner SDK's EnvironmentRunner)
 asking "Is N even or odd?"; 4. progress while it runs; 5. a table of held-out reward before and
@@ -121,7 +121,7 @@ class Demo:
     # ------------------------------------------------------------------ steps
 
     def warm_start(self, trainer_cfg: dict) -> None:
-        """Format-only SFT (random labels) of a fresh adapter, published as v1 through the normal layout."""
+        """SFT of a fresh adapter on the no-information code (task.warm_start_code), published as v1 through the normal layout."""
         from services.trainer.batches import TrainItem
         from services.trainer.learner import LearnerWorker
 
@@ -134,10 +134,10 @@ class Demo:
         tok = worker.policy.tokenizer
         end = tok.convert_tokens_to_ids("<|im_end|>")
         items = []
-        for n, label in self.split.warm_start:
+        for i, (n, label) in enumerate(self.split.warm_start):
             prompt = tok.apply_chat_template([{"role": "user", "content": parity.question(n)}], add_generation_prompt=True, tokenize=False)
             resp = tok.encode(label, add_special_tokens=False) + [end]
-            items.append(TrainItem(experience_id=f"warm-{n}", task_id=None, model_version=0,
+            items.append(TrainItem(experience_id=f"warm-{i}", task_id=None, model_version=0,
                                    prompt_ids=tok.encode(prompt, add_special_tokens=False), response_ids=resp,
                                    old_logprobs=[0.0] * len(resp), reward=1.0, temperature=1.0))
         items = [asdict(i) for i in items]
@@ -145,7 +145,7 @@ class Demo:
         for step in range(ws.steps):
             worker.train_step(self.cfg.agent, items, norms, step, 0)
         worker.publish(self.cfg.agent, str(self.root), 1, {
-            "step": 0, "algorithm": "warm-start (sft on random labels: format only)", "base_model": self.cfg.model_path,
+            "step": 0, "algorithm": "warm-start (sft on a last-digit code right for half the digits: no parity information)", "base_model": self.cfg.model_path,
             "examples": len(items), "sft_steps": ws.steps})
 
     def start_services(self, explorer_cfg: dict, trainer_cfg: dict) -> None:
@@ -302,8 +302,8 @@ def run_demo(config_path: str | None, overrides: list[str]) -> int:
     explorer_cfg, trainer_cfg = demo.explorer_config(), demo.trainer_config()
     say(f"- run folder: {run}")
     if cfg.warm_start.enabled:
-        say(f"- warm start: {cfg.warm_start.steps} SFT steps on {cfg.warm_start.examples} questions with RANDOM labels "
-            "(teaches the format 'even'/'odd', not the rule) -> v1")
+        say(f"- warm start: {cfg.warm_start.steps} SFT steps on {cfg.warm_start.examples} questions labelled by a code of the "
+            "last digit that is WRONG for half the digits (teaches the format and where to look, not the rule) -> v1")
         demo.warm_start(trainer_cfg)
     start_version = demo.start_version
     say("- starting the Explorer and the Trainer (separate processes, shared SQLite buffer and checkpoints)")

@@ -82,6 +82,8 @@ class AdapterRegistry:
         self.agents: dict[str, AgentState] = {}
         self._pinned: dict[tuple[str, int], AdapterHandle] = {}
         self._ids = itertools.count(1)
+        self._used_names: set[str] = set()
+        self._loaded: dict[str, AdapterHandle] = {}  # by adapter name: every load not yet removed
         self._pending_removals: set[asyncio.Task] = set()
         self.replica_id = replica_id or f"{socket.gethostname()}-{os.getpid()}"
         self._on_reload = on_reload
@@ -90,8 +92,15 @@ class AdapterRegistry:
     # ------------------------------------------------------------------ loading
 
     def _new_ref(self, agent: str, version: int, path: Path) -> AdapterRef:
+        """A name and id never used before in this process, also when a version is loaded again
+        (pinned after it was released): an engine may still be removing the previous load under
+        the old name, and vLLM serves stale weights for a reused name or id."""
         n = next(self._ids)
-        return AdapterRef(agent=agent, version=version, name=f"{agent}-v{version}", int_id=n, path=str(path))
+        name = f"{agent}-v{version}"
+        if name in self._used_names:
+            name = f"{name}-load{n}"
+        self._used_names.add(name)
+        return AdapterRef(agent=agent, version=version, name=name, int_id=n, path=str(path))
 
     async def start(self) -> None:
         """Load the newest version of every configured or discovered agent."""
@@ -122,6 +131,7 @@ class AdapterRegistry:
                 return False
             old = state.current
             state.current = AdapterHandle(agent=agent, version=latest, ref=ref)
+            self._loaded[ref.name] = state.current
             state.failed_version = None
             elapsed = time.perf_counter() - t0
             state.reloads += 1
@@ -190,7 +200,7 @@ class AdapterRegistry:
                 return agent, _base_handle(agent), 0
             if state.current.version == version:
                 return agent, state.current, version
-            handle = self._pinned.get((agent, version))
+            handle = self._pinned.get((agent, version)) or self._leased(agent, version)
             return agent, handle, version
         raise UnknownModel(model)
 
@@ -201,10 +211,18 @@ class AdapterRegistry:
         handle.leases += 1
         return handle
 
+    def _leased(self, agent: str, version: int) -> AdapterHandle | None:
+        """A retired load of this version that requests still hold. Safe to share: a handle is only
+        removed once its leases reach zero, and sharing needs them above zero."""
+        for h in self._loaded.values():
+            if h.agent == agent and h.version == version and h.leases > 0 and h.ref is not None:
+                return h
+        return None
+
     async def _load_pinned(self, agent: str, version: int) -> AdapterHandle:
         state = self.agents[agent]
         async with state.lock:
-            handle = self._pinned.get((agent, version))
+            handle = self._pinned.get((agent, version)) or self._leased(agent, version)
             if handle is not None:
                 return handle
             try:
@@ -215,6 +233,7 @@ class AdapterRegistry:
             await self._engine.add_adapter(ref)
             handle = AdapterHandle(agent=agent, version=version, ref=ref, retired=True)
             self._pinned[(agent, version)] = handle
+            self._loaded[ref.name] = handle
             self.write_serving_files()
             return handle
 
@@ -244,27 +263,30 @@ class AdapterRegistry:
         self._pending_removals.add(task)
         task.add_done_callback(self._pending_removals.discard)
 
-    async def _remove(self, handle: AdapterHandle) -> None:
-        if handle.leases > 0 or handle.ref is None:
-            return
-        try:
-            await self._engine.remove_adapter(handle.ref)
+    async def _remove(self, handle: AdapterHandle, attempts: int = 5) -> None:
+        for attempt in range(attempts):
+            if handle.leases > 0 or handle.ref is None:
+                return  # leased again (its last release will schedule the removal) or already gone
+            try:
+                await self._engine.remove_adapter(handle.ref)
+            except Exception as e:  # e.g. the engine has not pruned a just-finished request yet
+                if attempt + 1 == attempts:
+                    log.error("removing adapter %s failed %d times, leaving it loaded: %s", handle.ref.name, attempts, e)
+                    return
+                await asyncio.sleep(0.2 * 2**attempt)
+                continue
             log.info("agent %s: released v%d", handle.agent, handle.version)
-        except Exception:
-            log.exception("removing adapter %s failed", handle.ref.name)
-        handle.ref = None if handle.leases <= 0 else handle.ref
-        self.write_serving_files()
+            self._loaded.pop(handle.ref.name, None)
+            handle.ref = None
+            self.write_serving_files()
+            return
 
     # ------------------------------------------------------------------ reporting
 
     def in_use(self, agent: str) -> list[int]:
-        """Versions of ``agent`` this replica may still read from disk."""
-        state = self.agents.get(agent)
-        versions = set()
-        if state and state.current.ref is not None:
-            versions.add(state.current.version)
-        versions |= {v for (a, v), h in self._pinned.items() if a == agent}
-        return sorted(versions)
+        """Versions of ``agent`` this replica may still read from disk: every load not yet removed
+        from the engine (the current version, pinned ones, retired ones still leased or being removed)."""
+        return sorted({h.version for h in self._loaded.values() if h.agent == agent})
 
     def write_serving_files(self) -> None:
         """Tell the Trainer which versions this replica still needs (refreshed by watch())."""

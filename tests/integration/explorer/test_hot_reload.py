@@ -102,16 +102,18 @@ def test_old_version_stays_loaded_while_a_request_still_uses_it(served, adapters
     first = next(iter(stream))  # the request is running on v1
     publish_adapter(adapters[2], root, "guide", 2)
     _wait_version(ex, 2)
-    assert "guide-v1" in ex.state.engine.adapters and ex.state.registry.in_use("guide") == [2]
+    # v1 stays loaded, and reported as in use (its folder must stay), until its last request ends.
+    assert "guide-v1" in ex.state.engine.adapters and ex.state.registry.in_use("guide") == [1, 2]
     assert _answer(ex).choices[0].message.content == TARGETS[2]  # new requests get v2 meanwhile
     rest = list(stream)
     assert sum(1 for c in rest for ch in c.choices if ch.finish_reason in ("stop", "length")) == 8
     exp = ex.http.get(f"/experiences/{first.choices[0].model_extra['experience_id']}").json()
     assert exp["model_version"] == 1
     deadline = time.monotonic() + 10
-    while "guide-v1" in ex.state.engine.adapters and time.monotonic() < deadline:
+    while ("guide-v1" in ex.state.engine.adapters or ex.state.registry.in_use("guide") != [2]) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert set(ex.state.engine.adapters) == {"guide-v2"}
+    assert ex.state.registry.in_use("guide") == [2]
 
 
 def test_broken_version_is_refused_and_the_old_one_keeps_serving(served, adapters, caplog):
@@ -137,3 +139,39 @@ def test_serving_file_tells_the_trainer_what_is_in_use(served):
     ex, root = served
     body = json.loads(next((root / "guide" / ".serving").glob("*.json")).read_text())
     assert body["versions"] == [1] and time.time() - body["updated_at"] < 30
+
+
+def test_requests_pinned_to_a_version_keep_working_while_it_is_retired(served, adapters):
+    """Clients pinned to `guide@v1` (the current version) keep asking while v2 and then v3 go live:
+    v1 is retired under them, its last lease ends while new pinned requests arrive, and it is loaded
+    again as a pinned version. Every answer must come from v1 and none may fail."""
+    ex, root = served
+    stop, failures, answers = threading.Event(), [], []
+
+    def pinned():
+        while not stop.is_set():
+            try:
+                r = ex.client.chat.completions.create(model="guide@v1", messages=ASK, temperature=0, max_tokens=12)
+                answers.append(r.choices[0].message.content)
+            except Exception as e:  # noqa: BLE001 - any failure is what this test is about
+                failures.append(repr(e))
+
+    threads = [threading.Thread(target=pinned) for _ in range(4)]
+    for t in threads:
+        t.start()
+    try:
+        for version in (2, 3):
+            time.sleep(1.0)
+            publish_adapter(adapters[version], root, "guide", version)
+            _wait_version(ex, version)
+        time.sleep(1.0)
+    finally:
+        stop.set()
+        for t in threads:
+            t.join()
+    assert not failures, failures[:3]
+    assert answers and set(answers) == {TARGETS[1]}
+    deadline = time.monotonic() + 10
+    while ex.state.registry.in_use("guide") != [3] and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert ex.state.registry.in_use("guide") == [3] and set(ex.state.engine.adapters) == {"guide-v3"}
