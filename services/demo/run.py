@@ -2,9 +2,9 @@
 
     kaizen demo [--config configs/demo.yaml] [dotted.key=value ...]
 
-1. builds the tiny model if it is missing; 2. a warm start that teaches the format, not the rule (see task.warm_start_code), published
-as v1; 3. a real Explorer and a real Trainer, as separate processes sharing a SQLite buffer and a
-checkpoint folder in the run folder, and a simulated agent app (the runner SDK's EnvironmentRunner)
+1. builds the tiny model if it is missing; 2. a warm start that teaches the format, not the rule
+(see task.warm_start_code), published as v1; 3. a real Explorer and a real Trainer, as separate
+processes sharing a SQLite buffer and a checkpoint folder in the run folder, and a simulated agent app (the runner SDK's EnvironmentRunner)
 asking "Is N even or odd?"; 4. progress while it runs; 5. a table of held-out reward before and
 after, and a plot of reward against time and version in the run folder.
 """

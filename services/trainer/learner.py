@@ -46,7 +46,7 @@ def _undo_ray_niceness() -> None:
         nice = os.getpriority(os.PRIO_PROCESS, 0)
         if nice > 0:
             os.setpriority(os.PRIO_PROCESS, 0, 0)
-    except (PermissionError, OSError) as e:
+    except OSError as e:  # PermissionError without CAP_SYS_NICE
         log.warning("learner runs at nice %s (could not lower it: %s); start Ray with RAY_worker_niceness=0", nice, e)
 
 

@@ -33,6 +33,17 @@ def train_adapter(model_path: Path, prompt_ids: list[int], target_ids: list[int]
     return model
 
 
+def train_reply_adapter(model_path: Path, messages: list[dict], reply: str, *, tools: list[dict] | None = None):
+    """A peft model whose adapter answers ``messages`` (rendered by the chat template, with
+    ``tools``) with exactly ``reply`` and then ends its turn."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model_path)
+    prompt = tok.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=False)
+    target = tok.encode(reply, add_special_tokens=False) + [tok.convert_tokens_to_ids("<|im_end|>")]
+    return train_adapter(model_path, tok.encode(prompt, add_special_tokens=False), target)
+
+
 def publish_adapter(model, root: Path, agent: str, version: int) -> Path:
     v = publish_version(root, agent, version, lambda d: model.save_pretrained(d), {"step": 0, "algorithm": "test"})
     return v.path

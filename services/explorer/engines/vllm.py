@@ -26,6 +26,7 @@ import contextlib
 import logging
 import os
 import threading
+from types import SimpleNamespace
 from typing import Any, AsyncIterator
 
 from services.explorer.engines.base import (
@@ -44,7 +45,8 @@ log = logging.getLogger(__name__)
 _SPAWN_LOCK = threading.Lock()
 
 
-def _import_vllm():
+def _import_vllm() -> SimpleNamespace:
+    """The vLLM classes this engine uses (imported on start: vllm is an optional dependency)."""
     try:
         import vllm  # noqa: F401
     except ImportError as e:
@@ -59,7 +61,8 @@ def _import_vllm():
     from vllm.sampling_params import RequestOutputKind
     from vllm.v1.engine.async_llm import AsyncLLM
 
-    return AsyncEngineArgs, VSamplingParams, TokensPrompt, LoRARequest, RequestOutputKind, AsyncLLM
+    return SimpleNamespace(AsyncEngineArgs=AsyncEngineArgs, SamplingParams=VSamplingParams, TokensPrompt=TokensPrompt,
+                           LoRARequest=LoRARequest, RequestOutputKind=RequestOutputKind, AsyncLLM=AsyncLLM)
 
 
 def _on_cpu() -> bool:
@@ -111,7 +114,7 @@ class VLLMEngine:
         self.tokenizer: Any = None
         self.max_model_len: int = 0
         self._llm: Any = None
-        self._v: tuple | None = None
+        self._vllm: SimpleNamespace | None = None
         self._loras: dict[str, Any] = {}  # adapter name -> LoRARequest
         self._inflight = 0
         self._requests: set[str] = set()
@@ -121,7 +124,8 @@ class VLLMEngine:
 
     def engine_args(self) -> Any:
         """The AsyncEngineArgs this engine starts with (config first, then ``extra_args`` on top)."""
-        AsyncEngineArgs = self._v[0]
+        if self._vllm is None:
+            self._vllm = _import_vllm()
         kw: dict[str, Any] = dict(
             model=self.model_path,
             dtype=self._dtype,
@@ -142,13 +146,12 @@ class VLLMEngine:
         if self._kv_cache_gib is not None:
             kw["kv_cache_memory_bytes"] = int(self._kv_cache_gib * 2**30)
         kw.update(self._extra)
-        return AsyncEngineArgs(**kw)
+        return self._vllm.AsyncEngineArgs(**kw)
 
     async def start(self) -> None:
         from transformers import AutoTokenizer
 
-        self._v = _import_vllm()
-        AsyncLLM = self._v[5]
+        self._vllm = _import_vllm()
         self.tokenizer = await asyncio.to_thread(AutoTokenizer.from_pretrained, self.model_path)
         args = self.engine_args()
         if _on_cpu() and self._kv_cache_gib is None and "kv_cache_memory_bytes" not in self._extra:
@@ -162,7 +165,7 @@ class VLLMEngine:
             if self._visible_devices is not None:
                 os.environ["CUDA_VISIBLE_DEVICES"] = self._visible_devices
             try:
-                self._llm = await asyncio.to_thread(AsyncLLM.from_engine_args, args)
+                self._llm = await asyncio.to_thread(self._vllm.AsyncLLM.from_engine_args, args)
             finally:
                 if self._visible_devices is not None:
                     if saved is None:
@@ -187,9 +190,9 @@ class VLLMEngine:
     # ------------------------------------------------------------------ generation
 
     def _sampling(self, request: GenerateRequest) -> Any:
-        _, VSamplingParams, _, _, RequestOutputKind, _ = self._v
+        v = self._vllm
         p = request.params
-        return VSamplingParams(
+        return v.SamplingParams(
             n=request.n,
             temperature=p.temperature,
             top_p=p.top_p,
@@ -197,7 +200,7 @@ class VLLMEngine:
             stop=list(p.stop) or None,
             seed=p.seed,
             logprobs=p.top_logprobs,  # vLLM always adds the sampled token's own logprob
-            output_kind=RequestOutputKind.DELTA if request.stream else RequestOutputKind.FINAL_ONLY,
+            output_kind=v.RequestOutputKind.DELTA if request.stream else v.RequestOutputKind.FINAL_ONLY,
             skip_special_tokens=True,
         )
 
@@ -208,13 +211,12 @@ class VLLMEngine:
             raise EngineError(f"vLLM engine {self.name} is dead")
         if self._inflight >= self.max_waiting:
             raise EngineOverloaded(f"{self._inflight} requests already in flight")
-        TokensPrompt = self._v[2]
         lora = None
         if request.adapter is not None:
             lora = self._loras.get(request.adapter.name)
             if lora is None:
                 raise EngineError(f"adapter {request.adapter.name} is not loaded in engine {self.name}")
-        prompt = TokensPrompt(prompt_token_ids=list(request.prompt_token_ids))
+        prompt = self._vllm.TokensPrompt(prompt_token_ids=list(request.prompt_token_ids))
         sampling = self._sampling(request)
         top_k = request.params.top_logprobs
         remaining = request.n
@@ -238,9 +240,7 @@ class VLLMEngine:
                     break
         except EngineError:
             raise
-        except (asyncio.CancelledError, GeneratorExit):
-            raise
-        except Exception as e:
+        except Exception as e:  # (cancellation and generator close are BaseExceptions: they pass)
             raise EngineError(f"vLLM engine {self.name} failed: {e}") from e
         finally:
             self._inflight -= 1
@@ -261,8 +261,7 @@ class VLLMEngine:
     async def add_adapter(self, adapter: AdapterRef) -> None:
         if self._llm is None:
             raise EngineError("engine is not running")
-        LoRARequest = self._v[3]
-        lora = LoRARequest(lora_name=adapter.name, lora_int_id=adapter.int_id, lora_path=adapter.path)
+        lora = self._vllm.LoRARequest(lora_name=adapter.name, lora_int_id=adapter.int_id, lora_path=adapter.path)
         try:
             ok = await self._llm.add_lora(lora)
         except Exception as e:

@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from tests.integration.adapters import publish_adapter, train_adapter
+from tests.integration.adapters import publish_adapter, train_reply_adapter
 
 pytestmark = pytest.mark.integration
 
@@ -20,13 +20,7 @@ CALL_TEXT = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "paris"}
 @pytest.fixture(scope="module")
 def tool_adapter(tiny_model):
     """An adapter trained (a few SFT steps) to answer ASK with a get_weather call, then stop."""
-    from transformers import AutoTokenizer
-
-    tok = AutoTokenizer.from_pretrained(tiny_model)
-    prompt = tok.encode(tok.apply_chat_template(ASK, tools=TOOLS, add_generation_prompt=True, tokenize=False),
-                        add_special_tokens=False)
-    target = tok.encode(CALL_TEXT, add_special_tokens=False) + [tok.convert_tokens_to_ids("<|im_end|>")]
-    return train_adapter(tiny_model, prompt, target)
+    return train_reply_adapter(tiny_model, ASK, CALL_TEXT, tools=TOOLS)
 
 
 @pytest.fixture

