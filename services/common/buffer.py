@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import sqlite3
+import time
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
@@ -133,8 +135,48 @@ def create_buffer_engine(url: str, *, create_tables: bool = True) -> Engine:
     else:
         engine = create_engine(url, pool_pre_ping=True, pool_size=8, max_overflow=8)
     if create_tables:
-        metadata.create_all(engine)
+        _create_tables(engine)
     return engine
+
+
+# Any fixed 64-bit key: serialises table creation across processes sharing a PostgreSQL database.
+_SCHEMA_LOCK_KEY = 0x4B61697A656E
+
+
+def _create_tables(engine: Engine) -> None:
+    """Create the tables if missing, safely when several services start on one database at once.
+
+    The check-then-create runs inside one write transaction (SQLite: ``BEGIN IMMEDIATE``;
+    PostgreSQL: a transaction-scoped advisory lock), so a second process waits and then finds the
+    tables instead of failing with "database is locked" or "already exists".
+    """
+    with write_transaction(engine) as conn:
+        if conn.dialect.name == "postgresql":
+            conn.execute(select(func.pg_advisory_xact_lock(_SCHEMA_LOCK_KEY)))
+        metadata.create_all(conn)
+
+
+_SQLITE_BUSY_TIMEOUT_S = 60.0
+
+
+def _enable_wal(cur: sqlite3.Cursor) -> None:
+    """Switch the database to WAL, waiting out other processes doing the same.
+
+    Changing the journal mode needs an exclusive lock and, unlike ordinary statements, can fail with
+    "database is locked" at once instead of waiting on the busy timeout (seen when an Explorer and a
+    Trainer open a fresh database together), so it is retried here.
+    """
+    deadline = time.monotonic() + _SQLITE_BUSY_TIMEOUT_S
+    delay = 0.01
+    while True:
+        try:
+            cur.execute("PRAGMA journal_mode=WAL")
+            return
+        except sqlite3.OperationalError as exc:
+            if "locked" not in str(exc) or time.monotonic() + delay > deadline:
+                raise
+            time.sleep(delay)
+            delay = min(delay * 2, 0.5)
 
 
 def _configure_sqlite(engine: Engine) -> None:
@@ -142,9 +184,9 @@ def _configure_sqlite(engine: Engine) -> None:
     def _on_connect(dbapi_conn, _record):  # pragma: no cover - exercised by every sqlite test
         dbapi_conn.isolation_level = None  # we emit BEGIN ourselves, below
         cur = dbapi_conn.cursor()
-        cur.execute("PRAGMA journal_mode=WAL")
+        cur.execute(f"PRAGMA busy_timeout={int(_SQLITE_BUSY_TIMEOUT_S * 1000)}")
+        _enable_wal(cur)
         cur.execute("PRAGMA synchronous=FULL")  # a 2xx promises the change survives power loss
-        cur.execute("PRAGMA busy_timeout=60000")
         cur.close()
 
     @event.listens_for(engine, "begin")

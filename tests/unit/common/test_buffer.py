@@ -107,3 +107,37 @@ def test_consume_batch_is_atomic_with_its_step(db):
     assert (last["step"], last["version"], last["state_ref"], last["consumed"]) == (1, 1, "s1", 2)
     with pytest.raises(buffer.BatchChanged):  # already consumed: never twice
         buffer.consume_batch(engine=db, agent="a", step=2, version=2, consumed={"c1-0": 1.0}, discarded=[], state_ref="s2")
+
+
+def _start_service(url: str, name: str, barrier, results) -> None:
+    """One service process starting on the buffer: open it (creating tables) and record a row."""
+    try:
+        barrier.wait(timeout=60)
+        engine = buffer.create_buffer_engine(url)
+        buffer.insert_experiences(engine=engine, records=[_exp(name, 0)])
+        engine.dispose()
+        results.put((name, None))
+    except Exception as e:  # noqa: BLE001 - reported to the test
+        results.put((name, repr(e)))
+
+
+def test_services_starting_together_on_a_fresh_database_all_start(buffer_url):
+    """An Explorer and a Trainer (or replicas) started at once on a new database must not fail with
+    "database is locked" (SQLite's switch to WAL) or "already exists" (racing table creation)."""
+    import multiprocessing
+
+    ctx = multiprocessing.get_context("fork")  # released together by the barrier, no re-import
+    n = 6
+    barrier, results = ctx.Barrier(n), ctx.Queue()
+    procs = [ctx.Process(target=_start_service, args=(buffer_url, f"s{i}", barrier, results)) for i in range(n)]
+    for p in procs:
+        p.start()
+    outcomes = dict(results.get(timeout=120) for _ in procs)
+    for p in procs:
+        p.join(timeout=60)
+    assert {name: err for name, err in outcomes.items() if err} == {}
+    engine = buffer.create_buffer_engine(buffer_url)
+    assert sorted(buffer.get_experience(engine=engine, experience_id=f"s{i}-0").completion_id for i in range(n)) == [
+        f"s{i}" for i in range(n)
+    ]
+    engine.dispose()
