@@ -119,6 +119,9 @@ def utcnow() -> datetime:
     return datetime.now(timezone.utc)
 
 
+_SQLITE_BUSY_TIMEOUT_S = 60.0
+
+
 def create_buffer_engine(url: str, *, create_tables: bool = True) -> Engine:
     """An Engine on ``url`` with the settings every service needs, tables created if missing."""
     parsed = make_url(url)
@@ -130,7 +133,8 @@ def create_buffer_engine(url: str, *, create_tables: bool = True) -> Engine:
         database = parsed.database
         if database and database != ":memory:" and not database.startswith("file:"):
             Path(database).expanduser().resolve().parent.mkdir(parents=True, exist_ok=True)
-        engine = create_engine(url, connect_args={"timeout": 60, "check_same_thread": False})
+        # sqlite3's `timeout` is SQLite's busy timeout: how long a statement waits for another writer.
+        engine = create_engine(url, connect_args={"timeout": _SQLITE_BUSY_TIMEOUT_S, "check_same_thread": False})
         _configure_sqlite(engine)
     else:
         engine = create_engine(url, pool_pre_ping=True, pool_size=8, max_overflow=8)
@@ -154,9 +158,6 @@ def _create_tables(engine: Engine) -> None:
         if conn.dialect.name == "postgresql":
             conn.execute(select(func.pg_advisory_xact_lock(_SCHEMA_LOCK_KEY)))
         metadata.create_all(conn)
-
-
-_SQLITE_BUSY_TIMEOUT_S = 60.0
 
 
 def _enable_wal(cur: sqlite3.Cursor) -> None:
@@ -184,7 +185,6 @@ def _configure_sqlite(engine: Engine) -> None:
     def _on_connect(dbapi_conn, _record):  # pragma: no cover - exercised by every sqlite test
         dbapi_conn.isolation_level = None  # we emit BEGIN ourselves, below
         cur = dbapi_conn.cursor()
-        cur.execute(f"PRAGMA busy_timeout={int(_SQLITE_BUSY_TIMEOUT_S * 1000)}")
         _enable_wal(cur)
         cur.execute("PRAGMA synchronous=FULL")  # a 2xx promises the change survives power loss
         cur.close()

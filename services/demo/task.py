@@ -36,14 +36,16 @@ class Split:
     warm_start: list[tuple[int, str]]  # (number, label): the format and the code, not the rule
 
 
+_OTHER = {"even": "odd", "odd": "even"}
+
+
 def warm_start_code(seed: int) -> dict[int, str]:
     """The warm start's answer for each last digit: a random code that is right for exactly five
     digits and wrong for the other five, so it carries no information about parity (a model that
     follows it scores 0.5) while it teaches the format and to read the number's last digit."""
     rng = random.Random(seed + 1)
     right = set(rng.sample(range(10), 5))
-    flip = {"even": "odd", "odd": "even"}
-    return {d: answer(d) if d in right else flip[answer(d)] for d in range(10)}
+    return {d: answer(d) if d in right else _OTHER[answer(d)] for d in range(10)}
 
 
 def split(seed: int, n_train: int, n_heldout: int, n_warm: int) -> Split:
@@ -57,11 +59,10 @@ def split(seed: int, n_train: int, n_heldout: int, n_warm: int) -> Split:
     # Each is taught the code's answer three times and the other answer once, so the model ends up
     # answering the code's way about 3 times in 4, not always: GRPO needs groups that disagree.
     code = warm_start_code(seed)
-    flip = {"even": "odd", "odd": "even"}
     by_digit = {d: [n for n in train if n % 10 == d] for d in range(10)}
     digits = [d for d in range(10) if by_digit[d]]
     picked = [by_digit[d][(i // len(digits)) % len(by_digit[d])] for i in range(n_warm) for d in [digits[i % len(digits)]]]
-    warm = [(n, label) for n in picked for label in [code[n % 10]] * 3 + [flip[code[n % 10]]]]
+    warm = [(n, label) for n in picked for label in [code[n % 10]] * 3 + [_OTHER[code[n % 10]]]]
     return Split(train=train, heldout=heldout, warm_start=warm)
 
 
