@@ -87,5 +87,29 @@ def kaizen_process(*args: str, log_path: Path, env: dict | None = None) -> Itera
                     proc.wait(10)
 
 
+@contextlib.contextmanager
+def write_locked(url: str) -> Iterator[None]:
+    """Hold the experiences table's write lock from another connection (as a long transaction or
+    a stuck process would): SQLite's database write lock, or PostgreSQL's table lock."""
+    from sqlalchemy.engine import make_url
+
+    u = make_url(url)
+    if u.get_backend_name() == "sqlite":
+        import sqlite3
+
+        conn = sqlite3.connect(u.database, isolation_level=None)
+        conn.execute("BEGIN IMMEDIATE")
+    else:
+        import psycopg
+
+        conn = psycopg.connect(host=u.host, port=u.port, user=u.username, dbname=u.database)
+        conn.execute("LOCK TABLE experiences IN EXCLUSIVE MODE")
+    try:
+        yield
+    finally:
+        conn.rollback()
+        conn.close()
+
+
 def run(coro):
     return asyncio.run(coro)

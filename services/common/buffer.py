@@ -122,8 +122,11 @@ def utcnow() -> datetime:
 _SQLITE_BUSY_TIMEOUT_S = 60.0
 
 
-def create_buffer_engine(url: str, *, create_tables: bool = True) -> Engine:
-    """An Engine on ``url`` with the settings every service needs, tables created if missing."""
+def create_buffer_engine(url: str, *, create_tables: bool = True, busy_timeout_s: float = _SQLITE_BUSY_TIMEOUT_S) -> Engine:
+    """An Engine on ``url`` with the settings every service needs, tables created if missing.
+
+    ``busy_timeout_s``: SQLite only, how long a statement waits for another process's write lock.
+    """
     parsed = make_url(url)
     if parsed.drivername in ("postgresql", "postgres"):
         # A bare postgresql:// means psycopg2 to SQLAlchemy; the server extra installs psycopg 3.
@@ -134,7 +137,7 @@ def create_buffer_engine(url: str, *, create_tables: bool = True) -> Engine:
         if database and database != ":memory:" and not database.startswith("file:"):
             Path(database).expanduser().resolve().parent.mkdir(parents=True, exist_ok=True)
         # sqlite3's `timeout` is SQLite's busy timeout: how long a statement waits for another writer.
-        engine = create_engine(url, connect_args={"timeout": _SQLITE_BUSY_TIMEOUT_S, "check_same_thread": False})
+        engine = create_engine(url, connect_args={"timeout": busy_timeout_s, "check_same_thread": False})
         _configure_sqlite(engine)
     else:
         engine = create_engine(url, pool_pre_ping=True, pool_size=8, max_overflow=8)
@@ -341,8 +344,11 @@ def commit_experiences(
     """Mark rewarded experiences committed (visible to the Trainer); returns how many.
 
     With ``msg_ids``, only the experiences they name (unknown ids raise UnknownIds and change
-    nothing); with ``task_id``, only that task's; with neither, every rewarded experience.
+    nothing); with ``task_id``, only that task's; with neither, every rewarded experience. An
+    empty ``msg_ids`` names nothing and commits nothing.
     """
+    if msg_ids is not None and not msg_ids:
+        return 0
     with write_transaction(engine) as conn:
         conds = [experiences.c.status == ExperienceStatus.REWARDED.value]
         if task_id is not None:

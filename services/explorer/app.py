@@ -25,6 +25,7 @@ from services.explorer.engines import Engine, build_engine
 from services.explorer.errors import error_body, install_error_handlers
 from services.explorer.feedback import FeedbackService
 from services.explorer.metrics import ExplorerMetrics
+from services.explorer.journal import DEAD_LETTERS, Journal
 from services.explorer.recorder import Recorder
 from services.explorer.routes import chat, experiences, feedback, health, models
 from services.explorer.service import ChatService
@@ -112,12 +113,17 @@ def create_app(config: ExplorerConfig, *, engine: Engine | None = None) -> FastA
     engine = engine or build_engine(config)
     db = create_buffer_engine(config.buffer.url)
     Path(config.checkpoints.root).mkdir(parents=True, exist_ok=True)
+    rc = config.recorder
+    journal_dir = rc.resolve_journal_dir(config.buffer.url)
     recorder = Recorder(
         db=db,
-        flush_interval_ms=config.recorder.flush_interval_ms,
-        max_batch=config.recorder.max_batch,
-        max_pending=config.recorder.max_pending,
+        journal=Journal(journal_dir) if rc.journal and rc.enabled else None,
+        dead_letters=journal_dir / DEAD_LETTERS,
+        flush_interval_ms=rc.flush_interval_ms,
+        max_batch=rc.max_batch,
+        max_pending=rc.max_pending,
         on_flush=lambda n, s: (metrics.experiences_recorded.inc(n), metrics.recorder_flush.observe(s)),
+        on_set_aside=lambda _record, _why: metrics.recorder_set_aside.inc(),
     )
 
     def on_reload(agent: str, version: int, seconds: float) -> None:
@@ -136,7 +142,8 @@ def create_app(config: ExplorerConfig, *, engine: Engine | None = None) -> FastA
     state = ExplorerState(
         config=config, engine=engine, db=db, metrics=metrics, recorder=recorder, registry=registry,
         chat=ChatService(config=config, engine=engine, registry=registry, recorder=recorder, metrics=metrics),
-        feedback=FeedbackService(db=db, recorder=recorder, metrics=metrics, unknown_id_grace_s=config.recorder.unknown_id_grace_s),
+        feedback=FeedbackService(db=db, recorder=recorder, metrics=metrics, unknown_id_grace_s=rc.unknown_id_grace_s,
+                                 wait_s=rc.feedback_wait_s),
         api_keys=[k.encode() for k in config.auth.api_keys],
     )
 

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any, Literal
 
 from pydantic import Field, model_validator
+from sqlalchemy.engine import make_url
 
 from services.common.checkpoints import AGENT_NAME
 from services.common.config import BufferSection, CheckpointsSection, ConfigModel, ModelSection
@@ -88,6 +90,35 @@ class RecorderSection(ConfigModel):
     unknown_id_grace_s: float = Field(
         default=5.0, ge=0, description="Feedback naming a younger unknown id waits this long for another replica to write it."
     )
+    journal: bool = Field(
+        default=True,
+        description="Append every record to a local journal before its chat is answered, and replay it at start "
+        "(an answered chat is recorded even if the database is down and the Explorer is then killed).",
+    )
+    journal_dir: str | None = Field(
+        default=None,
+        description="Journal and dead-letter directory (keep it on a persistent disk; replicas may share it). "
+        "Default: <database file>.journal beside a SQLite buffer, else ./kaizen-journal.",
+    )
+    feedback_wait_s: float = Field(
+        default=5.0, gt=0,
+        description="Feedback or commit naming a record not yet written waits this long, then gets 503 with Retry-After.",
+    )
+    degraded_after_s: float = Field(
+        default=5.0, gt=0, description="/health says degraded when a record has waited longer than this for the buffer."
+    )
+    set_aside_window_s: float = Field(
+        default=600.0, ge=0, description="/health says degraded for this long after a record was set aside as a dead letter."
+    )
+
+    def resolve_journal_dir(self, buffer_url: str) -> Path:
+        if self.journal_dir:
+            return Path(self.journal_dir).expanduser()
+        url = make_url(buffer_url)
+        if url.get_backend_name() == "sqlite" and url.database and url.database != ":memory:" \
+                and not url.database.startswith("file:"):
+            return Path(url.database + ".journal").expanduser()
+        return Path("kaizen-journal")
 
 
 class ExplorerConfig(ConfigModel):

@@ -8,10 +8,12 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from sqlalchemy.exc import DBAPIError, InterfaceError, OperationalError
 from starlette.responses import JSONResponse
 
 from services.common.buffer import AlreadyConsumed, UnknownIds
 from services.explorer.engines.base import EngineError, EngineOverloaded
+from services.explorer.recorder import RecordsNotWritten, RecordsSetAside
 
 log = logging.getLogger(__name__)
 
@@ -31,12 +33,16 @@ _TYPES = {
 
 
 class APIError(Exception):
-    def __init__(self, status: int, message: str, *, param: str | None = None, code: str | None = None):
+    def __init__(
+        self, status: int, message: str, *, param: str | None = None, code: str | None = None,
+        headers: dict[str, str] | None = None,
+    ):
         super().__init__(message)
         self.status = status
         self.message = message
         self.param = param
         self.code = code
+        self.headers = headers
 
 
 def error_body(status: int, message: str, *, param: str | None = None, code: str | None = None) -> dict[str, Any]:
@@ -83,7 +89,7 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
 def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(APIError)
     async def _api_error(_: Request, exc: APIError):
-        return error_response(exc.status, exc.message, param=exc.param, code=exc.code)
+        return error_response(exc.status, exc.message, param=exc.param, code=exc.code, headers=exc.headers)
 
     @app.exception_handler(RequestValidationError)
     async def _validation(_: Request, exc: RequestValidationError):
@@ -113,6 +119,24 @@ def install_error_handlers(app: FastAPI) -> None:
     async def _engine(_: Request, exc: EngineError):
         log.error("engine error: %s", exc)
         return error_response(500, str(exc), code="engine_error")
+
+    @app.exception_handler(RecordsNotWritten)
+    async def _not_written(_: Request, exc: RecordsNotWritten):
+        return error_response(503, str(exc), param="msg_ids", code="buffer_unavailable", headers={"Retry-After": "2"})
+
+    @app.exception_handler(RecordsSetAside)
+    async def _set_aside(_: Request, exc: RecordsSetAside):
+        return error_response(422, str(exc), param="msg_ids", code="record_set_aside")
+
+    @app.exception_handler(DBAPIError)
+    async def _database(_: Request, exc: DBAPIError):
+        # A database that is down or write-locked is a passing condition, not a server bug.
+        if exc.connection_invalidated or isinstance(exc, (OperationalError, InterfaceError)):
+            log.warning("buffer unavailable: %s", exc)
+            return error_response(503, f"the experience buffer is unavailable ({type(exc.orig).__name__}); retry later",
+                                  code="buffer_unavailable", headers={"Retry-After": "1"})
+        log.exception("database error")
+        return error_response(500, f"database error: {type(exc.orig).__name__}", code="internal_error")
 
     @app.exception_handler(Exception)
     async def _unexpected(_: Request, exc: Exception):

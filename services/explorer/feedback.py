@@ -2,7 +2,8 @@
 
 Both return only after their change is committed to the database. Feedback is all or nothing:
 an id that names nothing gives 404 and changes nothing. An id this replica is still writing is
-waited for; a young id that some other replica may still be writing is retried for a short grace
+waited for (``recorder.feedback_wait_s``, then 503 with Retry-After: the database is not taking
+writes); a young id that some other replica may still be writing is retried for a short grace
 period before it counts as unknown (ids carry their creation time, see services.common.ids).
 """
 
@@ -23,15 +24,21 @@ from services.explorer.recorder import Recorder
 
 
 class FeedbackService:
-    def __init__(self, *, db: Engine, recorder: Recorder, metrics: ExplorerMetrics, unknown_id_grace_s: float):
+    def __init__(
+        self, *, db: Engine, recorder: Recorder, metrics: ExplorerMetrics, unknown_id_grace_s: float, wait_s: float = 5.0
+    ):
         self._db = db
         self._recorder = recorder
         self._metrics = metrics
         self._grace = unknown_id_grace_s
+        self._wait_s = wait_s
 
     async def _settle(self, ids: list[str]) -> None:
-        """Wait until every id is written, by us or (for a short while) by another replica."""
-        await self._recorder.wait_written(ids)
+        """Wait until every id is written, by us or (for a short while) by another replica.
+
+        Raises RecordsNotWritten (503) when our own records cannot be written in time, and
+        RecordsSetAside (422) for records the buffer refused."""
+        await self._recorder.wait_written(ids, self._wait_s)
         deadline = time.monotonic() + self._grace
         delay = 0.02
         while True:

@@ -27,6 +27,16 @@ class ExplorerMetrics:
             buckets=(1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 0.1), registry=r,
         )
         self.recorder_pending = Gauge("kaizen_recorder_pending", "Experiences waiting to be written", registry=r)
+        self.recorder_oldest_pending = Gauge(
+            "kaizen_recorder_oldest_pending_seconds", "Age of the oldest experience waiting to be written", registry=r
+        )
+        self.recorder_set_aside = Counter(
+            "kaizen_recorder_set_aside", "Experiences the buffer refused, set aside in the dead-letter file", registry=r
+        )
+        self.recorder_write_failures = Gauge(
+            "kaizen_recorder_write_failures", "Batch writes that failed because the buffer was unavailable", registry=r
+        )
+        self.journal_segments = Gauge("kaizen_journal_segments", "Journal segment files this Explorer holds", registry=r)
         self.feedback = Counter("kaizen_feedback", "Experiences given a reward", registry=r)
         self.committed = Counter("kaizen_committed", "Experiences committed for training", registry=r)
         self.engine_running = Gauge("kaizen_engine_running", "Sequences in the running batch", registry=r)

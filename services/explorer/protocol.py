@@ -3,13 +3,20 @@
 Chat Completions follows the OpenAI spec's field order; Kaizen's additions are fenced off at the
 end. Unknown request fields are ignored (as vLLM does), so clients written for other servers work;
 fields we accept but cannot honour are rejected by the service with a 400 that names them.
+
+Every body whose strings reach the buffer is checked here first (``_Recorded``): a string no
+database can store (a lone surrogate, a NUL) or an id wider than its column gets a 400 naming the
+field, because once accepted its record could never be written.
 """
 
 from __future__ import annotations
 
 from typing import Annotated, Any, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field, Strict, field_validator
+from pydantic import BaseModel, ConfigDict, Field, Strict, field_validator, model_validator
+
+from services.common.storable import RUN_ID_MAX, TASK_ID_MAX, find_unstorable
+from services.explorer.errors import APIError
 
 # JSON numbers and booleans only: "0.7" or true where a number belongs is a client bug to report.
 Float = Annotated[float, Strict()]
@@ -19,6 +26,43 @@ Bool = Annotated[bool, Strict()]
 
 class _Lenient(BaseModel):
     model_config = ConfigDict(extra="ignore")
+
+
+def check_storable(value: Any, param: str) -> None:
+    """400 naming the first string in ``value`` that the buffer cannot store."""
+    bad = find_unstorable(value, param)
+    if bad is not None:
+        where, why = bad
+        raise APIError(
+            400, f"invalid value for {where!r}: the string {why}; Kaizen records every request and no "
+            "database can store it (send valid Unicode without NUL characters)",
+            param=where, code="invalid_string",
+        )
+
+
+def check_grouping_id(value: Any, param: str) -> None:
+    """task_id and run_id land in buffer columns of fixed width."""
+    limit = TASK_ID_MAX if param.endswith("task_id") else RUN_ID_MAX
+    if isinstance(value, str) and len(value) > limit:
+        raise APIError(400, f"{param} is {len(value)} characters long; at most {limit} are allowed", param=param,
+                       code="invalid_request")
+
+
+class _Recorded(_Lenient):
+    """A body whose strings end up in the buffer: checked before anything else.
+
+    APIError (not ValueError) so that pydantic lets it through and the client gets the field's
+    path and a clear reason instead of a generic validation message.
+    """
+
+    @model_validator(mode="before")
+    @classmethod
+    def _storable(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            for name in cls.model_fields:
+                if name in data:
+                    check_storable(data[name], name)
+        return data
 
 
 class TextPart(_Lenient):
@@ -77,7 +121,7 @@ class StreamOptions(_Lenient):
     include_usage: Bool | None = None
 
 
-class ChatCompletionRequest(_Lenient):
+class ChatCompletionRequest(_Recorded):
     messages: list[Message] = Field(min_length=1)
     model: str = Field(min_length=1)
     frequency_penalty: Float | None = None
@@ -112,7 +156,7 @@ class ChatCompletionRequest(_Lenient):
         return v
 
 
-class FeedbackRequest(_Lenient):
+class FeedbackRequest(_Recorded):
     """Compatible with Trinity-RFT's serve-mode body."""
 
     msg_ids: list[str] = Field(min_length=1, max_length=10_000)
@@ -137,9 +181,23 @@ class FeedbackRequest(_Lenient):
             raise ValueError("reward must be a finite number")
         return v
 
+    @model_validator(mode="after")
+    def _widths(self) -> "FeedbackRequest":
+        check_grouping_id(self.task_id, "task_id")
+        check_grouping_id(self.run_id, "run_id")
+        return self
 
-class CommitRequest(_Lenient):
+
+class CommitRequest(_Recorded):
     """Trinity's extra keys (run_id, time_threshold) are accepted and ignored."""
 
     task_id: str | None = None
     msg_ids: list[str] | None = Field(default=None, max_length=10_000)
+
+    @field_validator("msg_ids")
+    @classmethod
+    def _not_empty(cls, v: list[str] | None) -> list[str] | None:
+        # An empty list once meant "everything in the buffer", other agents' and tenants' included.
+        if v is not None and not v:
+            raise ValueError("msg_ids is empty: name at least one id, or leave msg_ids out to commit by task_id")
+        return v

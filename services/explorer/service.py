@@ -21,7 +21,7 @@ from services.explorer.config import ExplorerConfig
 from services.explorer.engines.base import ChoiceUpdate, Engine, GenerateRequest, SamplingParams
 from services.explorer.errors import APIError, error_body
 from services.explorer.metrics import ExplorerMetrics
-from services.explorer.protocol import ChatCompletionRequest, Message
+from services.explorer.protocol import ChatCompletionRequest, Message, check_grouping_id, check_storable
 from services.explorer.recorder import Recorder
 from services.explorer.tool_calls import ToolCallStreamFilter, forced_prefix, parse_tool_calls
 
@@ -110,10 +110,16 @@ def _grouping(req: ChatCompletionRequest, headers: Mapping[str, str]) -> tuple[s
     meta = req.metadata or {}
     task = meta.get("task_id", headers.get("x-task-id"))
     run = meta.get("run_id", headers.get("x-run-id"))
+    out = []
     for name, value in (("task_id", task), ("run_id", run)):
         if value is not None and (isinstance(value, bool) or not isinstance(value, (str, int))):
             raise APIError(400, f"metadata.{name} must be a string or an integer", param=f"metadata.{name}")
-    return (None if task is None else str(task)), (None if run is None else str(run))
+        if value is not None:
+            value = str(value)
+            check_grouping_id(value, f"metadata.{name}")
+            check_storable(value, f"metadata.{name}")  # headers too
+        out.append(value)
+    return out[0], out[1]
 
 
 class ChatService:

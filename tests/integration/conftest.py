@@ -49,6 +49,7 @@ def make_explorer(tiny_model, tmp_path):
                 f"model.path={tiny_model}",
                 f"buffer.url=sqlite:///{root}/buffer.db",
                 f"checkpoints.root={root}/checkpoints",
+                f"recorder.journal_dir={root}/journal",
                 "reload.poll_interval_s=0.2",
                 *overrides,
             ],

@@ -9,15 +9,17 @@ from fastapi import APIRouter, Query, Request
 from services.common import buffer
 from services.common.records import ExperienceStatus
 from services.explorer.errors import APIError
+from services.explorer.protocol import check_storable
 
 router = APIRouter()
 
 
 @router.get("/experiences/{experience_id}")
 async def get_experience(experience_id: str, request: Request):
-    db = request.app.state.kaizen.db
-    await request.app.state.kaizen.recorder.wait_written([experience_id])
-    exp = await asyncio.to_thread(buffer.get_experience, engine=db, experience_id=experience_id)
+    k = request.app.state.kaizen
+    check_storable(experience_id, "experience_id")
+    await k.recorder.wait_written([experience_id], k.config.recorder.feedback_wait_s)
+    exp = await asyncio.to_thread(buffer.get_experience, engine=k.db, experience_id=experience_id)
     if exp is None:
         raise APIError(404, f"no experience {experience_id!r}", param="experience_id", code="unknown_id")
     return exp.model_dump(mode="json")
@@ -33,11 +35,12 @@ async def list_experiences(
     limit: int = Query(default=100, ge=1, le=1000),
     offset: int = Query(default=0, ge=0),
 ):
+    check_storable({"task_id": task_id, "agent": agent, "completion_id": completion_id}, "query")
     if status is not None and status not in {s.value for s in ExperienceStatus}:
         allowed = ", ".join(s.value for s in ExperienceStatus)
         raise APIError(400, f"unknown status {status!r}; use one of {allowed}", param="status")
     db = request.app.state.kaizen.db
-    await request.app.state.kaizen.recorder.flush()
+    await request.app.state.kaizen.recorder.flush(request.app.state.kaizen.config.recorder.feedback_wait_s)
     rows = await asyncio.to_thread(
         buffer.list_experiences, engine=db, task_id=task_id, status=status, agent=agent,
         completion_id=completion_id, limit=limit, offset=offset,

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import asdict
+
 from fastapi import APIRouter, Request
 from starlette.responses import JSONResponse, Response
 
@@ -11,10 +13,18 @@ metrics_router = APIRouter()
 
 @router.get("/health")
 async def health(request: Request):
+    """ok; degraded (still serving, but records wait for the buffer or were set aside: 200, so a
+    load balancer keeps a replica whose answers are safe in its journal); error (the engine: 503)."""
     k = request.app.state.kaizen
     stats = k.engine.stats()
-    body = {"status": "ok" if stats.error is None else "error",
-            "engine": {"running": stats.running, "waiting": stats.waiting}, "recorder_pending": k.recorder.pending}
+    rec = k.recorder.health()
+    rc = k.config.recorder
+    problems = rec.problems(degraded_after_s=rc.degraded_after_s, set_aside_window_s=rc.set_aside_window_s)
+    body = {"status": "error" if stats.error is not None else "degraded" if problems else "ok",
+            "engine": {"running": stats.running, "waiting": stats.waiting}, "recorder_pending": rec.pending,
+            "recorder": asdict(rec)}
+    if problems:
+        body["problems"] = problems
     if stats.error is not None:
         body["error"] = stats.error
         return JSONResponse(body, status_code=503)
@@ -28,7 +38,11 @@ async def metrics(request: Request):
     m = k.metrics
     m.engine_running.set(stats.running)
     m.engine_waiting.set(stats.waiting)
-    m.recorder_pending.set(k.recorder.pending)
+    rec = k.recorder.health()
+    m.recorder_pending.set(rec.pending)
+    m.recorder_oldest_pending.set(rec.oldest_pending_s)
+    m.recorder_write_failures.set(k.recorder.failures)
+    m.journal_segments.set(rec.journal_segments)
     m.adapter_reload_failures.set(k.registry.reload_failures)
     for a in k.registry.describe():
         m.adapter_version.labels(a["agent"]).set(a["version"])

@@ -1,0 +1,224 @@
+"""A local append-only journal of the records a chat answer promised, replayed at start.
+
+The recorder writes to the database in batches, so a record lives in memory for a moment after its
+chat is answered; if the database is slow or down, for much longer. To make "answered" mean
+"recorded" even when the Explorer is then killed, every record is appended to a journal segment
+file before the answer leaves (one ``write`` per request: it survives a kill -9 of the process at
+once, and power loss after the recorder's next group fsync). A segment is deleted once every
+record in it is in the database (or set aside as a dead letter).
+
+Several Explorers may share a journal directory: each holds an exclusive ``flock`` on its own open
+segment, and a starting Explorer adopts every segment no live process holds (the leftovers of a
+crashed one): it replays their records, then deletes them when written. Replay is idempotent (the
+recorder skips ids already in the buffer), so a segment deleted late is harmless.
+
+    <dir>/segment-<time>-<pid>-<rand>.jsonl   one JSON record a line, ASCII (surrogates escaped)
+    <dir>/dead-letters.jsonl                  records that no database would take, with the reason
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import logging
+import os
+import secrets
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Sequence
+
+from services.common.records import Experience
+
+log = logging.getLogger(__name__)
+
+DEAD_LETTERS = "dead-letters.jsonl"
+_PREFIX = "segment-"
+
+
+class JournalError(RuntimeError):
+    """The journal directory cannot be used."""
+
+
+@dataclass
+class _Segment:
+    path: Path
+    fd: int  # open, flocked
+    size: int = 0
+    outstanding: int = 0  # records appended (or replayed) and not yet written to the database
+    sealed: bool = False  # no more appends: delete once outstanding reaches 0
+    dirty: bool = False  # appended to since the last fsync
+
+
+def encode_record(record: Experience) -> bytes:
+    """One ASCII JSON line: lone surrogates and NULs escape losslessly, so any record fits."""
+    return json.dumps(record.model_dump(mode="json"), ensure_ascii=True, separators=(",", ":")).encode() + b"\n"
+
+
+def append_dead_letter(path: Path, record: Experience, reason: str) -> Path:
+    """Keep a record no database would take, with the reason, for a person to look at (and to
+    re-insert by hand once mended: the line holds the whole record)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    line = json.dumps({"at": time.time(), "reason": reason, "experience": record.model_dump(mode="json")},
+                      ensure_ascii=True, separators=(",", ":")).encode() + b"\n"
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+    try:
+        os.write(fd, line)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    return path
+
+
+@dataclass
+class Replayed:
+    records: list[Experience] = field(default_factory=list)
+    segments: list[int] = field(default_factory=list)  # the segment key of each record
+    torn: int = 0  # unreadable lines (a write cut by power loss; never an acknowledged record)
+
+
+class Journal:
+    def __init__(self, directory: str | Path, *, segment_bytes: int = 16 * 1024 * 1024):
+        self.dir = Path(directory)
+        self.segment_bytes = segment_bytes
+        self._segments: dict[int, _Segment] = {}
+        self._current: int | None = None
+        self._next_key = 0
+        # append/release run on the event loop, sync in a worker thread: the lock guards the
+        # segment table, never a disk wait (sync fsyncs a duplicate of the fd, outside the lock).
+        self._lock = threading.Lock()
+
+    # ------------------------------------------------------------------ open / replay / close
+
+    def open(self) -> Replayed:
+        """Create the directory, adopt orphaned segments (returning their records), start a segment."""
+        try:
+            self.dir.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise JournalError(f"cannot create the journal directory {self.dir}: {e}") from e
+        replayed = Replayed()
+        for path in sorted(self.dir.glob(f"{_PREFIX}*.jsonl")):
+            fd = os.open(path, os.O_RDWR)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                os.close(fd)  # a live Explorer's segment
+                continue
+            key = self._add(_Segment(path=path, fd=fd, sealed=True))
+            n = self._read(path, key, replayed)
+            self._segments[key].outstanding = n
+            if n == 0:
+                self._drop(key)
+        self._rotate()
+        if replayed.records:
+            log.warning("journal %s: %d records of an earlier run were not in the buffer yet; writing them now",
+                        self.dir, len(replayed.records))
+        return replayed
+
+    def _read(self, path: Path, key: int, out: Replayed) -> int:
+        n = 0
+        with open(path, "rb") as f:
+            for line in f:
+                try:
+                    record = Experience.model_validate(json.loads(line))
+                except ValueError:
+                    out.torn += 1
+                    log.warning("journal %s: skipping an unreadable line (%d bytes)", path.name, len(line))
+                    continue
+                out.records.append(record)
+                out.segments.append(key)
+                n += 1
+        return n
+
+    def close(self) -> None:
+        """Release every segment; those with records not yet written stay for the next start."""
+        with self._lock:
+            self._close_all()
+
+    def _close_all(self) -> None:
+        for key in list(self._segments):
+            seg = self._segments[key]
+            if seg.outstanding == 0:
+                self._drop(key)
+            else:
+                os.fsync(seg.fd)
+                os.close(seg.fd)
+                del self._segments[key]
+        self._current = None
+
+    # ------------------------------------------------------------------ the hot path
+
+    def append(self, records: Sequence[Experience]) -> int:
+        """Append records in one write; returns the segment key to release them with later."""
+        data = b"".join(encode_record(r) for r in records)
+        with self._lock:
+            key = self._current
+            if key is None:
+                raise JournalError("the journal is closed")
+            seg = self._segments[key]
+            os.write(seg.fd, data)
+            seg.size += len(data)
+            seg.outstanding += len(records)
+            seg.dirty = True
+            if seg.size >= self.segment_bytes:
+                self._rotate()
+        return key
+
+    def sync(self) -> None:
+        """Group commit: one fsync per segment covers every append since the last one."""
+        with self._lock:
+            fds = []
+            for seg in self._segments.values():
+                if seg.dirty:
+                    seg.dirty = False
+                    fds.append(os.dup(seg.fd))
+        for fd in fds:
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+
+    def release(self, key: int, n: int = 1) -> None:
+        """``n`` records of segment ``key`` are in the database; a sealed, empty segment goes."""
+        with self._lock:
+            seg = self._segments.get(key)
+            if seg is None:
+                return
+            seg.outstanding -= n
+            if seg.outstanding <= 0 and seg.sealed:
+                self._drop(key)
+
+    # ------------------------------------------------------------------ segments
+
+    def _add(self, seg: _Segment) -> int:
+        key = self._next_key
+        self._next_key += 1
+        self._segments[key] = seg
+        return key
+
+    def _rotate(self) -> None:
+        if self._current is not None:
+            old = self._segments[self._current]
+            old.sealed = True
+            if old.outstanding <= 0:
+                self._drop(self._current)
+        # Created under a temporary name and locked before it gets its real name, so another
+        # Explorer scanning the directory never mistakes a new segment for an orphan.
+        name = f"{_PREFIX}{time.time_ns():020d}-{os.getpid()}-{secrets.token_hex(4)}.jsonl"
+        tmp = self.dir / f".new-{name}"
+        fd = os.open(tmp, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_EXCL, 0o600)
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        os.rename(tmp, self.dir / name)
+        self._current = self._add(_Segment(path=self.dir / name, fd=fd))
+
+    def _drop(self, key: int) -> None:
+        seg = self._segments.pop(key)
+        seg.path.unlink(missing_ok=True)  # unlink before close: nobody can adopt it in between
+        os.close(seg.fd)
+        if key == self._current:
+            self._current = None
+
+    @property
+    def segment_count(self) -> int:
+        return len(self._segments)

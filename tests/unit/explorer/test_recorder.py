@@ -1,0 +1,140 @@
+"""The recorder against a real database (SQLite here; PostgreSQL in tests/integration/common):
+one refused record never stops the others, an unavailable database loses nothing, and the journal
+carries what was not written across a stop or a crash."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+
+import pytest
+
+from services.common import buffer
+from services.common.records import Experience
+from services.explorer.journal import DEAD_LETTERS, Journal
+from services.explorer.recorder import Recorder, RecordsNotWritten, RecordsSetAside
+from tests.helpers import write_locked
+
+# Strings that no buffer database stores; tests/integration/common adds PostgreSQL's own.
+POISON = {"lone surrogate": "\ud800"}
+
+
+def _exp(i: int, task: str | None = "t") -> Experience:
+    return Experience(
+        experience_id=f"c{i}-0", completion_id=f"c{i}", agent="a", model_version=0, task_id=task,
+        prompt_token_ids=[1, 2, 3], response_token_ids=[4], response_logprobs=[-0.5],
+        messages=[{"role": "user", "content": "hi"}], response={"role": "assistant", "content": "yo"}, sampling={},
+    )
+
+
+@pytest.fixture
+def buffer_url(tmp_path) -> str:
+    return f"sqlite:///{tmp_path}/b.db"
+
+
+@pytest.fixture
+def db(buffer_url):
+    engine = buffer.create_buffer_engine(buffer_url, busy_timeout_s=0.2)
+    yield engine
+    engine.dispose()
+
+
+def _recorder(db, tmp_path, **kw) -> Recorder:
+    return Recorder(db=db, journal=Journal(tmp_path / "journal"), dead_letters=tmp_path / "journal" / DEAD_LETTERS,
+                    flush_interval_ms=5, **kw)
+
+
+def _stored(db) -> set[str]:
+    return {e.experience_id for e in buffer.list_experiences(engine=db, limit=1000)}
+
+
+@pytest.mark.parametrize("poison", list(POISON.values()), ids=list(POISON))
+def test_a_refused_record_is_set_aside_and_everyone_elses_are_written(db, tmp_path, poison):
+    aside: list[tuple[str, str]] = []
+
+    async def scenario():
+        rec = _recorder(db, tmp_path, max_batch=64, on_set_aside=lambda r, why: aside.append((r.experience_id, why)))
+        await rec.start()
+        rec.record([_exp(i) for i in range(20)])
+        rec.record([_exp(20, task=poison)])  # in the middle of a batch
+        rec.record([_exp(i) for i in range(21, 40)])
+        await rec.wait_written([f"c{i}-0" for i in range(40) if i != 20], timeout=10)
+        with pytest.raises(RecordsSetAside, match="c20 could not be recorded"):
+            await rec.wait_written(["c20"], timeout=10)
+        # and recording goes on
+        rec.record([_exp(41)])
+        await rec.wait_written(["c41-0"], timeout=10)
+        health = rec.health()
+        await rec.stop()
+        return health
+
+    health = asyncio.run(scenario())
+    assert _stored(db) == {f"c{i}-0" for i in range(42) if i not in (20, 40)}
+    assert [i for i, _ in aside] == ["c20-0"]
+    assert health.set_aside == 1 and health.pending == 0
+    assert health.problems(degraded_after_s=5, set_aside_window_s=600)  # /health says degraded
+    lines = (tmp_path / "journal" / DEAD_LETTERS).read_text().splitlines()
+    dead = json.loads(lines[0])
+    assert dead["experience"]["experience_id"] == "c20-0" and dead["experience"]["task_id"] == poison  # lossless
+    assert dead["reason"]
+    assert not list((tmp_path / "journal").glob("segment-*.jsonl"))  # nothing left to replay
+
+
+def test_an_unavailable_database_loses_nothing_and_feedback_is_told_to_retry(db, tmp_path, buffer_url):
+    async def scenario():
+        rec = _recorder(db, tmp_path)
+        await rec.start()
+        with write_locked(buffer_url):
+            rec.record([_exp(i) for i in range(10)])
+            with pytest.raises(RecordsNotWritten, match="retry later"):
+                await rec.wait_written(["c3"], timeout=0.5)
+            await asyncio.sleep(0.3)
+            problems = rec.health().problems(degraded_after_s=0.2, set_aside_window_s=600)
+            assert problems and "waited" in problems[0]
+        await rec.wait_written(["c9-0"], timeout=20)  # the lock is gone: written on the next retry
+        assert rec.health().problems(degraded_after_s=0.2, set_aside_window_s=600) == []
+        await rec.stop()
+
+    asyncio.run(scenario())
+    assert _stored(db) == {f"c{i}-0" for i in range(10)}
+
+
+def test_records_not_written_at_stop_stay_in_the_journal_and_are_written_at_the_next_start(db, tmp_path, buffer_url):
+    async def first_run():
+        rec = _recorder(db, tmp_path)
+        await rec.start()
+        rec.record([_exp(i) for i in range(5)])
+        await rec.stop(timeout=0.5)
+
+    with write_locked(buffer_url):
+        # The write blocks (PostgreSQL) or fails (SQLite) until stop gives up on it.
+        t = threading.Thread(target=asyncio.run, args=(first_run(),))
+        t.start()
+        t.join(30)
+    assert _stored(db) == set()
+    assert list((tmp_path / "journal").glob("segment-*.jsonl"))
+
+    async def second_run():
+        rec = _recorder(db, tmp_path)
+        await rec.start()
+        assert rec.pending == 5
+        await rec.flush(timeout=20)
+        await rec.stop()
+
+    asyncio.run(second_run())
+    assert _stored(db) == {f"c{i}-0" for i in range(5)}
+    assert not list((tmp_path / "journal").glob("segment-*.jsonl"))
+
+
+def test_a_replayed_record_already_in_the_buffer_is_not_written_twice(db, tmp_path):
+    async def scenario():
+        rec = _recorder(db, tmp_path)
+        await rec.start()
+        buffer.insert_experiences(engine=db, records=[_exp(0)])  # e.g. written just before a crash
+        rec.record([_exp(0), _exp(1)])
+        await rec.flush(timeout=10)
+        await rec.stop()
+
+    asyncio.run(scenario())
+    assert _stored(db) == {"c0-0", "c1-0"}
