@@ -12,7 +12,7 @@ segment, and a starting Explorer adopts every segment no live process holds (the
 crashed one): it replays their records, then deletes them when written. Replay is idempotent (the
 recorder skips ids already in the buffer), so a segment deleted late is harmless.
 
-    <dir>/segment-<time>-<pid>-<rand>.jsonl   one JSON record a line, ASCII (surrogates escaped)
+    <dir>/segment-<time>-<pid>-<rand>.jsonl   one JSON record a line
     <dir>/dead-letters.jsonl                  records that no database would take, with the reason
 """
 
@@ -52,8 +52,12 @@ class _Segment:
 
 
 def encode_record(record: Experience) -> bytes:
-    """One ASCII JSON line: lone surrogates and NULs escape losslessly, so any record fits."""
-    return json.dumps(record.model_dump(mode="json"), ensure_ascii=True, separators=(",", ":")).encode() + b"\n"
+    """One JSON line. Any record fits: pydantic's fast encoder refuses lone surrogates, and then
+    ASCII-escaped JSON keeps them losslessly."""
+    try:
+        return record.model_dump_json().encode() + b"\n"
+    except ValueError:
+        return json.dumps(record.model_dump(mode="json"), ensure_ascii=True, separators=(",", ":")).encode() + b"\n"
 
 
 def append_dead_letter(path: Path, record: Experience, reason: str) -> Path:

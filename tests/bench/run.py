@@ -9,9 +9,9 @@ from services.common.logging import setup_logging
 
 def main() -> int:
     setup_logging("warning")
-    from tests.bench import explorer, reload, trainer, vllm
+    from tests.bench import explorer, recording, reload, trainer, vllm
 
-    sections = [("explorer", explorer.main), ("trainer", trainer.main), ("reload", reload.main), ("vllm", vllm.main)]
+    sections = [("explorer", explorer.main), ("recording", recording.main), ("trainer", trainer.main), ("reload", reload.main), ("vllm", vllm.main)]
     only = set(sys.argv[1:])
     for name, fn in sections:
         if only and name not in only:
