@@ -9,16 +9,8 @@ from runner_sdk.environment import Environment, EnvironmentRunner, EpisodeResult
 from runner_sdk.records import AgentRun, RunnerStats
 from runner_sdk.rewards import ExactMatch, FunctionReward, LLMJudge, RegexMatch, RewardCalculator
 from runner_sdk.runner import TrainingRunner
-from runner_sdk.selection import (
-    ContextThread,
-    ContextThreadPoolExecutor,
-    Decision,
-    ExplicitMarking,
-    RequestInfo,
-    SamplingRate,
-    SelectionStrategy,
-    mark,
-)
+from runner_sdk.selection import Decision, ExplicitMarking, RequestInfo, SamplingRate, SelectionStrategy, mark
+from runner_sdk.threads import ContextThread, ContextThreadPoolExecutor, carry_context
 
 __all__ = [
     "AgentClient",
@@ -42,6 +34,7 @@ __all__ = [
     "SamplingRate",
     "SelectionStrategy",
     "TrainingRunner",
+    "carry_context",
     "mark",
     "tracked_async_http_client",
     "tracked_http_client",

@@ -8,17 +8,15 @@ call (this SDK's ``AgentClient``, or the official ``openai`` client built on ``t
 
 from __future__ import annotations
 
-import contextvars
 import re
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Iterator
 
 import httpx
 
+from runner_sdk.context import current_run
 from runner_sdk.records import AgentRun
-from runner_sdk.threads import carry_into_threads
 
-_current_run: contextvars.ContextVar[AgentRun | None] = contextvars.ContextVar("kaizen_run", default=None)
 _COMPLETION_ID = re.compile(rb'"id"\s*:\s*"(chatcmpl-[^"]+)"')
 _SNIFF_BYTES = 8192
 
@@ -37,18 +35,8 @@ class ExplorerError(RuntimeError):
         return self.status in (408, 425, 429) or self.status >= 500
 
 
-def current_run() -> AgentRun | None:
-    return _current_run.get()
-
-
-def _enter_run(run: AgentRun) -> contextvars.Token:
-    """Make ``run`` the current one here and in the tasks and threads started from here."""
-    carry_into_threads(_current_run)
-    return _current_run.set(run)
-
-
 def _track(request: httpx.Request) -> AgentRun | None:
-    run = _current_run.get()
+    run = current_run()
     if run is None or not run.selected or not request.url.path.endswith("/chat/completions"):
         return None
     request.headers["X-Task-Id"] = run.task_id
@@ -176,6 +164,10 @@ class ExplorerClient:
         return await self._call("POST", "/feedback", json={k: v for k, v in body.items() if v is not None})
 
     async def commit(self, *, task_id: str | None = None, msg_ids: list[str] | None = None) -> dict[str, Any]:
+        if msg_ids is not None and not msg_ids:
+            # Nothing named, nothing to commit. Never sent: an older Explorer reads an empty list
+            # as "every rewarded row", a newer one refuses it.
+            return {"status": "success", "committed": 0}
         body = {k: v for k, v in {"task_id": task_id, "msg_ids": msg_ids}.items() if v is not None}
         return await self._call("POST", "/commit", json=body)
 

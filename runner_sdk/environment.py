@@ -11,7 +11,8 @@
     results = runner.run_sync(tasks)               # rewards sent, experiences committed
 
 Each task runs ``repeat`` times as run ids 0..repeat-1 under one task_id, so GRPO gets groups. The
-episode's reward (the sum of the step rewards) goes to every Explorer call the agent made in it.
+episode's reward (the sum of the step rewards) goes to every Explorer call the agent made in it, and
+the commit at the end names exactly the calls whose reward went through.
 """
 
 from __future__ import annotations
@@ -22,7 +23,9 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Protocol, runtime_checkable
 
-from runner_sdk.client import AgentClient, ExplorerClient, _current_run, _enter_run
+from runner_sdk.client import AgentClient, ExplorerClient
+from runner_sdk.context import running
+from runner_sdk.feedback import chunks
 from runner_sdk.records import AgentRun
 from runner_sdk.runner import maybe_await
 
@@ -80,24 +83,22 @@ class EnvironmentRunner:
         run = AgentRun(task_id=task_id, run_id=run_id, input=task, selected=True)
         result = EpisodeResult(task_id=task_id, run_id=run_id, task=task, reward=0.0, steps=0)
         async with sem:
-            token = _enter_run(run)
-            try:
-                env = self.make_env(task)
-                obs = await maybe_await(env.reset())
-                agent_client = AgentClient(client, self.model, self.api_key)
-                for _ in range(self.max_steps):
-                    action = await maybe_await(self.agent(agent_client, obs))
-                    obs, reward, done, info = await maybe_await(env.step(action))
-                    result.reward += float(reward)
-                    result.steps += 1
-                    result.info = info or {}
-                    if done:
-                        break
-            except Exception as e:
-                result.error = f"{type(e).__name__}: {e}"
-                log.warning("episode %s/%s failed: %s", task_id, run_id, result.error)
-            finally:
-                _current_run.reset(token)
+            with running(run):
+                try:
+                    env = self.make_env(task)
+                    obs = await maybe_await(env.reset())
+                    agent_client = AgentClient(client, self.model, self.api_key)
+                    for _ in range(self.max_steps):
+                        action = await maybe_await(self.agent(agent_client, obs))
+                        obs, reward, done, info = await maybe_await(env.step(action))
+                        result.reward += float(reward)
+                        result.steps += 1
+                        result.info = info or {}
+                        if done:
+                            break
+                except Exception as e:
+                    result.error = f"{type(e).__name__}: {e}"
+                    log.warning("episode %s/%s failed: %s", task_id, run_id, result.error)
         result.msg_ids = list(run.msg_ids)
         if result.error is None and result.msg_ids:
             try:
@@ -117,8 +118,12 @@ class EnvironmentRunner:
                 tid = self.task_id(task, k)
                 jobs += [self._episode(client, task, tid, str(i), sem) for i in range(self.repeat)]
             results = await asyncio.gather(*jobs)
-            if self.commit and any(r.error is None and r.msg_ids for r in results):
-                await client.commit()
+            if self.commit:
+                # The episodes without an error are those whose feedback went through: commit those
+                # calls, not every rewarded row in the buffer (other runners' and agents' included).
+                rewarded = list(dict.fromkeys(i for r in results if r.error is None for i in r.msg_ids))
+                for chunk in chunks(rewarded):
+                    await client.commit(msg_ids=chunk)
             return list(results)
         finally:
             await client.aclose()

@@ -1,9 +1,18 @@
-"""The SDK's records: one run of the agent on one request, and the runner's counters."""
+"""The SDK's records: a mark, one run of the agent on one request, and the runner's counters."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Any
+
+
+@dataclass(frozen=True)
+class Mark:
+    """What ``with mark(...)`` put in the context: its labels, metadata and when it was entered."""
+
+    labels: tuple[str, ...]
+    metadata: dict[str, Any]
+    created: float  # time.monotonic(), for ExplicitMarking's ttl
 
 
 @dataclass

@@ -15,15 +15,17 @@ Shadow mode (production is served by another model; the trainable one learns alo
         reply = production_agent(question)         # unchanged, never waits on the Explorer
         runner.shadow(question, expected=answer)   # selected? then my_agent runs 4x in the background
 
-Everything that talks to the Explorer afterwards (rewards, feedback, commits, shadow runs) happens on
-the runner's own event loop thread, retried with backoff and bounded in memory, so an Explorer that
-is down or slow never raises into, nor slows, the application.
+The two modes differ only in where a run comes from: the application's own request, or a replay on
+the runner's loop. Both end in one place: the run is rewarded and its feedback goes into the one
+``FeedbackQueue``, which sends it and later commits exactly the ids it sent. Everything that talks to
+the Explorer afterwards (rewards, feedback, commits, shadow runs) happens on the runner's own event
+loop thread, retried with backoff and bounded in memory, so an Explorer that is down or slow never
+raises into, nor slows, the application.
 """
 
 from __future__ import annotations
 
 import asyncio
-import collections
 import contextvars
 import inspect
 import logging
@@ -31,19 +33,13 @@ import threading
 import time
 import uuid
 from concurrent.futures import Future
-from typing import Any, Awaitable, Callable, Literal
+from typing import Any, Awaitable, Callable, Literal, Sequence
 
 import httpx
 
-from runner_sdk.client import (
-    AgentClient,
-    ExplorerClient,
-    ExplorerError,
-    _current_run,
-    _enter_run,
-    tracked_async_http_client,
-    tracked_http_client,
-)
+from runner_sdk.client import AgentClient, ExplorerClient, tracked_async_http_client, tracked_http_client
+from runner_sdk.context import run_var, running
+from runner_sdk.feedback import Feedback, FeedbackQueue
 from runner_sdk.records import AgentRun, RunnerStats
 from runner_sdk.selection import RequestInfo, SamplingRate, SelectionStrategy, decide
 
@@ -85,11 +81,11 @@ class _RunScope:
         self._token: contextvars.Token | None = None
 
     def __enter__(self) -> AgentRun:
-        self._token = _enter_run(self.run)
+        self._token = run_var.set(self.run)
         return self.run
 
     def __exit__(self, exc_type, exc, tb) -> bool:
-        _current_run.reset(self._token)
+        run_var.reset(self._token)
         if exc is not None:
             self.run.error = f"{exc_type.__name__}: {exc}"
         self.runner._finish(self.run)
@@ -144,16 +140,14 @@ class TrainingRunner:
         self.retry_initial = retry_initial
         self.retry_max = retry_max
         self.stats = RunnerStats()
+        self._lock = threading.Lock()
         self._bg: _BackgroundLoop | None = None
         self._explorer: ExplorerClient | None = None
-        self._pending: collections.deque[dict[str, Any]] = collections.deque()
-        self._wake: asyncio.Event | None = None
-        self._tasks: list[asyncio.Task] = []
+        self._feedback = FeedbackQueue(stats=self.stats, lock=self._lock, max_pending=max_pending,
+                                       retry_initial=retry_initial, retry_max=retry_max)
         self._inflight: set[Future] = set()
         self._shadow_sem: asyncio.Semaphore | None = None
         self._shadow_queued = 0
-        self._sent_since_commit = 0
-        self._lock = threading.Lock()
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -167,11 +161,8 @@ class TrainingRunner:
 
     async def _setup(self) -> None:
         self._explorer = ExplorerClient(self.endpoint, api_key=self.api_key, timeout=self.timeout)
-        self._wake = asyncio.Event()
         self._shadow_sem = asyncio.Semaphore(self.shadow_concurrency)
-        self._tasks = [asyncio.create_task(self._deliver_forever())]
-        if self.commit_interval > 0:
-            self._tasks.append(asyncio.create_task(self._commit_forever()))
+        self._feedback.start(self._explorer, commit_interval=self.commit_interval)
 
     def stop(self, timeout: float = 30.0) -> None:
         """Finish shadow runs and deliver pending feedback (up to ``timeout`` s), commit, shut down."""
@@ -191,18 +182,10 @@ class TrainingRunner:
         self._bg = None
 
     async def _shutdown(self, budget: float) -> None:
-        deadline = time.monotonic() + budget
-        while self._pending and time.monotonic() < deadline:
-            self._wake.set()
-            await asyncio.sleep(0.05)
-        if self._pending:
-            log.warning("runner stopped with %d feedback messages undelivered", len(self._pending))
-            self.stats.feedback_dropped += len(self._pending)
-            self._pending.clear()
-        for t in self._tasks:
-            t.cancel()
-        await self._commit_once()
-        await self._explorer.aclose()
+        try:
+            await self._feedback.close(budget)
+        finally:
+            await self._explorer.aclose()
 
     def __enter__(self) -> "TrainingRunner":
         return self.start()
@@ -240,7 +223,7 @@ class TrainingRunner:
 
         return openai.AsyncOpenAI(base_url=self.base_url, api_key=self.api_key or "none", http_client=self.async_http_client())
 
-    # ------------------------------------------------------------------ direct mode
+    # ------------------------------------------------------------------ what both modes share
 
     def _new_run(self, input: Any, expected: Any, task_id: str | None, run_id: str, metadata: dict) -> AgentRun:
         with self._lock:
@@ -253,6 +236,35 @@ class TrainingRunner:
                 self.stats.selected += 1
         return AgentRun(task_id=str(task), run_id=run_id, input=input, expected=expected, labels=decision.labels,
                         metadata=meta, selected=decision.selected)
+
+    def _spawn(self, coro) -> bool:
+        if self._bg is None:
+            log.warning("TrainingRunner is not started: nothing is sent (call start() or use `with runner:`)")
+            coro.close()
+            return False
+        fut = self._bg.submit(coro)
+        self._inflight.add(fut)
+        fut.add_done_callback(self._inflight.discard)
+        return True
+
+    async def _reward_and_queue(self, run: AgentRun) -> None:
+        """Where every finished run of either mode ends: rewarded, then its feedback queued."""
+        if self.reward is None:
+            return
+        try:
+            run.reward = float(await maybe_await(self.reward(run)))
+        except Exception as e:
+            with self._lock:
+                self.stats.reward_errors += 1
+            log.warning("reward calculator failed for %s/%s, skipping it: %r", run.task_id, run.run_id, e)
+            return
+        if not run.msg_ids:
+            log.debug("run %s/%s made no Explorer calls: nothing to reward", run.task_id, run.run_id)
+            return
+        self.queue_feedback(msg_ids=run.msg_ids, reward=run.reward, task_id=run.task_id, run_id=run.run_id,
+                            labels=run.labels)
+
+    # ------------------------------------------------------------------ direct mode
 
     def run(self, input: Any = None, *, expected: Any = None, task_id: str | None = None, **metadata: Any) -> _RunScope:
         """Scope one request of a directly served agent; set ``run.output`` inside it."""
@@ -267,16 +279,6 @@ class TrainingRunner:
             log.info("run %s failed (%s): no feedback", run.task_id, run.error)
             return
         self._spawn(self._reward_and_queue(run))
-
-    def _spawn(self, coro) -> bool:
-        if self._bg is None:
-            log.warning("TrainingRunner is not started: nothing is sent (call start() or use `with runner:`)")
-            coro.close()
-            return False
-        fut = self._bg.submit(coro)
-        self._inflight.add(fut)
-        fut.add_done_callback(self._inflight.discard)
-        return True
 
     # ------------------------------------------------------------------ shadow mode
 
@@ -311,114 +313,41 @@ class TrainingRunner:
         run = AgentRun(task_id=base.task_id, run_id=str(i), input=base.input, expected=base.expected,
                        labels=base.labels, metadata=dict(base.metadata), selected=True)
         async with self._shadow_sem:
-            token = _enter_run(run)
-            try:
-                run.output = await maybe_await(self.agent(AgentClient(self._explorer, self.model, self.api_key), run.input))
-            except Exception as e:
-                with self._lock:
-                    self.stats.shadow_failures += 1
-                log.warning("shadow run %s/%s failed: %s", run.task_id, run.run_id, e)
-                return
-            finally:
-                _current_run.reset(token)
+            with running(run):
+                try:
+                    run.output = await maybe_await(self.agent(AgentClient(self._explorer, self.model, self.api_key),
+                                                              run.input))
+                except Exception as e:
+                    with self._lock:
+                        self.stats.shadow_failures += 1
+                    log.warning("shadow run %s/%s failed: %s", run.task_id, run.run_id, e)
+                    return
         with self._lock:
             self.stats.shadow_runs += 1
             self.stats.runs += 1
         await self._reward_and_queue(run)
 
-    # ------------------------------------------------------------------ rewards, feedback, commits
+    # ------------------------------------------------------------------ feedback and commits
 
-    async def _reward_and_queue(self, run: AgentRun) -> None:
-        if self.reward is None:
-            return
-        try:
-            run.reward = float(await maybe_await(self.reward(run)))
-        except Exception as e:
-            with self._lock:
-                self.stats.reward_errors += 1
-            log.warning("reward calculator failed for %s/%s, skipping it: %r", run.task_id, run.run_id, e)
-            return
-        if not run.msg_ids:
-            log.debug("run %s/%s made no Explorer calls: nothing to reward", run.task_id, run.run_id)
-            return
-        self.queue_feedback(msg_ids=run.msg_ids, reward=run.reward, task_id=run.task_id, run_id=run.run_id,
-                            labels=list(run.labels) or None)
-
-    def queue_feedback(self, **body: Any) -> None:
-        """Queue one /feedback call; it is sent from the runner's loop. Oldest entries go first when full."""
-        if self._bg is not None and threading.current_thread() is not self._bg.thread:
-            self._bg.loop.call_soon_threadsafe(lambda: self.queue_feedback(**body))
-            return
-        if len(self._pending) >= self.max_pending:
-            self._pending.popleft()
-            with self._lock:
-                self.stats.feedback_dropped += 1
-        body.setdefault("source", "runner_sdk")
-        self._pending.append(body)
-        if self._wake is not None:
-            self._wake.set()
-
-    async def _deliver_forever(self) -> None:
-        backoff = self.retry_initial
-        while True:
-            if not self._pending:
-                self._wake.clear()
-                await self._wake.wait()
-                continue
-            body = self._pending[0]
-            try:
-                await self._explorer.feedback(**body)
-            except (httpx.HTTPError, ExplorerError) as e:
-                if isinstance(e, ExplorerError) and not e.retryable:
-                    log.warning("feedback refused, dropping it: %s", e)
-                    self._pending.popleft()
-                    with self._lock:
-                        self.stats.feedback_dropped += 1
-                    continue
-                with self._lock:
-                    self.stats.feedback_failed_attempts += 1
-                log.debug("feedback failed (%s), retrying in %.1fs", e, backoff)
-                await asyncio.sleep(backoff)
-                backoff = min(backoff * 2, self.retry_max)
-                continue
-            backoff = self.retry_initial
-            if self._pending and self._pending[0] is body:
-                self._pending.popleft()
-            with self._lock:
-                self.stats.feedback_sent += 1
-                self._sent_since_commit += 1
-
-    async def _commit_forever(self) -> None:
-        while True:
-            await asyncio.sleep(self.commit_interval)
-            await self._commit_once()
-
-    async def _commit_once(self) -> None:
-        if not self._sent_since_commit:
-            return
-        try:
-            result = await self._explorer.commit()
-        except (httpx.HTTPError, ExplorerError) as e:
-            with self._lock:
-                self.stats.commit_failures += 1
-            log.warning("commit failed, will retry: %s", e)
-            return
-        with self._lock:
-            self._sent_since_commit = 0
-            self.stats.commits += 1
-            self.stats.committed += int(result.get("committed", 0))
+    def queue_feedback(self, *, msg_ids: Sequence[str], reward: float, task_id: str | None = None,
+                       run_id: str | None = None, labels: Sequence[str] = (), comment: str | None = None,
+                       source: str = "runner_sdk") -> None:
+        """Queue one /feedback call, from any thread; it is sent from the runner's loop and its ids are
+        committed with this runner's next commit. Oldest entries go first when the queue is full."""
+        if not msg_ids:
+            return  # nothing to reward (the Explorer would refuse an empty list)
+        self._feedback.put(Feedback(msg_ids=tuple(msg_ids), reward=float(reward), task_id=task_id,
+                                    run_id=None if run_id is None else str(run_id), labels=tuple(labels or ()),
+                                    comment=comment, source=source))
 
     def commit_now(self, timeout: float = 30.0) -> None:
-        """Deliver what is pending and commit, now (blocks up to ``timeout``)."""
+        """Deliver what is pending and commit what this runner delivered, now (blocks up to ``timeout``)."""
         if self._bg is None:
             return
 
         async def _flush():
-            deadline = time.monotonic() + timeout
-            while self._pending and time.monotonic() < deadline:
-                self._wake.set()
-                await asyncio.sleep(0.02)
-            await self._commit_once()
+            await self._feedback.flush(timeout)
+            await self._feedback.commit()
 
         for fut in list(self._inflight):
             try:

@@ -4,10 +4,9 @@
     ExplicitMarking(ttl=60)        # only requests made inside `with mark("vip"):` (or @mark)
 
 A strategy answers per request; unselected requests get no feedback and are never trained on.
-Marks live in a contextvar, so they follow the code into asyncio tasks, ``asyncio.to_thread`` and
-threads started inside the mark (``runner_sdk.threads`` carries the mark into a plain
-``threading.Thread`` on Python < 3.14 too). Pool workers, which outlive the task that started them,
-do not inherit it: submit through ``ContextThreadPoolExecutor`` to carry a mark into pooled tasks.
+Marks live in a contextvar (``runner_sdk.context``), so they follow the code into asyncio tasks and
+``asyncio.to_thread``, and into other threads where you start them through ``runner_sdk.threads``
+(``ContextThread``, ``carry_context``, ``ContextThreadPoolExecutor``).
 """
 
 from __future__ import annotations
@@ -18,11 +17,11 @@ import inspect
 import random
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Callable, Protocol, runtime_checkable
 
-from runner_sdk.threads import carry_into_threads
+from runner_sdk.context import current_mark, mark_var
+from runner_sdk.records import Mark
 
 
 @dataclass(frozen=True)
@@ -60,16 +59,6 @@ class SamplingRate:
             return Decision(self._rng.random() < self.p)
 
 
-@dataclass(frozen=True)
-class Mark:
-    labels: tuple[str, ...]
-    metadata: dict[str, Any]
-    created: float
-
-
-_current_mark: contextvars.ContextVar[Mark | None] = contextvars.ContextVar("kaizen_mark", default=None)
-
-
 class mark:  # noqa: N801 - reads like a statement: `with mark("vip"):`
     """Mark the requests made inside as training data: context manager or decorator.
 
@@ -87,12 +76,11 @@ class mark:  # noqa: N801 - reads like a statement: `with mark("vip"):`
 
     def __enter__(self) -> Mark:
         m = Mark(self.labels, dict(self.metadata), time.monotonic())
-        carry_into_threads(_current_mark)
-        self._tokens.append(_current_mark.set(m))
+        self._tokens.append(mark_var.set(m))
         return m
 
     def __exit__(self, *exc) -> None:
-        _current_mark.reset(self._tokens.pop())
+        mark_var.reset(self._tokens.pop())
 
     async def __aenter__(self) -> Mark:
         return self.__enter__()
@@ -119,10 +107,6 @@ class mark:  # noqa: N801 - reads like a statement: `with mark("vip"):`
         return wrapper
 
 
-def current_mark() -> Mark | None:
-    return _current_mark.get()
-
-
 class ExplicitMarking:
     """Select exactly the requests made inside ``mark(...)``, while the mark is younger than ``ttl`` s."""
 
@@ -130,29 +114,10 @@ class ExplicitMarking:
         self.ttl = ttl
 
     def should_select(self, info: RequestInfo) -> Decision:
-        m = _current_mark.get()
+        m = current_mark()
         if m is None or time.monotonic() - m.created > self.ttl:
             return Decision(False)
         return Decision(True, m.labels, dict(m.metadata))
-
-
-class ContextThread(threading.Thread):
-    """A Thread that runs in a copy of the context it was created in (marks included)."""
-
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
-        self._kaizen_context = contextvars.copy_context()
-
-    def run(self) -> None:
-        self._kaizen_context.run(super().run)
-
-
-class ContextThreadPoolExecutor(ThreadPoolExecutor):
-    """A ThreadPoolExecutor whose tasks run in the context of the ``submit`` call."""
-
-    def submit(self, fn, /, *args, **kwargs):
-        ctx = contextvars.copy_context()
-        return super().submit(ctx.run, fn, *args, **kwargs)
 
 
 def decide(strategy: SelectionStrategy, info: RequestInfo) -> Decision:

@@ -1,58 +1,56 @@
-"""Carry the SDK's context (the current mark, the current agent run) into plain threads.
+"""Run code on another thread with the SDK's context (the current mark and agent run), when you ask.
 
-asyncio tasks and ``asyncio.to_thread`` copy the context, but before Python 3.14 a plain
-``threading.Thread`` starts with an empty one, so ``with mark("vip"): Thread(target=work).start()``
-would lose the mark. ``carry_into_threads(var)`` makes every thread started while ``var`` is set
-begin with the same value of ``var``, and nothing else: only the SDK's own variables travel, the
-application's contextvars keep Python's own semantics.
+asyncio tasks and ``asyncio.to_thread`` copy the context by themselves. A plain ``threading.Thread``
+(unless Python runs with ``thread_inherit_context``, the default only on free-threaded 3.14+),
+``loop.run_in_executor`` and a ``ThreadPoolExecutor`` do not, and the SDK leaves them as they are: a
+library does not change how its host's threads start. Opt in instead:
 
-Pool workers are left alone: a ``ThreadPoolExecutor`` or ``multiprocessing.pool.ThreadPool``
-worker thread lives on and runs later, unrelated tasks, which must not inherit the mark of
-whichever task happened to start the worker. Use ``ContextThreadPoolExecutor`` (or
-``asyncio.to_thread``) for per-task context there.
+    with mark("vip"):
+        ContextThread(target=work).start()            # a Thread that runs in the creator's context
+        pool.submit(carry_context(work), item)        # any executor, thread or callback API
+        await loop.run_in_executor(None, carry_context(work), item)
+
+or create the pool as a ``ContextThreadPoolExecutor``, whose every task runs in the context of its
+``submit`` call. Only the task carries the context, never a pool's worker thread: a worker lives on
+and runs later, unrelated tasks, which must not inherit the mark of whichever task started it.
 """
 
 from __future__ import annotations
 
 import contextvars
+import functools
 import threading
-from typing import Any
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Callable, TypeVar
 
-_MISSING = object()
-_POOL_MODULES = ("concurrent.futures.thread", "multiprocessing.pool")
-_carried: list[contextvars.ContextVar] = []
-_lock = threading.Lock()
-_original_start = None
+R = TypeVar("R")
 
 
-def _is_pool_worker(thread: threading.Thread) -> bool:
-    target = getattr(thread, "_target", None)
-    return getattr(target, "__module__", None) in _POOL_MODULES
+def carry_context(fn: Callable[..., R]) -> Callable[..., R]:
+    """``fn`` bound to a copy of the current context: wherever it is called, it runs in that context."""
+    captured = contextvars.copy_context()
+
+    @functools.wraps(fn)
+    def in_context(*args: Any, **kwargs: Any) -> R:
+        # A fresh copy per call: one Context cannot be entered twice at once, and what one call sets
+        # must not leak into the next (the same rule as asyncio.to_thread).
+        return captured.copy().run(fn, *args, **kwargs)
+
+    return in_context
 
 
-def _start(self: threading.Thread, *args: Any, **kwargs: Any) -> None:
-    values = [(v, x) for v in tuple(_carried) if (x := v.get(_MISSING)) is not _MISSING and x is not None]
-    if values and not _is_pool_worker(self):
-        run = self.run
+class ContextThread(threading.Thread):
+    """A Thread whose ``run()`` (a subclass's own included) runs in a copy of the context it was created in."""
 
-        def run_with_context() -> None:
-            for var, value in values:
-                if var.get(None) is None:  # unset here (Python < 3.14): take the starter's value
-                    var.set(value)
-            run()
-
-        self.run = run_with_context  # type: ignore[method-assign]
-    _original_start(self, *args, **kwargs)
+    def __init__(self, *args: Any, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        # Bind the run() this instance will call (a subclass's override, once its class exists) to
+        # the context; only this instance changes, never threading.Thread.
+        self.run = functools.partial(contextvars.copy_context().run, self.run)  # type: ignore[method-assign]
 
 
-def carry_into_threads(var: contextvars.ContextVar) -> None:
-    """From now on, threads started while ``var`` holds a value start with that value (idempotent)."""
-    global _original_start
-    if var in _carried:
-        return
-    with _lock:
-        if var not in _carried:
-            _carried.append(var)
-        if _original_start is None:
-            _original_start = threading.Thread.start
-            threading.Thread.start = _start  # type: ignore[method-assign]
+class ContextThreadPoolExecutor(ThreadPoolExecutor):
+    """A ThreadPoolExecutor whose tasks (``submit`` and ``map``) run in the context of the ``submit`` call."""
+
+    def submit(self, fn, /, *args, **kwargs):
+        return super().submit(contextvars.copy_context().run, fn, *args, **kwargs)

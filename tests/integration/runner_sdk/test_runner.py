@@ -196,3 +196,40 @@ def test_environment_runner_sends_rewards_and_commits(explorer):
         assert row["status"] == "committed" and row["reward"] == res.reward
         assert (row["task_id"], row["run_id"]) == (res.task_id, res.run_id)
     assert len({r.task_id for r in results}) == 4
+
+
+def test_runners_commit_only_what_they_rewarded(explorer):
+    # Another application's rewarded experience, waiting for its own commit.
+    other = explorer.client.chat.completions.create(model="default", messages=Q, max_tokens=1)
+    explorer.http.post("/feedback", json={"msg_ids": [other.id], "reward": 1.0}).raise_for_status()
+
+    runner = TrainingRunner(endpoint=explorer.url, model="default", reward=FunctionReward(lambda text: 1.0),
+                            commit_interval=0)
+    client = runner.openai_client()
+    with runner:
+        with runner.run("q") as run:
+            r = client.chat.completions.create(model="default", messages=Q, max_tokens=1)
+            run.output = r.choices[0].message.content
+        runner.commit_now()
+        assert (runner.stats.commits, runner.stats.committed) == (1, 1)
+    assert runner.stats.commits == 1  # stopping had nothing left to commit and sent nothing
+
+    class OneStep:
+        def __init__(self, task):
+            pass
+
+        def reset(self):
+            return "reply."
+
+        def step(self, action):
+            return None, 1.0, True, {}
+
+    async def agent(client, observation):
+        return await client.complete(observation, max_tokens=1)
+
+    results = EnvironmentRunner(endpoint=explorer.url, model="default", make_env=OneStep, agent=agent,
+                                repeat=2).run_sync(range(2))
+    status = {row["completion_id"]: row["status"] for row in _experiences(explorer)}
+    assert status[other.id] == "rewarded"
+    assert status[r.id] == "committed"
+    assert all(status[i] == "committed" for res in results for i in res.msg_ids) and len(results) == 4

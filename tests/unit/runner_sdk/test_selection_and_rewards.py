@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+import contextvars
+import sys
 import threading
-from concurrent.futures import ThreadPoolExecutor
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 from fastapi import FastAPI, Request  # module level: the route's annotations are resolved here
@@ -21,6 +23,7 @@ from runner_sdk import (
     RegexMatch,
     RequestInfo,
     SamplingRate,
+    carry_context,
     mark,
 )
 
@@ -53,7 +56,7 @@ def test_mark_expires_after_ttl():
         assert not s.should_select(RequestInfo()).selected
 
 
-def test_mark_follows_tasks_and_threads_started_inside():
+def test_mark_follows_tasks_and_the_threads_that_opt_in():
     s = ExplicitMarking()
     seen = {}
 
@@ -63,13 +66,13 @@ def test_mark_follows_tasks_and_threads_started_inside():
     async def aprobe(name):
         probe(name)
 
-    class Worker(threading.Thread):  # a subclass with its own run()
+    class Worker(ContextThread):  # a subclass with its own run()
         def run(self):
             probe("subclass")
 
     def spawn_nested():
         probe("thread")
-        inner = threading.Thread(target=probe, args=("nested",))
+        inner = ContextThread(target=probe, args=("nested",))
         inner.start()
         inner.join()
 
@@ -77,40 +80,67 @@ def test_mark_follows_tasks_and_threads_started_inside():
         with mark("m"):
             await asyncio.create_task(aprobe("task"))
             await asyncio.to_thread(probe, "to_thread")
-            for t in (threading.Thread(target=spawn_nested), Worker(), ContextThread(target=probe, args=("context",))):
+            for t in (ContextThread(target=spawn_nested), Worker(), ContextThread(target=probe, args=("context",)),
+                      threading.Thread(target=carry_context(probe), args=("carried",))):
                 t.start()
                 t.join()
+            await asyncio.get_running_loop().run_in_executor(None, carry_context(probe), "executor")
             with ContextThreadPoolExecutor(2) as pool:
                 pool.submit(probe, "context-pool").result()
-            # A plain pool's worker outlives this task and must not carry the mark into later ones.
+            # A plain pool's worker outlives this task and must not carry the mark into later ones;
+            # a task wrapped with carry_context carries it, the worker still does not.
             plain_pool = ThreadPoolExecutor(1)
+            plain_pool.submit(carry_context(probe), "pool-carried").result()
             plain_pool.submit(probe, "pool-inside").result()
+            # The SDK leaves threading alone: a plain thread keeps Python's own behaviour.
+            plain = threading.Thread(target=probe, args=("plain",))
+            plain.start()
+            plain.join()
         plain_pool.submit(probe, "pool-later").result()
         plain_pool.shutdown()
-        after = threading.Thread(target=probe, args=("outside",))
+        after = ContextThread(target=probe, args=("outside",))
         after.start()
         after.join()
 
+    threading_start = threading.Thread.start
     asyncio.run(main())
+    assert threading.Thread.start is threading_start
+    inherits = bool(getattr(sys.flags, "thread_inherit_context", False))  # Python 3.14+ may opt in for all threads
     assert seen == {"task": True, "to_thread": True, "thread": True, "nested": True, "subclass": True,
-                    "context": True, "context-pool": True, "pool-inside": False, "pool-later": False,
+                    "context": True, "carried": True, "executor": True, "context-pool": True,
+                    "pool-carried": True, "pool-inside": False, "pool-later": False, "plain": inherits,
                     "outside": False}
 
 
+def test_carried_callable_runs_in_a_fresh_copy_each_call():
+    var = contextvars.ContextVar("v", default="unset")
+    together = threading.Barrier(4, timeout=10)
+
+    def read_then_change():
+        value = var.get()
+        var.set("changed inside")  # must not be seen by the next call, nor here
+        together.wait()  # four calls inside the carried context at once
+        return value
+
+    var.set("outer")
+    fn = carry_context(read_then_change)
+    var.set("later")
+    with ThreadPoolExecutor(4) as pool:  # two rounds of four: the second sees nothing the first set
+        assert list(pool.map(lambda _: fn(), range(8))) == ["outer"] * 8
+    assert var.get() == "later"
+
+
 def test_current_run_follows_threads_started_inside_it():
-    from runner_sdk.client import _current_run, _enter_run, current_run
+    from runner_sdk.context import current_run, running
     from runner_sdk.records import AgentRun
 
     run = AgentRun(task_id="t", run_id="0", input=None, selected=True)
     seen = {}
-    token = _enter_run(run)
-    try:
-        t = threading.Thread(target=lambda: seen.setdefault("inside", current_run()))
+    with running(run):
+        t = ContextThread(target=lambda: seen.setdefault("inside", current_run()))
         t.start()
         t.join()
-    finally:
-        _current_run.reset(token)
-    t = threading.Thread(target=lambda: seen.setdefault("after", current_run()))
+    t = ContextThread(target=lambda: seen.setdefault("after", current_run()))
     t.start()
     t.join()
     assert seen == {"inside": run, "after": None}
