@@ -150,11 +150,6 @@ class AdapterRegistry:
         self.reload_failures += 1
         log.error("agent %s: refusing version %s, still serving v%d: %s", state.name, version, state.current.version, why)
 
-    async def sync_all(self) -> None:
-        self._discover()
-        for name in list(self.agents):
-            await self.sync(name)
-
     async def watch(self, interval_s: float, *, discover_every_s: float = 5.0, heartbeat_s: float = 10.0) -> None:
         """Poll every agent's LATEST forever (cancel the task to stop).
 
@@ -241,14 +236,6 @@ class AdapterRegistry:
         handle.leases -= 1
         if handle.leases <= 0 and handle.retired:
             self._schedule_removal(handle)
-
-    @contextlib.asynccontextmanager
-    async def lease(self, model: str):
-        handle = await self.acquire(model)
-        try:
-            yield handle
-        finally:
-            self.release(handle)
 
     def _retire(self, handle: AdapterHandle) -> None:
         handle.retired = True

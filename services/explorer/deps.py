@@ -3,13 +3,20 @@
 from __future__ import annotations
 
 import hmac
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 from fastapi import Depends, Request
 
 from services.explorer.errors import APIError
 from services.explorer.feedback import FeedbackService
 from services.explorer.service import ChatService
+
+if TYPE_CHECKING:  # app.py imports the routes, which import this module
+    from services.explorer.app import ExplorerState
+
+
+def get_state(request: Request) -> "ExplorerState":
+    return request.app.state.kaizen
 
 
 def get_chat(request: Request) -> ChatService:
@@ -36,5 +43,6 @@ def require_api_key(request: Request) -> None:
         raise APIError(401, "incorrect API key", code="invalid_api_key")
 
 
+StateDep = Annotated["ExplorerState", Depends(get_state)]
 ChatDep = Annotated[ChatService, Depends(get_chat)]
 FeedbackDep = Annotated[FeedbackService, Depends(get_feedback)]

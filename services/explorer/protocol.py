@@ -201,3 +201,111 @@ class CommitRequest(_Recorded):
         if v is not None and not v:
             raise ValueError("msg_ids is empty: name at least one id, or leave msg_ids out to commit by task_id")
         return v
+
+
+# ---------------------------------------------------------------------------------------------
+# Response bodies. Built once by services/explorer/service.py for plain and streaming answers.
+
+
+def _unset(value: Any) -> bool:
+    return value is None
+
+
+# An optional key left out of the JSON when it has no value (extensions, and delta fields).
+Omitted = Field(default=None, exclude_if=_unset)
+
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None
+
+
+class TokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob]
+
+
+class ChoiceLogprobs(BaseModel):
+    content: list[TokenLogprob] | None
+    refusal: str | None = None
+
+
+class ResponseFunctionCall(BaseModel):
+    name: str
+    arguments: str
+
+
+class ResponseToolCall(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: ResponseFunctionCall
+
+
+class StreamToolCall(ResponseToolCall):
+    index: int
+
+
+class ResponseMessage(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str | None
+    tool_calls: list[ResponseToolCall] | None = Omitted
+
+
+class Choice(BaseModel):
+    index: int
+    message: ResponseMessage
+    logprobs: ChoiceLogprobs | None = None
+    finish_reason: str
+
+    # Extensions, not in the OpenAI spec
+    experience_id: str
+    token_ids: list[int] | None = Omitted
+
+
+class ChatCompletion(BaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int
+    model: str
+    choices: list[Choice]
+    usage: Usage
+    system_fingerprint: str
+
+    # Extensions, not in the OpenAI spec
+    prompt_token_ids: list[int] | None = Omitted
+
+
+class Delta(BaseModel):
+    role: Literal["assistant"] | None = Omitted
+    content: str | None = Omitted
+    tool_calls: list[StreamToolCall] | None = Omitted
+
+
+class ChunkChoice(BaseModel):
+    index: int
+    delta: Delta
+    logprobs: ChoiceLogprobs | None = None
+    finish_reason: str | None = None
+
+    # Extensions, not in the OpenAI spec
+    experience_id: str
+    token_ids: list[int] | None = Omitted
+
+
+class ChatCompletionChunk(BaseModel):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    system_fingerprint: str
+    choices: list[ChunkChoice]
+    usage: Usage | None = Omitted
+
+    # Extensions, not in the OpenAI spec
+    prompt_token_ids: list[int] | None = Omitted

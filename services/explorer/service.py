@@ -7,12 +7,16 @@ or as SSE chunks), and recorded token for token.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
 import logging
 import time
 from datetime import datetime, timezone
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Mapping
+
+from starlette.types import Receive
 
 from services.common.ids import experience_id, new_id
 from services.common.records import Experience
@@ -21,7 +25,21 @@ from services.explorer.config import ExplorerConfig
 from services.explorer.engines.base import ChoiceUpdate, Engine, GenerateRequest, SamplingParams
 from services.explorer.errors import APIError, error_body
 from services.explorer.metrics import ExplorerMetrics
-from services.explorer.protocol import ChatCompletionRequest, Message, check_grouping_id, check_storable
+from services.explorer.protocol import (
+    ChatCompletion,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    Choice,
+    ChoiceLogprobs,
+    ChunkChoice,
+    Delta,
+    Message,
+    ResponseMessage,
+    StreamToolCall,
+    Usage,
+    check_grouping_id,
+    check_storable,
+)
 from services.explorer.recorder import Recorder
 from services.explorer.tool_calls import ToolCallStreamFilter, forced_prefix, parse_tool_calls
 
@@ -213,16 +231,16 @@ class ChatService:
 
     # ------------------------------------------------------------------ responses
 
-    def _message(self, p: PreparedChat, c: _Choice) -> tuple[dict[str, Any], str]:
+    def _message(self, p: PreparedChat, c: _Choice) -> tuple[ResponseMessage, str]:
         text = p.prefix + c.text if p.prefix else c.text
         finish = c.finish_reason or "stop"
         if p.parse_tools:
             content, calls = parse_tool_calls(text)
             if calls:
-                return {"role": "assistant", "content": content, "tool_calls": calls}, "tool_calls"
-        return {"role": "assistant", "content": text}, finish
+                return ResponseMessage(content=content, tool_calls=calls), "tool_calls"
+        return ResponseMessage(content=text), finish
 
-    def _logprobs_json(self, c: _Choice) -> dict[str, Any]:
+    def _logprobs(self, c: _Choice) -> ChoiceLogprobs:
         tok = self.engine.tokenizer
 
         def entry(tid: int, lp: float) -> dict[str, Any]:
@@ -234,18 +252,18 @@ class ChatService:
             e = entry(tid, lp)
             e["top_logprobs"] = [entry(t, v) for t, v in c.top[i]] if i < len(c.top) else []
             content.append(e)
-        return {"content": content, "refusal": None}
+        return ChoiceLogprobs(content=content)
 
     def _record(self, p: PreparedChat, handle: AdapterHandle, completion_id: str, choices: list[_Choice],
-                messages_out: list[dict], leased_at: datetime) -> None:
+                messages_out: list[ResponseMessage], leased_at: datetime) -> None:
         if self.config.recorder.enabled:
             t0 = time.perf_counter()
             self.recorder.record(self._records(p, handle, completion_id, choices, messages_out, leased_at))
             self.metrics.record_handoff.observe(time.perf_counter() - t0)
 
     def _records(
-        self, p: PreparedChat, handle: AdapterHandle, completion_id: str, choices: list[_Choice], messages_out: list[dict],
-        leased_at: datetime,
+        self, p: PreparedChat, handle: AdapterHandle, completion_id: str, choices: list[_Choice],
+        messages_out: list[ResponseMessage], leased_at: datetime,
     ) -> list[Experience]:
         """One record per choice; created_at is when the version was leased, so ordering by it
         orders experiences by the version that produced them."""
@@ -262,7 +280,7 @@ class ChatService:
                 response_token_ids=c.token_ids,
                 response_logprobs=c.logprobs,
                 messages=p.messages,
-                response=msg,
+                response=msg.model_dump(mode="json"),
                 tools=p.tools,
                 finish_reason=c.finish_reason,
                 sampling=sampling,
@@ -284,75 +302,77 @@ class ChatService:
             adapter=handle.ref, stream=stream,
         )
 
-    async def complete(self, p: PreparedChat) -> dict[str, Any]:
+    async def complete(self, p: PreparedChat, *, receive: Receive | None = None) -> ChatCompletion:
+        """The whole answer at once. With ``receive`` (the ASGI channel), a client that goes away
+        aborts its generation in the engine instead of leaving it to run to the end."""
         t0 = time.perf_counter()
-        completion_id = new_id("chatcmpl")
         handle = await self._acquire(p.model)
-        leased_at = datetime.now(timezone.utc)
+        answer = _Answer.start(p, handle)
+        choices = [_Choice(i) for i in range(p.n)]
         try:
-            choices = [_Choice(i) for i in range(p.n)]
-            async for updates in self.engine.generate(self._engine_request(p, handle, completion_id, stream=False)):
-                for u in updates:
-                    choices[u.index].add(u)
+            async with self._abort_on_disconnect(answer.completion_id, receive):
+                async for updates in self.engine.generate(self._engine_request(p, handle, answer.completion_id, stream=False)):
+                    for u in updates:
+                        choices[u.index].add(u)
         finally:
             self.registry.release(handle)
         out_choices, messages_out = [], []
         for c in choices:
             message, finish = self._message(p, c)
             messages_out.append(message)
-            choice: dict[str, Any] = {
-                "index": c.index,
-                "message": message,
-                "logprobs": self._logprobs_json(c) if p.request.logprobs else None,
-                "finish_reason": finish,
-                # Extensions, not in the OpenAI spec
-                "experience_id": experience_id(completion_id, c.index),
-            }
-            if p.request.return_token_ids:
-                choice["token_ids"] = c.token_ids
-            out_choices.append(choice)
-        self._record(p, handle, completion_id, choices, messages_out, leased_at)
+            out_choices.append(Choice(
+                index=c.index, message=message, finish_reason=finish, experience_id=answer.experience_id(c.index),
+                logprobs=self._logprobs(c) if p.request.logprobs else None,
+                token_ids=c.token_ids if p.request.return_token_ids else None,
+            ))
+        if any(c.finish_reason == "abort" for c in choices):
+            raise APIError(499, "the client closed the request", code="client_closed")  # nobody to answer
+        self._record(p, handle, answer.completion_id, choices, messages_out, answer.leased_at)
         self._account(handle, p, choices, t0, stream=False)
-        completion_tokens = sum(len(c.token_ids) for c in choices)
-        body: dict[str, Any] = {
-            "id": completion_id,
-            "object": "chat.completion",
-            "created": int(time.time()),
-            "model": p.model,
-            "choices": out_choices,
-            "usage": {
-                "prompt_tokens": len(p.prompt_ids),
-                "completion_tokens": completion_tokens,
-                "total_tokens": len(p.prompt_ids) + completion_tokens,
-            },
-            "system_fingerprint": f"kaizen-{handle.agent}-v{handle.version}",
-        }
-        if p.request.return_token_ids:
-            body["prompt_token_ids"] = p.prompt_ids
-        return body
+        return ChatCompletion(
+            id=answer.completion_id, created=answer.created, model=p.model, choices=out_choices,
+            usage=answer.usage(choices), system_fingerprint=answer.fingerprint,
+            prompt_token_ids=p.prompt_ids if p.request.return_token_ids else None,
+        )
+
+    @contextlib.asynccontextmanager
+    async def _abort_on_disconnect(self, request_id: str, receive: Receive | None):
+        if receive is None:
+            yield
+            return
+
+        async def watch() -> None:
+            while (await receive())["type"] != "http.disconnect":
+                pass
+            log.info("client of %s went away; aborting its generation", request_id)
+            await self.engine.abort(request_id)
+
+        watcher = asyncio.create_task(watch())
+        try:
+            yield
+        finally:
+            watcher.cancel()
 
     async def stream(self, p: PreparedChat) -> AsyncIterator[bytes]:
-        """SSE chunks; the handle is leased before the first byte so errors can still be a 4xx."""
+        """SSE chunks; the handle is leased before the first byte so errors can still be a 4xx.
+        A client that goes away closes this generator, which aborts the engine's generation."""
         handle = await self._acquire(p.model)
-        return self._stream(p, handle, datetime.now(timezone.utc))
+        return self._stream(p, handle)
 
-    async def _stream(self, p: PreparedChat, handle: AdapterHandle, leased_at: datetime) -> AsyncIterator[bytes]:
+    async def _stream(self, p: PreparedChat, handle: AdapterHandle) -> AsyncIterator[bytes]:
         t0 = time.perf_counter()
-        completion_id = new_id("chatcmpl")
-        created = int(time.time())
+        answer = _Answer.start(p, handle)
         include_usage = bool(p.request.stream_options and p.request.stream_options.include_usage)
+        want_ids = bool(p.request.return_token_ids)
 
-        def chunk(choices: list[dict], **extra) -> bytes:
-            body = {
-                "id": completion_id, "object": "chat.completion.chunk", "created": created, "model": p.model,
-                "system_fingerprint": f"kaizen-{handle.agent}-v{handle.version}", "choices": choices, **extra,
-            }
-            return b"data: " + json.dumps(body).encode() + b"\n\n"
+        def sse(choices: list[ChunkChoice], **extra) -> bytes:
+            body = ChatCompletionChunk(id=answer.completion_id, created=answer.created, model=p.model,
+                                       system_fingerprint=answer.fingerprint, choices=choices, **extra)
+            return b"data: " + body.model_dump_json().encode() + b"\n\n"
 
-        def choice_json(index: int, delta: dict, finish: str | None = None, **extra) -> dict:
-            d = {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish,
-                 "experience_id": experience_id(completion_id, index), **extra}
-            return d
+        def piece(index: int, delta: Delta, finish: str | None = None, **extra) -> ChunkChoice:
+            return ChunkChoice(index=index, delta=delta, finish_reason=finish, experience_id=answer.experience_id(index),
+                               **extra)
 
         choices = [_Choice(i) for i in range(p.n)]
         filters = [ToolCallStreamFilter() if p.parse_tools else None for _ in range(p.n)]
@@ -361,53 +381,69 @@ class ChatService:
                 f.feed(p.prefix)
         done = False
         try:
-            first_extra = {"prompt_token_ids": p.prompt_ids} if p.request.return_token_ids else {}
-            yield chunk([choice_json(i, {"role": "assistant", "content": ""}) for i in range(p.n)], **first_extra)
-            async for updates in self.engine.generate(self._engine_request(p, handle, completion_id, stream=True)):
+            yield sse([piece(i, Delta(role="assistant", content="")) for i in range(p.n)],
+                      prompt_token_ids=p.prompt_ids if want_ids else None)
+            async for updates in self.engine.generate(self._engine_request(p, handle, answer.completion_id, stream=True)):
                 out = []
                 for u in updates:
                     c = choices[u.index]
                     c.add(u)
                     text = filters[u.index].feed(u.text) if filters[u.index] else u.text
-                    extra = {}
-                    if p.request.return_token_ids:
-                        extra["token_ids"] = u.token_ids
-                    piece = _Choice(u.index, u.token_ids, u.logprobs, u.top_logprobs or [])
-                    if text or (u.token_ids and (p.request.return_token_ids or p.request.logprobs)):
-                        cj = choice_json(u.index, {"content": text} if text else {}, **extra)
-                        if p.request.logprobs:
-                            cj["logprobs"] = self._logprobs_json(piece)
-                        out.append(cj)
-                    if u.finish_reason:
-                        finish = u.finish_reason
-                        if filters[u.index]:
-                            rest, calls = filters[u.index].finish()
-                            delta: dict[str, Any] = {}
-                            if calls:
-                                delta["tool_calls"] = [{"index": k, **call} for k, call in enumerate(calls)]
-                                finish = "tool_calls"
-                            elif rest:
-                                delta["content"] = rest
-                            out.append(choice_json(u.index, delta, finish))
-                        else:
-                            out.append(choice_json(u.index, {}, finish))
+                    delta, finish = Delta(content=text or None), u.finish_reason
+                    if finish and filters[u.index]:
+                        rest, calls = filters[u.index].finish()
+                        if calls:
+                            delta.tool_calls = [StreamToolCall(index=k, **call) for k, call in enumerate(calls)]
+                            finish = "tool_calls"
+                        elif rest:
+                            delta.content = text + rest
+                    # One entry per choice per chunk: clients read the finish reason from the entry
+                    # that carries the last text, so it must not come in a second entry.
+                    if finish or text or (u.token_ids and (want_ids or p.request.logprobs)):
+                        out.append(piece(
+                            u.index, delta, finish, token_ids=u.token_ids if want_ids else None,
+                            logprobs=self._logprobs(_Choice(u.index, u.token_ids, u.logprobs, u.top_logprobs or []))
+                            if p.request.logprobs else None,
+                        ))
                 if out:
-                    yield chunk(out)
+                    yield sse(out)
             done = True
             messages_out = [self._message(p, c)[0] for c in choices]
-            self._record(p, handle, completion_id, choices, messages_out, leased_at)
+            self._record(p, handle, answer.completion_id, choices, messages_out, answer.leased_at)
             self._account(handle, p, choices, t0, stream=True)
             if include_usage:
-                completion_tokens = sum(len(c.token_ids) for c in choices)
-                usage = {"prompt_tokens": len(p.prompt_ids), "completion_tokens": completion_tokens,
-                         "total_tokens": len(p.prompt_ids) + completion_tokens}
-                yield chunk([], usage=usage)
+                yield sse([], usage=answer.usage(choices))
         except APIError as e:
             yield b"data: " + json.dumps(error_body(e.status, e.message, param=e.param, code=e.code)).encode() + b"\n\n"
         except Exception as e:
             if not done:
-                log.exception("stream %s failed", completion_id)
+                log.exception("stream %s failed", answer.completion_id)
             yield b"data: " + json.dumps(error_body(500, f"stream failed: {e}", code="engine_error")).encode() + b"\n\n"
         finally:
             self.registry.release(handle)
         yield b"data: [DONE]\n\n"
+
+
+@dataclass
+class _Answer:
+    """What the plain and the streaming answer to one request share."""
+
+    completion_id: str
+    created: int
+    fingerprint: str
+    prompt_tokens: int
+    leased_at: datetime  # when the adapter version was leased: the record's created_at
+
+    @classmethod
+    def start(cls, p: PreparedChat, handle: AdapterHandle) -> "_Answer":
+        return cls(completion_id=new_id("chatcmpl"), created=int(time.time()),
+                   fingerprint=f"kaizen-{handle.agent}-v{handle.version}", prompt_tokens=len(p.prompt_ids),
+                   leased_at=datetime.now(timezone.utc))
+
+    def experience_id(self, index: int) -> str:
+        return experience_id(self.completion_id, index)
+
+    def usage(self, choices: list[_Choice]) -> Usage:
+        completion = sum(len(c.token_ids) for c in choices)
+        return Usage(prompt_tokens=self.prompt_tokens, completion_tokens=completion,
+                     total_tokens=self.prompt_tokens + completion)

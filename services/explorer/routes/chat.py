@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from fastapi import APIRouter, Request
-from starlette.responses import JSONResponse, StreamingResponse
+from starlette.responses import Response, StreamingResponse
 
 from services.explorer.deps import ChatDep
 from services.explorer.protocol import ChatCompletionRequest
@@ -19,4 +19,5 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, chat: 
         return StreamingResponse(
             chunks, media_type="text/event-stream", headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
         )
-    return JSONResponse(await chat.complete(prepared))
+    answer = await chat.complete(prepared, receive=request.receive)
+    return Response(answer.model_dump_json(), media_type="application/json")

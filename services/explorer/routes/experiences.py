@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import asyncio
 
-from fastapi import APIRouter, Query, Request
+from fastapi import APIRouter, Query
 
 from services.common import buffer
 from services.common.records import ExperienceStatus
+from services.explorer.deps import StateDep
 from services.explorer.errors import APIError
 from services.explorer.protocol import check_storable
 
@@ -15,8 +16,7 @@ router = APIRouter()
 
 
 @router.get("/experiences/{experience_id}")
-async def get_experience(experience_id: str, request: Request):
-    k = request.app.state.kaizen
+async def get_experience(experience_id: str, k: StateDep):
     check_storable(experience_id, "experience_id")
     await k.recorder.wait_written([experience_id], k.config.recorder.feedback_wait_s)
     exp = await asyncio.to_thread(buffer.get_experience, engine=k.db, experience_id=experience_id)
@@ -27,7 +27,7 @@ async def get_experience(experience_id: str, request: Request):
 
 @router.get("/experiences")
 async def list_experiences(
-    request: Request,
+    k: StateDep,
     task_id: str | None = None,
     status: str | None = None,
     agent: str | None = None,
@@ -39,10 +39,9 @@ async def list_experiences(
     if status is not None and status not in {s.value for s in ExperienceStatus}:
         allowed = ", ".join(s.value for s in ExperienceStatus)
         raise APIError(400, f"unknown status {status!r}; use one of {allowed}", param="status")
-    db = request.app.state.kaizen.db
-    await request.app.state.kaizen.recorder.flush(request.app.state.kaizen.config.recorder.feedback_wait_s)
+    await k.recorder.flush(k.config.recorder.feedback_wait_s)
     rows = await asyncio.to_thread(
-        buffer.list_experiences, engine=db, task_id=task_id, status=status, agent=agent,
+        buffer.list_experiences, engine=k.db, task_id=task_id, status=status, agent=agent,
         completion_id=completion_id, limit=limit, offset=offset,
     )
     return {"object": "list", "data": [r.model_dump(mode="json") for r in rows]}

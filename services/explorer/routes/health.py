@@ -4,18 +4,19 @@ from __future__ import annotations
 
 from dataclasses import asdict
 
-from fastapi import APIRouter, Request
+from fastapi import APIRouter
 from starlette.responses import JSONResponse, Response
+
+from services.explorer.deps import StateDep
 
 router = APIRouter()  # no auth
 metrics_router = APIRouter()
 
 
 @router.get("/health")
-async def health(request: Request):
+async def health(k: StateDep):
     """ok; degraded (still serving, but records wait for the buffer or were set aside: 200, so a
     load balancer keeps a replica whose answers are safe in its journal); error (the engine: 503)."""
-    k = request.app.state.kaizen
     stats = k.engine.stats()
     rec = k.recorder.health()
     rc = k.config.recorder
@@ -32,8 +33,7 @@ async def health(request: Request):
 
 
 @metrics_router.get("/metrics")
-async def metrics(request: Request):
-    k = request.app.state.kaizen
+async def metrics(k: StateDep):
     stats = k.engine.stats()
     m = k.metrics
     m.engine_running.set(stats.running)

@@ -2,14 +2,15 @@
 
 from __future__ import annotations
 
-from fastapi import APIRouter, Request
+from fastapi import APIRouter
+
+from services.explorer.deps import StateDep
 
 router = APIRouter()
 
 
 @router.get("/v1/models")
-async def list_models(request: Request):
-    k = request.app.state.kaizen
+async def list_models(k: StateDep):
     created = int(k.started_at)
     data = [{"id": k.registry.base_name, "object": "model", "created": created, "owned_by": "kaizen", "root": k.config.model.path, "parent": None}]
     for a in k.registry.describe():

@@ -175,3 +175,21 @@ def test_health_and_metrics(explorer):
     text = explorer.http.get("/metrics").text
     assert 'kaizen_requests_total{route="/v1/chat/completions",status="200"} 1.0' in text
     assert "kaizen_completion_tokens_total" in text and "kaizen_request_latency_seconds_bucket" in text
+
+
+def test_a_client_that_disconnects_aborts_its_generation(explorer):
+    """The engine stops generating for a client that went away (nothing is recorded: nobody got an
+    answer); a request that finished naturally would have been recorded."""
+    import time
+
+    import httpx
+
+    body = {"model": "default", "messages": [{"role": "user", "content": "go on forever"}], "max_tokens": 1900,
+            "temperature": 1.0, "metadata": {"task_id": "gone"}}
+    with pytest.raises(httpx.TimeoutException):
+        httpx.post(f"{explorer.url}/v1/chat/completions", json=body, timeout=0.3)
+    deadline = time.monotonic() + 60
+    while explorer.http.get("/health").json()["engine"]["running"] and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert explorer.http.get("/health").json()["engine"]["running"] == 0
+    assert explorer.http.get("/experiences", params={"task_id": "gone"}).json()["data"] == []
