@@ -238,6 +238,21 @@ def insert_experiences(*, engine: Engine, records: Sequence[Experience]) -> None
         conn.execute(insert(experiences), rows)
 
 
+def insert_missing_experiences(*, engine: Engine, records: Sequence[Experience]) -> int:
+    """Insert the records whose experience_id is not in the buffer yet (a retried batch, a replayed
+    journal); returns how many were inserted."""
+    if not records:
+        return 0
+    ids = [r.experience_id for r in records]
+    with engine.connect() as conn:
+        have: set[str] = set()
+        for chunk in iter_chunks(ids, 500):
+            have.update(conn.scalars(select(experiences.c.experience_id).where(experiences.c.experience_id.in_(chunk))))
+    missing = [r for r in records if r.experience_id not in have]
+    insert_experiences(engine=engine, records=missing)
+    return len(missing)
+
+
 def _lock_rows(conn: Connection, experience_ids: Iterable[str]) -> dict[str, tuple[str, float | None]]:
     """Lock the rows FOR UPDATE in ascending experience_id order; {id: (status, reward)} of those
     that exist, as they are once locked (the newest committed values, even under READ COMMITTED).
@@ -414,6 +429,34 @@ def list_experiences(
         q = q.where(and_(*conds))
     with engine.connect() as conn:
         return [_row_to_experience(r) for r in conn.execute(q)]
+
+
+@dataclass(frozen=True)
+class RewardPoint:
+    created_at: datetime
+    model_version: int
+    reward: float
+    status: str
+
+
+def rewarded_history(*, engine: Engine, agent: str) -> list[RewardPoint]:
+    """Every rewarded experience of ``agent``, oldest first (reports and plots)."""
+    e = experiences.c
+    q = (select(e.created_at, e.model_version, e.reward, e.status)
+         .where(e.agent == agent, e.reward.is_not(None)).order_by(e.created_at))
+    with engine.connect() as conn:
+        return [RewardPoint(*r) for r in conn.execute(q)]
+
+
+def count_versions_served(*, engine: Engine, agent: str, newer_than: int, with_task_only: bool = True) -> int:
+    """How many distinct versions newer than ``newer_than`` produced experiences of ``agent``
+    (by default only those carrying a task id, i.e. traffic rather than evaluation)."""
+    e = experiences.c
+    conds = [e.agent == agent, e.model_version > newer_than]
+    if with_task_only:
+        conds.append(e.task_id.is_not(None))
+    with engine.connect() as conn:
+        return int(conn.execute(select(func.count(func.distinct(e.model_version))).where(*conds)).scalar() or 0)
 
 
 def count_by_status(*, engine: Engine, agent: str | None = None) -> dict[str, int]:

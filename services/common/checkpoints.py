@@ -2,10 +2,14 @@
 
     <root>/<agent>/v<N>/      a complete PEFT adapter dir + manifest.json (immutable once there)
     <root>/<agent>/LATEST     the newest published N (replaced by write-temp-and-rename)
-    <root>/<agent>/state/     what a restarted Trainer needs to resume
+    <root>/<agent>/state/step-<8 digits>/     what a restarted Trainer needs to resume
 
 A version is written under a temporary name, fsynced and renamed into place, so a reader never
 sees half a version. Versions are never rewritten: vLLM caches adapters by name and path.
+
+A writer killed half way leaves temporaries (``.tmp-*``, ``.LATEST.*``, ``.deleting-*``), or a
+complete ``v<N>`` that LATEST does not name yet; ``remove_temporaries`` and ``finish_publication``
+let a restarted Trainer repair both instead of tripping over them.
 """
 
 from __future__ import annotations
@@ -22,6 +26,9 @@ from typing import Any, Callable
 
 AGENT_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 _VERSION_DIR = re.compile(r"^v(\d+)$")
+_STATE_DIR = re.compile(r"^step-(\d+)$")
+# What the atomic writers below leave behind when killed mid-write (never a reader-visible name).
+_TEMPORARY = re.compile(r"^\.(tmp-|LATEST\.|deleting-)")
 REQUIRED_FILES = ("adapter_config.json", "adapter_model.safetensors", "manifest.json")
 
 
@@ -59,6 +66,48 @@ def state_dir(root: str | Path, agent: str) -> Path:
     return agent_dir(root, agent) / "state"
 
 
+def state_path(root: str | Path, agent: str, step: int) -> Path:
+    """Where the Trainer state after ``step`` lives (the database's ``state_ref`` points here)."""
+    return state_dir(root, agent) / f"step-{step:08d}"
+
+
+def list_states(root: str | Path, agent: str) -> list[int]:
+    """Steps that have a saved trainer state, oldest first."""
+    d = state_dir(root, agent)
+    if not d.is_dir():
+        return []
+    return sorted(int(m.group(1)) for p in d.iterdir() if (m := _STATE_DIR.match(p.name)) and p.is_dir())
+
+
+def drop_states_after(root: str | Path, agent: str, *, step: int) -> list[int]:
+    """Delete the states of steps after ``step``; returns their steps.
+
+    The database names the state of the last step it committed. A newer state belongs to a step
+    whose commit never happened: resuming from it would train that batch twice, and keeping it
+    would block the step's next attempt ("already exists").
+    """
+    newer = [s for s in list_states(root, agent) if s > step]
+    for s in newer:
+        delete_state(root, agent, s)
+    return newer
+
+
+def delete_state(root: str | Path, agent: str, step: int) -> None:
+    # Rename first, so a kill mid-delete leaves a temporary, never half a state under a real name.
+    path = state_path(root, agent, step)
+    doomed = path.with_name(f".deleting-{path.name}-{os.getpid()}")
+    os.rename(path, doomed)
+    shutil.rmtree(doomed, ignore_errors=True)
+
+
+def list_trained_agents(root: str | Path) -> list[str]:
+    """Agents a Trainer has saved state for (published or not yet)."""
+    root = Path(root)
+    if not root.is_dir():
+        return []
+    return sorted(p.name for p in root.iterdir() if AGENT_NAME.match(p.name) and (p / "state").is_dir())
+
+
 def list_agents(root: str | Path) -> list[str]:
     """Agents that have at least one published version."""
     root = Path(root)
@@ -76,13 +125,14 @@ def list_versions(root: str | Path, agent: str) -> list[int]:
     return sorted(int(m.group(1)) for p in d.iterdir() if (m := _VERSION_DIR.match(p.name)) and p.is_dir())
 
 
-def read_latest(root: str | Path, agent: str) -> int | None:
-    """The version LATEST names, or the newest version dir when LATEST is missing."""
+def read_latest(root: str | Path, agent: str, *, fallback: bool = True) -> int | None:
+    """The version LATEST names; when LATEST is missing, the newest version dir (or None
+    without ``fallback``: a writer must know whether LATEST itself was written)."""
     latest = agent_dir(root, agent) / "LATEST"
     try:
         text = latest.read_text().strip()
     except FileNotFoundError:
-        versions = list_versions(root, agent)
+        versions = list_versions(root, agent) if fallback else []
         return versions[-1] if versions else None
     if not text.isdigit():
         raise CheckpointError(f"{latest} holds {text!r}, not a version number")
@@ -157,14 +207,14 @@ def write_dir_atomic(final: Path, write: Callable[[Path], None]) -> Path:
     return final
 
 
-def publish_version(
+def write_version(
     root: str | Path,
     agent: str,
     version: int,
     write_adapter: Callable[[Path], None],
     manifest: dict[str, Any],
 ) -> AdapterVersion:
-    """Write a new version atomically and point LATEST at it.
+    """Write ``v<version>`` atomically, without pointing LATEST at it (see ``set_latest``).
 
     ``write_adapter(dir)`` writes adapter_config.json and adapter_model.safetensors into ``dir``
     (e.g. ``peft_model.save_pretrained``). Raises CheckpointError if v<version> already exists.
@@ -182,8 +232,68 @@ def publish_version(
             raise CheckpointError(f"adapter writer left out {', '.join(missing)}")
 
     write_dir_atomic(final, write)
-    write_text_atomic(final.parent / "LATEST", f"{version}\n")
     return AdapterVersion(agent=agent, version=version, path=final)
+
+
+def set_latest(root: str | Path, agent: str, version: int) -> None:
+    """Point LATEST at ``version`` (write-temp-and-rename: readers see the old or the new number)."""
+    write_text_atomic(agent_dir(root, agent) / "LATEST", f"{version}\n")
+
+
+def publish_version(
+    root: str | Path,
+    agent: str,
+    version: int,
+    write_adapter: Callable[[Path], None],
+    manifest: dict[str, Any],
+) -> AdapterVersion:
+    """Write a new version atomically and point LATEST at it (``write_version`` + ``set_latest``)."""
+    v = write_version(root, agent, version, write_adapter, manifest)
+    set_latest(root, agent, version)
+    return v
+
+
+def finish_publication(root: str | Path, agent: str, version: int) -> AdapterVersion | None:
+    """Complete a publication that was killed between renaming ``v<version>`` into place and
+    writing LATEST: if the directory is complete, point LATEST at it (never backwards) and return
+    it. None when there is no such directory, so the caller writes the version afresh.
+
+    A directory under the final name that fails validation cannot come from ``write_version``
+    (it renames complete directories only); no reader can load it, so it is moved aside to
+    ``.invalid-v<N>-<time>`` for inspection rather than left to block the version forever.
+    """
+    path = version_dir(root, agent, version)
+    if not path.exists():
+        return None
+    try:
+        done = validate_version(root, agent, version)
+    except CheckpointError:
+        os.rename(path, path.with_name(f".invalid-v{version}-{time.time_ns()}"))
+        _fsync_dir(path.parent)
+        return None
+    if (read_latest(root, agent, fallback=False) or 0) < version:
+        set_latest(root, agent, version)
+    return done
+
+
+def remove_temporaries(root: str | Path, agent: str) -> list[Path]:
+    """Delete what a killed atomic writer left in the agent dir and its state dir; returns them.
+
+    Only the one Trainer of an agent writes there, so when it starts nothing is mid-write.
+    """
+    removed = []
+    for d in (agent_dir(root, agent), state_dir(root, agent)):
+        if not d.is_dir():
+            continue
+        for p in sorted(d.iterdir()):
+            if not _TEMPORARY.match(p.name):
+                continue
+            if p.is_dir():
+                shutil.rmtree(p, ignore_errors=True)
+            else:
+                p.unlink(missing_ok=True)
+            removed.append(p)
+    return removed
 
 
 def delete_version(root: str | Path, agent: str, version: int) -> None:

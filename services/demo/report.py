@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import statistics
+from dataclasses import asdict
 from pathlib import Path
 
 from services.common import buffer, checkpoints
@@ -12,12 +13,7 @@ from services.common import buffer, checkpoints
 def _training_rows(demo) -> list[dict]:
     """Rewarded traffic experiences (evaluation requests are never rewarded, so they are left out)."""
     db = buffer.create_buffer_engine(demo.db_url, create_tables=False)
-    with db.connect() as conn:
-        q = buffer.experiences.select().with_only_columns(
-            buffer.experiences.c.created_at, buffer.experiences.c.model_version, buffer.experiences.c.reward,
-            buffer.experiences.c.status,
-        ).where(buffer.experiences.c.agent == demo.cfg.agent, buffer.experiences.c.reward.is_not(None))
-        rows = [dict(r._mapping) for r in conn.execute(q.order_by(buffer.experiences.c.created_at))]
+    rows = [asdict(p) for p in buffer.rewarded_history(engine=db, agent=demo.cfg.agent)]
     counts = buffer.count_by_status(engine=db, agent=demo.cfg.agent)
     last = buffer.last_trainer_step(engine=db, agent=demo.cfg.agent)
     db.dispose()

@@ -26,7 +26,6 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-import sqlalchemy as sa
 import yaml
 
 from runner_sdk import EnvironmentRunner
@@ -261,11 +260,7 @@ class Demo:
 
     def new_versions_served(self, db) -> int:
         """Distinct versions newer than the start one that served traffic (evaluation requests carry no task id)."""
-        e = buffer.experiences.c
-        q = (sa.select(sa.func.count(sa.distinct(e.model_version)))
-             .where(e.agent == self.cfg.agent, e.task_id.is_not(None), e.model_version > self.start_version))
-        with db.connect() as conn:
-            return int(conn.execute(q).scalar() or 0)
+        return buffer.count_versions_served(engine=db, agent=self.cfg.agent, newer_than=self.start_version)
 
     def progress(self, db) -> None:
         recent = self.batches[-5:]

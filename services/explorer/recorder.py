@@ -26,12 +26,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterable, Sequence
 
-from sqlalchemy import select
 from sqlalchemy.engine import Engine
 from sqlalchemy.exc import DBAPIError, DisconnectionError, IntegrityError, InterfaceError, OperationalError
 from sqlalchemy.exc import TimeoutError as PoolTimeout
 
-from services.common.buffer import experiences, insert_experiences
+from services.common.buffer import insert_experiences, insert_missing_experiences
 from services.common.records import Experience
 from services.explorer.journal import Journal, append_dead_letter
 
@@ -325,9 +324,5 @@ class Recorder:
         try:
             insert_experiences(engine=self._db, records=batch)
         except IntegrityError:
-            # A previous attempt (or a replayed journal) may have committed some of these already:
-            # write only the rows that are not there yet.
-            ids = [r.experience_id for r in batch]
-            with self._db.connect() as conn:
-                have = set(conn.scalars(select(experiences.c.experience_id).where(experiences.c.experience_id.in_(ids))))
-            insert_experiences(engine=self._db, records=[r for r in batch if r.experience_id not in have])
+            # A previous attempt (or a replayed journal) may have committed some of these already.
+            insert_missing_experiences(engine=self._db, records=batch)

@@ -280,5 +280,11 @@ class LearnerWorker:
         return json.loads((d / "trainer.json").read_text())
 
     def publish(self, agent: str, root: str, version: int, manifest: dict[str, Any]) -> str:
+        """Write ``v<version>`` and point LATEST at it, in one call (the demo's warm start)."""
         v = checkpoints.publish_version(root, agent, version, lambda d: self.policy.save_adapter(agent, d), manifest)
+        return str(v.path)
+
+    def write_version(self, agent: str, root: str, version: int, manifest: dict[str, Any]) -> str:
+        """Write the adapter as ``v<version>``; the driver moves LATEST (it decides what serves)."""
+        v = checkpoints.write_version(root, agent, version, lambda d: self.policy.save_adapter(agent, d), manifest)
         return str(v.path)

@@ -10,13 +10,19 @@ Per agent, forever (or for ``trainer.max_steps`` steps):
   4. every ``save_interval`` steps publish ``v<N>`` atomically and move LATEST.
 
 A crash anywhere leaves the database pointing at the last state whose batch was consumed: a
-restarted trainer loads that state, so no experience is trained twice and none is skipped.
+restarted trainer loads that state, so no experience is trained twice and none is skipped. Before
+that it repairs what the kill left half done (``_repair``), so a restart never needs a hand:
+  - temporaries of an interrupted atomic write (``.tmp-*`` and the like) are removed;
+  - states newer than the step the database names are dropped (their batch was never committed);
+  - a version the database owes (its last step closed it) is published, or, when ``v<N>`` was
+    renamed into place but LATEST not yet written, LATEST is pointed at it; this happens at start,
+    not when the next experiences arrive, so the Explorer never waits on data for it.
+``KAIZEN_FAILPOINTS`` (services/common/faults.py) kills the process inside these windows in tests.
 """
 
 from __future__ import annotations
 
 import logging
-import shutil
 import signal
 import statistics
 import threading
@@ -28,6 +34,7 @@ from typing import Any
 from services.common import buffer, checkpoints
 from services.common.buffer import BatchChanged, create_buffer_engine
 from services.common.config import dump_config
+from services.common.faults import failpoint
 from services.trainer.batches import Selection, select_batch
 from services.trainer.config import TrainerConfig
 from services.trainer.metrics import MetricsSink
@@ -115,6 +122,7 @@ class TrainerService:
                 ray.init(object_store_memory=256 * 1024 * 1024, _system_config={"worker_niceness": 0}, **kwargs)
                 self._started_ray = True
         self.learners = LearnerGroup(self.cfg)
+        self._recover()
 
     def close(self) -> None:
         self.metrics.close()
@@ -126,29 +134,57 @@ class TrainerService:
 
     # ------------------------------------------------------------------ agents
 
-    def _state_path(self, agent: str, step: int) -> Path:
-        return checkpoints.state_dir(self.root, agent) / f"step-{step:08d}"
+    def _recover(self) -> None:
+        """Finish the publications a killed run owes before polling: an agent whose data is all
+        consumed would otherwise never get its last version out to the Explorer."""
+        wanted = self.cfg.trainer.agents
+        for agent in checkpoints.list_trained_agents(self.root):
+            if wanted and agent not in wanted:
+                continue
+            last = buffer.last_trainer_step(engine=self.db, agent=agent)
+            if self._owed_version(agent, last) is not None:
+                self.agents[agent] = self._init_agent(agent)
+
+    def _owed_version(self, agent: str, last: dict[str, Any] | None) -> int | None:
+        """The version the database says is complete (its last step closed it) that LATEST does
+        not name yet: the trainer died between that step's commit and the end of its publication."""
+        if not last or last["step"] % self.cfg.save_interval:
+            return None
+        published = checkpoints.read_latest(self.root, agent, fallback=False) or 0
+        return last["version"] if published < last["version"] else None
+
+    def _repair(self, agent: str, last: dict[str, Any] | None) -> None:
+        """Undo or finish what a kill left half done on disk; the database is the truth."""
+        for path in checkpoints.remove_temporaries(self.root, agent):
+            log.warning("agent %s: removed %s, left by an interrupted write", agent, path)
+        for step in checkpoints.drop_states_after(self.root, agent, step=last["step"] if last else 0):
+            log.warning("agent %s: dropped the state of step %d, whose batch was never committed", agent, step)
+        self._prune_states(agent)  # a kill between a commit and the pruning leaves one state too many
+        owed = self._owed_version(agent, last)
+        if owed is not None and checkpoints.finish_publication(self.root, agent, owed):
+            log.warning("agent %s: finished the publication of v%d (LATEST did not name it yet)", agent, owed)
 
     def _init_agent(self, agent: str) -> AgentProgress:
-        """Resume from the state the database names, else start from the newest published adapter."""
+        """Repair, then resume from the state the database names, else start from the newest published adapter."""
         last = buffer.last_trainer_step(engine=self.db, agent=agent)
+        self._repair(agent, last)
         latest = checkpoints.read_latest(self.root, agent) or 0
         if last and last["state_ref"] and (self.root / last["state_ref"]).is_dir():
             state = self.root / last["state_ref"]
             self.learners.all("ensure_agent", agent, state_dir=str(state))
             progress = AgentProgress(step=last["step"], published=latest, next_version=last["version"], state_path=str(state))
             if last["step"] % self.cfg.save_interval == 0:
-                if latest < last["version"]:  # crashed between the commit and the publication
+                if self._owed_version(agent, last) is not None:  # died between the commit and the version's writing
                     self._publish(agent, progress, last["version"])
                 progress.next_version = last["version"] + 1
-            log.info("agent %s: resumed at step %d from %s (serving v%d)", agent, progress.step, state, latest)
+            log.info("agent %s: resumed at step %d from %s (serving v%d)", agent, progress.step, state, progress.published)
             return progress
         if last:
             log.warning("agent %s: state %s named by the buffer is missing; starting from v%d", agent, last["state_ref"], latest)
         adapter_dir = str(checkpoints.version_dir(self.root, agent, latest)) if latest else None
         self.learners.all("ensure_agent", agent, adapter_dir=adapter_dir)
         step = last["step"] if last else 0
-        state = self._state_path(agent, step)
+        state = checkpoints.state_path(self.root, agent, step)
         if not state.exists():
             self.learners.rank0("save_state", agent, str(state), {"agent": agent, "step": step, "version": latest})
         log.info("agent %s: starting at step %d from %s", agent, step, f"v{latest}" if latest else "the base model")
@@ -208,8 +244,9 @@ class TrainerService:
         results = self.learners.train(agent, shards, norms, progress.step, progress.published)
         seconds = time.perf_counter() - t0
         step, version = progress.step + 1, progress.next_version
-        state = self._state_path(agent, step)
+        state = checkpoints.state_path(self.root, agent, step)
         self.learners.rank0("save_state", agent, str(state), {"agent": agent, "step": step, "version": version})
+        failpoint("trainer.after_state_saved")
         record = self._step_record(agent, step, version, selection, results, norms, seconds)
         try:
             buffer.consume_batch(
@@ -220,10 +257,11 @@ class TrainerService:
         except BatchChanged as e:
             log.warning("agent %s: %s; rolling the step back and retrying with fresh data", agent, e)
             self.learners.all("load_state", agent, progress.state_path)
-            shutil.rmtree(state, ignore_errors=True)
+            checkpoints.drop_states_after(self.root, agent, step=progress.step)
             return False
         if selection.discarded:
             self._log_discards(agent, selection, len(selection.discarded))
+        failpoint("trainer.after_consume_commit")
         progress.step, progress.state_path = step, str(state)
         self.steps_this_run += 1
         if step % cfg.save_interval == 0:
@@ -246,16 +284,19 @@ class TrainerService:
             "experience_ids": lineage,
             "experience_count": len(lineage),
         }
-        path = self.learners.rank0("publish", agent, str(self.root), version, manifest)
+        path = self.learners.rank0("write_version", agent, str(self.root), version, manifest)
+        failpoint("trainer.after_version_renamed")
+        checkpoints.set_latest(self.root, agent, version)
         progress.published = version
         log.info("agent %s: published v%d (%d experiences) at %s", agent, version, len(lineage), path)
         prune_versions(self.root, agent, keep=self.cfg.checkpoints.keep_versions, grace_s=self.cfg.checkpoints.delete_grace_s)
 
     def _prune_states(self, agent: str) -> None:
-        d = checkpoints.state_dir(self.root, agent)
-        states = sorted(p for p in d.glob("step-*") if p.is_dir())
-        for old in states[: -self.cfg.checkpoints.keep_states]:
-            shutil.rmtree(old, ignore_errors=True)
+        for step in checkpoints.list_states(self.root, agent)[: -self.cfg.checkpoints.keep_states]:
+            try:
+                checkpoints.delete_state(self.root, agent, step)
+            except OSError as e:  # an old state left over is harmless; the next step tries again
+                log.warning("agent %s: could not delete the state of step %d: %s", agent, step, e)
 
     def _step_record(self, agent, step, version, selection, results, norms, seconds) -> dict[str, Any]:
         total: dict[str, float] = {}
@@ -303,10 +344,12 @@ def run_trainer(cfg: TrainerConfig) -> int:
         log.info("signal %d: finishing the current step, then stopping", signum)
         service.stop_event.set()
 
-    signal.signal(signal.SIGTERM, _stop)
-    signal.signal(signal.SIGINT, _stop)
     try:
         service.start()
+        # Installed after start: ray.init replaces the SIGTERM handler with one that exits at once,
+        # mid-step; ours lets the current step finish.
+        signal.signal(signal.SIGTERM, _stop)
+        signal.signal(signal.SIGINT, _stop)
         return service.run()
     finally:
         service.close()

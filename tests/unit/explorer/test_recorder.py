@@ -108,12 +108,13 @@ def test_records_not_written_at_stop_stay_in_the_journal_and_are_written_at_the_
         await rec.stop(timeout=0.5)
 
     with write_locked(buffer_url):
-        # The write blocks (PostgreSQL) or fails (SQLite) until stop gives up on it.
+        # The write fails (SQLite) or blocks (PostgreSQL: it may still land once the lock goes,
+        # as it would in a process that was not yet gone) until stop gives up on it.
         t = threading.Thread(target=asyncio.run, args=(first_run(),))
         t.start()
-        t.join(30)
-    assert _stored(db) == set()
-    assert list((tmp_path / "journal").glob("segment-*.jsonl"))
+        t.join(5)
+        assert list((tmp_path / "journal").glob("segment-*.jsonl"))  # kept for the next start
+    t.join(30)
 
     async def second_run():
         rec = _recorder(db, tmp_path)

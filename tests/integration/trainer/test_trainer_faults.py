@@ -1,0 +1,270 @@
+"""kill -9 of the real `kaizen trainer` in each crash window and at random moments: every restart
+repairs what the kill left and goes on, with no hand repair, nothing trained twice or skipped,
+and LATEST naming the newest complete version.
+
+The windows are hit exactly with failpoints (services/common/faults.py); each run joins the
+session's Ray cluster, so a restart costs seconds. One run dir goes through: a kill after a step's
+state is saved but before its commit, after a commit that completes a version before the version
+is written, after ``v<N>`` is renamed into place but before LATEST, at random moments, and after
+the very last commit; then a run that must publish the owed version with no data left. The
+adapters must equal those of an uninterrupted run: a batch trained twice or skipped would show in
+the weights even where the buffer's books balance.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import random
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Iterator
+
+import pytest
+import torch
+from sqlalchemy import update
+
+from services.common import buffer, checkpoints
+from tests.helpers import REPO
+from tests.integration.trainer.data import PROMPTS, fill_buffer
+
+pytestmark = pytest.mark.integration
+
+AGENT = "default"
+BATCH, INTERVAL = 4, 2
+PROMPT_COUNT, RESPONSES, UNREWARDED = 30, 2, 4
+TOTAL = (PROMPT_COUNT * RESPONSES - UNREWARDED) // BATCH  # 14 steps, 7 versions
+RANDOM_KILLS, SEED = 4, 1234
+WAIT_S = 240.0
+
+
+@pytest.fixture(scope="module")
+def faults_db(tiny_model, tmp_path_factory) -> Path:
+    """60 committed experiences, 4 of them without a reward (the Trainer discards those)."""
+    path = tmp_path_factory.mktemp("faults") / "buffer.db"
+    url = f"sqlite:///{path}"
+    records = fill_buffer(url, tiny_model, n=RESPONSES, prompts=PROMPTS[:PROMPT_COUNT], seed=3)
+    unrewarded = [r.experience_id for r in records[5 : 5 + 4 * UNREWARDED : 4]]
+    db = buffer.create_buffer_engine(url)
+    with db.begin() as conn:
+        conn.execute(update(buffer.experiences).where(buffer.experiences.c.experience_id.in_(unrewarded)).values(reward=None))
+    db.dispose()
+    return path
+
+
+class Trainers:
+    """Starts `kaizen trainer` subprocesses on one run dir, each in its own process group, and
+    kills every group that is still there on exit (nothing may outlive the test)."""
+
+    def __init__(self, tiny_model: Path, run: Path, ray_address: str):
+        self.tiny_model, self.run, self.ray_address = tiny_model, run, ray_address
+        self.procs: list[subprocess.Popen] = []
+        self.logs: list[Path] = []
+
+    def start(self, label: str, *extra: str, failpoints: str | None = None) -> subprocess.Popen:
+        run = self.run
+        args = [
+            sys.executable, "-m", "services.cli", "trainer", "--config", "configs/trainer.yaml",
+            f"model.path={self.tiny_model}", f"buffer.url=sqlite:///{run}/buffer.db", f"checkpoints.root={run}/ck",
+            f"trainer.run_dir={run}/run", f"ray.address={self.ray_address}", "algorithm.name=ppo", "lora.r=8",
+            "optim.lr=2e-3", "staleness.max_staleness=100", f"train_batch_size={BATCH}", f"save_interval={INTERVAL}",
+            "checkpoints.keep_versions=100", "checkpoints.keep_states=2", "trainer.torch_threads=1",
+            "trainer.poll_interval_s=0.2", "log_level=info", *extra,
+        ]
+        env = {k: v for k, v in os.environ.items() if k != "KAIZEN_FAILPOINTS"}
+        env["PYTHONUNBUFFERED"] = "1"
+        if failpoints:
+            env["KAIZEN_FAILPOINTS"] = failpoints
+        log = run / "logs" / f"{len(self.logs):02d}-{label}.log"
+        log.parent.mkdir(parents=True, exist_ok=True)
+        with open(log, "wb") as out:
+            proc = subprocess.Popen(args, cwd=REPO, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        self.procs.append(proc)
+        self.logs.append(log)
+        return proc
+
+    def log(self, proc: subprocess.Popen) -> str:
+        return self.logs[self.procs.index(proc)].read_text()
+
+    def kill(self, proc: subprocess.Popen) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(30)
+        self.wait_learners_gone(proc)
+
+    def wait_learners_gone(self, proc: subprocess.Popen) -> None:
+        """A killed driver's learner actors live in the Ray cluster, not in its process group; Ray
+        ends them when it sees the driver gone. A restart before that would share the checkpoint
+        dir with a dying writer; this test waits, as a restart on a fresh node would."""
+        pids = [int(p) for p in re.findall(r"'pid': (\d+)", self.log(proc))]
+        deadline = time.monotonic() + 60
+        while any(_alive(p) for p in pids):
+            assert time.monotonic() < deadline, f"learners {pids} outlived their killed driver"
+            time.sleep(0.1)
+
+    def close(self) -> None:
+        for proc in self.procs:
+            if proc.poll() is None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait(30)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return not Path(f"/proc/{pid}/stat").read_text().split(") ")[-1].startswith("Z")
+    except OSError:
+        return False
+
+
+@pytest.fixture
+def trainers(tiny_model, ray_address, tmp_path) -> Iterator[Trainers]:
+    t = Trainers(tiny_model, tmp_path / "faulted", ray_address)
+    try:
+        yield t
+    finally:
+        t.close()
+
+
+def _copy_db(db: Path, run: Path) -> str:
+    run.mkdir(parents=True, exist_ok=True)
+    shutil.copy(db, run / "buffer.db")
+    return f"sqlite:///{run}/buffer.db"
+
+
+def _steps(url: str) -> list[tuple[int, int, int]]:
+    """(step, version, consumed) of every trainer_steps row, in insertion order."""
+    db = buffer.create_buffer_engine(url)
+    t = buffer.trainer_steps
+    with db.connect() as conn:
+        rows = [tuple(r) for r in conn.execute(t.select().with_only_columns(t.c.step, t.c.version, t.c.consumed).order_by(t.c.id))]
+    db.dispose()
+    return rows
+
+
+def _wait(cond, proc: subprocess.Popen, trainers: Trainers, what: str) -> None:
+    deadline = time.monotonic() + WAIT_S
+    while not cond():
+        assert proc.poll() is None, f"trainer exited with {proc.returncode} before {what}:\n{trainers.log(proc)[-4000:]}"
+        assert time.monotonic() < deadline, f"no {what} within {WAIT_S}s:\n{trainers.log(proc)[-4000:]}"
+        time.sleep(0.05)
+
+
+def _killed_at_failpoint(trainers: Trainers, label: str, failpoints: str) -> subprocess.Popen:
+    """Start the trainer armed with ``failpoints``; it must die there by SIGKILL (not crash)."""
+    proc = trainers.start(label, failpoints=failpoints)
+    try:
+        proc.wait(WAIT_S)
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"{label}: the trainer never reached {failpoints}:\n{trainers.log(proc)[-4000:]}")
+    assert proc.returncode == -signal.SIGKILL, (
+        f"{label}: the restarted trainer did not reach {failpoints}, it exited with {proc.returncode}:\n"
+        f"{trainers.log(proc)[-4000:]}"
+    )
+    trainers.wait_learners_gone(proc)
+    return proc
+
+
+def _adapter(root: Path, version: int) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    return load_file(str(checkpoints.version_dir(root, AGENT, version) / "adapter_model.safetensors"))
+
+
+def _temporaries(root: Path) -> list[str]:
+    dirs = (checkpoints.agent_dir(root, AGENT), checkpoints.state_dir(root, AGENT))
+    return [p.name for d in dirs for p in d.iterdir() if p.name.startswith(".") and p.name != ".serving"]
+
+
+def test_killed_anywhere_the_trainer_restarts_and_repairs(tiny_model, faults_db, ray_address, trainers, tmp_path):
+    run = trainers.run
+    url = _copy_db(faults_db, run)
+    root = run / "ck"
+
+    # Window 1: state/step-2 saved, its batch never committed.
+    _killed_at_failpoint(trainers, "after-state-saved", "trainer.after_state_saved@2")
+    assert [s for s, _, _ in _steps(url)] == [1]
+    assert checkpoints.list_states(root, AGENT)[-1] == 2
+
+    # Step 2 committed (it completes v1), v1 never written.
+    _killed_at_failpoint(trainers, "after-consume-commit", "trainer.after_consume_commit@1")
+    assert [s for s, _, _ in _steps(url)] == [1, 2] and checkpoints.list_versions(root, AGENT) == []
+
+    # Window 2: v2 renamed into place, LATEST still names v1. The first arrival at this failpoint
+    # is the restart finishing v1, which the database owes.
+    _killed_at_failpoint(trainers, "after-version-renamed", "trainer.after_version_renamed@2")
+    assert [s for s, _, _ in _steps(url)] == [1, 2, 3, 4]
+    assert checkpoints.list_versions(root, AGENT) == [1, 2]
+    assert checkpoints.read_latest(root, AGENT, fallback=False) == 1
+
+    # kill -9 at random moments once the restart has repaired and resumed (mid-step, mid-save,
+    # mid-commit, mid-publication ...). Each such run trains 2 steps at most, so the phase below
+    # always has a step left; a kill that comes after those 2 steps finds a clean exit.
+    rng = random.Random(SEED)
+    for k in range(RANDOM_KILLS):
+        proc = trainers.start(f"random-{k}", "--max-steps", "2")
+        _wait(lambda: "resumed at step" in trainers.log(proc), proc, trainers, "a resumed agent")
+        time.sleep(rng.uniform(0.0, 0.3))
+        trainers.kill(proc)
+
+    # The last step committed, its version (the last one) never written, and no data left to
+    # train: a restart must publish it without waiting for new experiences.
+    done = len(_steps(url))
+    assert done < TOTAL
+    _killed_at_failpoint(trainers, "last-commit", f"trainer.after_consume_commit@{TOTAL - done}")
+    assert len(_steps(url)) == TOTAL and checkpoints.list_versions(root, AGENT)[-1] < TOTAL // INTERVAL
+
+    final = trainers.start("final")
+    _wait(lambda: "waiting for committed experiences" in trainers.log(final), final, trainers, "an idle trainer")
+    assert checkpoints.read_latest(root, AGENT, fallback=False) == TOTAL // INTERVAL, trainers.log(final)[-4000:]
+    final.send_signal(signal.SIGTERM)  # a graceful stop, after the step in progress
+    assert final.wait(60) == 0, trainers.log(final)[-4000:]
+
+    # Every restart went on by itself: only the armed and the random kills ended a run early.
+    for proc in trainers.procs[:-1]:
+        assert proc.returncode in (0, -signal.SIGKILL), trainers.log(proc)[-4000:]
+
+    # Books: every step once; every committed experience consumed exactly once or discarded.
+    steps = _steps(url)
+    assert [s for s, _, _ in steps] == list(range(1, TOTAL + 1))
+    db = buffer.create_buffer_engine(url)
+    consumed = buffer.consumed_ids(engine=db, agent=AGENT)
+    counts = buffer.count_by_status(engine=db, agent=AGENT)
+    db.dispose()
+    ids = [e for e, _ in consumed]
+    assert len(ids) == len(set(ids)) == sum(n for _, _, n in steps) == TOTAL * BATCH
+    assert counts.get("discarded") == UNREWARDED and not counts.get("committed")
+    assert len(ids) == PROMPT_COUNT * RESPONSES - counts["discarded"]
+    assert [sum(1 for _, v in consumed if v == ver) for ver in range(1, TOTAL // INTERVAL + 1)] == [INTERVAL * BATCH] * (TOTAL // INTERVAL)
+
+    # Versions: every one complete, each manifest lists exactly what its steps consumed (so no
+    # experience sits in two versions), LATEST names the newest, no temporaries left.
+    versions = checkpoints.list_versions(root, AGENT)
+    assert versions == list(range(1, TOTAL // INTERVAL + 1))
+    assert checkpoints.read_latest(root, AGENT, fallback=False) == versions[-1]
+    for ver in versions:
+        manifest = checkpoints.validate_version(root, AGENT, ver).manifest()
+        assert manifest["step"] == ver * INTERVAL
+        assert manifest["experience_ids"] == sorted(e for e, v in consumed if v == ver)
+    assert _temporaries(root) == []
+    assert checkpoints.list_states(root, AGENT)[-1] == TOTAL
+
+    # Weights: the same adapters as a run nobody killed, so no batch was trained twice or skipped.
+    straight = tmp_path / "straight"
+    _copy_db(faults_db, straight)
+    plain = Trainers(trainers.tiny_model, straight, ray_address)
+    try:
+        proc = plain.start("straight", "--max-steps", str(TOTAL))
+        assert proc.wait(WAIT_S) == 0, plain.log(proc)[-4000:]
+    finally:
+        plain.close()
+    for ver in versions:
+        a, b = _adapter(straight / "ck", ver), _adapter(root, ver)
+        assert a.keys() == b.keys()
+        for k in a:
+            torch.testing.assert_close(b[k], a[k], atol=1e-5, rtol=1e-4, msg=lambda m: f"v{ver} {k}: {m}")
