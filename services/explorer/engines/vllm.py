@@ -81,6 +81,7 @@ class VLLMEngine:
         self,
         *,
         model_path: str,
+        chat_template: str | None = None,
         dtype: str = "auto",
         max_batch_size: int = 256,
         max_model_len: int | None = None,
@@ -97,6 +98,7 @@ class VLLMEngine:
         name: str = "vllm",
     ):
         self.model_path = model_path
+        self._chat_template = chat_template
         self._dtype = dtype
         self.max_batch_size = max_batch_size
         self._max_model_len_cfg = max_model_len
@@ -149,10 +151,11 @@ class VLLMEngine:
         return self._vllm.AsyncEngineArgs(**kw)
 
     async def start(self) -> None:
-        from transformers import AutoTokenizer
+        from services.common.chat_templates import load_tokenizer
 
         self._vllm = _import_vllm()
-        self.tokenizer = await asyncio.to_thread(AutoTokenizer.from_pretrained, self.model_path)
+        # Prompts are rendered here and handed to vLLM as token ids; its own tokenizer only decodes.
+        self.tokenizer = await asyncio.to_thread(load_tokenizer, self.model_path, self._chat_template)
         args = self.engine_args()
         if _on_cpu() and self._kv_cache_gib is None and "kv_cache_memory_bytes" not in self._extra:
             # vLLM's CPU default (VLLM_CPU_KVCACHE_SPACE, else a share of RAM) is fine for real
@@ -253,9 +256,6 @@ class VLLMEngine:
         if self._llm is not None and request_id in self._requests:
             await self._llm.abort(request_id)
 
-    def has_request(self, request_id: str) -> bool:
-        return request_id in self._requests
-
     # ------------------------------------------------------------------ adapters
 
     async def add_adapter(self, adapter: AdapterRef) -> None:
@@ -315,6 +315,7 @@ def build_vllm_engine(config, *, replica: int = 0) -> VLLMEngine:
         devices = ",".join(block)
     return VLLMEngine(
         model_path=config.model.path,
+        chat_template=config.model.chat_template,
         dtype=config.model.dtype,
         max_batch_size=e.max_batch_size,
         max_model_len=e.max_model_len,
