@@ -42,7 +42,7 @@ from sqlalchemy import (
 )
 from sqlalchemy.engine import Connection, Engine, make_url
 
-from services.common.records import Experience, ExperienceStatus
+from services.common.records import CommittedExperience, Experience, ExperienceStatus, TrainerStep
 
 log = logging.getLogger(__name__)
 
@@ -500,8 +500,8 @@ def agents_with_committed(*, engine: Engine) -> list[str]:
         return sorted(conn.scalars(q))
 
 
-def fetch_committed(*, engine: Engine, agent: str, limit: int) -> list[dict[str, Any]]:
-    """The oldest ``limit`` committed experiences of ``agent``, as plain dicts."""
+def fetch_committed(*, engine: Engine, agent: str, limit: int) -> list[CommittedExperience]:
+    """The oldest ``limit`` committed experiences of ``agent``."""
     q = (
         select(*_TRAIN_COLUMNS)
         .where(experiences.c.agent == agent, experiences.c.status == ExperienceStatus.COMMITTED.value)
@@ -509,7 +509,7 @@ def fetch_committed(*, engine: Engine, agent: str, limit: int) -> list[dict[str,
         .limit(limit)
     )
     with engine.connect() as conn:
-        return [dict(r._mapping) for r in conn.execute(q)]
+        return [CommittedExperience(**r._mapping) for r in conn.execute(q)]
 
 
 def consume_batch(
@@ -576,11 +576,11 @@ def discard_experiences(*, engine: Engine, experience_ids: Sequence[str]) -> int
     return n
 
 
-def last_trainer_step(*, engine: Engine, agent: str) -> dict[str, Any] | None:
+def last_trainer_step(*, engine: Engine, agent: str) -> TrainerStep | None:
     q = select(trainer_steps).where(trainer_steps.c.agent == agent).order_by(trainer_steps.c.id.desc()).limit(1)
     with engine.connect() as conn:
         row = conn.execute(q).first()
-    return dict(row._mapping) if row else None
+    return TrainerStep(**row._mapping) if row else None
 
 
 def consumed_ids(*, engine: Engine, agent: str | None = None) -> list[tuple[str, int]]:

@@ -7,6 +7,7 @@ nothing else. Token ids and logprobs are what the engine consumed and sampled, n
 from __future__ import annotations
 
 import enum
+from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
@@ -44,3 +45,43 @@ class Experience(BaseModel):
     trained_in: int | None = None
     created_at: datetime | None = None
     updated_at: datetime | None = None
+
+
+@dataclass(frozen=True)
+class CommittedExperience:
+    """What the Trainer reads of a committed experience (``buffer.fetch_committed``)."""
+
+    seq: int
+    experience_id: str
+    agent: str
+    model_version: int
+    task_id: str | None
+    run_id: str | None
+    prompt_token_ids: list[int]
+    response_token_ids: list[int]
+    response_logprobs: list[float]
+    sampling: dict[str, Any]
+    reward: float | None
+    feedback: dict[str, Any] | None
+    finish_reason: str | None
+    created_at: datetime | None
+    updated_at: datetime | None
+
+    @property
+    def labels(self) -> list[str]:
+        return list((self.feedback or {}).get("labels") or [])
+
+
+@dataclass(frozen=True)
+class TrainerStep:
+    """One training step as the buffer records it, with the trainer state it produced."""
+
+    id: int
+    agent: str
+    step: int
+    version: int
+    consumed: int
+    discarded: int
+    state_ref: str | None
+    metrics: dict[str, Any] | None
+    created_at: datetime

@@ -85,7 +85,7 @@ def report(demo, evals, start_version: int, serving: dict, seconds: float) -> in
         "evals": [{"label": e.label, "version": e.version, "mean": e.mean, "ci95": e.ci95} for e in evals],
         "online_gain": final.mean - start.mean,
         "warm_start_gain": evals[1].mean - evals[0].mean if len(evals) > 2 else None,
-        "experiences": counts, "rewarded": len(rows), "trainer_steps": last["step"] if last else 0,
+        "experiences": counts, "rewarded": len(rows), "trainer_steps": last.step if last else 0,
         "versions_published": len(versions), "reloads": serving["reloads"], "failed_requests": demo.failed_requests,
         "explorer_requests": demo.explorer_requests,
         "wall_seconds": seconds, "rounds": demo.batches,

@@ -21,7 +21,7 @@ import statistics
 import subprocess
 import sys
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -121,7 +121,7 @@ class Demo:
 
     def warm_start(self, trainer_cfg: dict) -> None:
         """SFT of a fresh adapter on the no-information code (task.warm_start_code), published as v1 through the normal layout."""
-        from services.trainer.batches import TrainItem
+        from services.trainer.batches import Norms, TrainItem
         from services.trainer.learner import LearnerWorker
 
         ws = self.cfg.warm_start
@@ -139,8 +139,7 @@ class Demo:
             items.append(TrainItem(experience_id=f"warm-{i}", task_id=None, model_version=0,
                                    prompt_ids=tok.encode(prompt, add_special_tokens=False), response_ids=resp,
                                    old_logprobs=[0.0] * len(resp), reward=1.0, temperature=1.0))
-        items = [asdict(i) for i in items]
-        norms = {"tokens": float(sum(len(i["response_ids"]) for i in items)), "sequences": float(len(items))}
+        norms = Norms.of(items)
         for step in range(ws.steps):
             worker.train_step(self.cfg.agent, items, norms, step, 0)
         worker.publish(self.cfg.agent, str(self.root), 1, {

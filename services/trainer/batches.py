@@ -1,8 +1,9 @@
-"""From committed buffer rows to one training batch: staleness, demonstration and group selection.
+"""From committed buffer rows to one training batch: what every objective shares.
 
-Pure logic over the rows ``buffer.fetch_committed`` returns, so every rule is unit-tested without a
-database. The Trainer calls ``select_batch`` per agent; rows it neither trains on nor discards stay
-committed for a later step.
+Pure logic over what ``buffer.fetch_committed`` returns, so every rule is unit-tested without a
+database. Rows without a reward or with broken logprobs are discarded, stale rows are discarded or
+down-weighted; then the agent's recipe (services/trainer/recipes/) picks the batch and, where it
+needs them, computes advantages. Rows neither trained on nor discarded stay committed for later.
 """
 
 from __future__ import annotations
@@ -10,12 +11,12 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
-from typing import Any
+from typing import TYPE_CHECKING
 
-import torch
+from services.common.records import CommittedExperience
 
-from services.trainer.algorithms.advantages import batch_relative, group_relative
-from services.trainer.config import TrainerConfig
+if TYPE_CHECKING:
+    from services.trainer.config import TrainerConfig
 
 log = logging.getLogger(__name__)
 
@@ -33,7 +34,20 @@ class TrainItem:
     reward: float
     temperature: float
     weight: float = 1.0
-    advantage: float | None = None  # GRPO: group-relative, set here; PPO: computed by the learner
+    advantage: float | None = None  # set at selection by recipes that know it then (GRPO)
+    run_id: str | None = None
+
+
+@dataclass(frozen=True)
+class Norms:
+    """Batch-wide denominators, so every shard's loss is its share of the batch's mean."""
+
+    tokens: float
+    sequences: float
+
+    @classmethod
+    def of(cls, items: list[TrainItem]) -> "Norms":
+        return cls(tokens=float(sum(len(i.response_ids) for i in items)), sequences=float(len(items)))
 
 
 @dataclass
@@ -48,113 +62,67 @@ class Selection:
         return bool(self.items)
 
 
-def _aware(t: datetime | None) -> datetime:
+# A committed row that passed the shared checks, with its staleness weight.
+Usable = tuple[CommittedExperience, float]
+
+
+def aware(t: datetime | None) -> datetime:
     if t is None:
         return datetime.now(timezone.utc)
     return t if t.tzinfo else t.replace(tzinfo=timezone.utc)
 
 
-def _item(row: dict[str, Any], weight: float) -> TrainItem:
-    temperature = float((row.get("sampling") or {}).get("temperature") or 0.0)
+def to_item(row: CommittedExperience, weight: float) -> TrainItem:
+    temperature = float((row.sampling or {}).get("temperature") or 0.0)
     return TrainItem(
-        experience_id=row["experience_id"],
-        task_id=row.get("task_id"),
-        model_version=int(row["model_version"]),
-        prompt_ids=list(row["prompt_token_ids"]),
-        response_ids=list(row["response_token_ids"]),
-        old_logprobs=[float(x) for x in row["response_logprobs"]],
-        reward=float(row["reward"]),
+        experience_id=row.experience_id,
+        task_id=row.task_id,
+        run_id=row.run_id,
+        model_version=int(row.model_version),
+        prompt_ids=list(row.prompt_token_ids),
+        response_ids=list(row.response_token_ids),
+        old_logprobs=[float(x) for x in row.response_logprobs],
+        reward=float(row.reward),
         temperature=temperature if temperature > 0 else 1.0,  # greedy samples were scored at T=1
         weight=weight,
     )
 
 
-def _is_demonstration(row: dict[str, Any], cfg: TrainerConfig) -> bool:
-    a = cfg.algorithm
-    labels = ((row.get("feedback") or {}).get("labels")) or []
-    if a.sft_label and a.sft_label in labels:
-        return True
-    return a.sft_min_reward is not None and row["reward"] is not None and row["reward"] >= a.sft_min_reward
-
-
-def select_batch(rows: list[dict[str, Any]], *, cfg: TrainerConfig, current_version: int, now: datetime | None = None) -> Selection:
+def select_batch(
+    rows: list[CommittedExperience], *, cfg: "TrainerConfig", current_version: int, now: datetime | None = None
+) -> Selection:
     """Pick the next batch of ``rows`` (oldest first) for one agent at ``current_version``."""
-    now = _aware(now)
+    from services.trainer.recipes import recipe_for
+
+    recipe = recipe_for(cfg.algorithm.name)
     sel = Selection()
     st = cfg.staleness
-    usable: list[tuple[dict, float]] = []
+    usable: list[Usable] = []
     for row in rows:
-        lag = current_version - int(row["model_version"])
-        if row.get("reward") is None:
-            sel.discarded[row["experience_id"]] = "no reward"
+        lag = current_version - int(row.model_version)
+        if row.reward is None:
+            sel.discarded[row.experience_id] = "no reward"
             continue
-        if not row["response_token_ids"] or len(row["response_token_ids"]) != len(row["response_logprobs"]):
-            sel.discarded[row["experience_id"]] = "empty response or logprobs of another length"
+        if not row.response_token_ids or len(row.response_token_ids) != len(row.response_logprobs):
+            sel.discarded[row.experience_id] = "empty response or logprobs of another length"
             continue
         weight = 1.0
         if lag > st.max_staleness:
             if st.policy == "discard":
-                sel.discarded[row["experience_id"]] = f"stale: made by v{row['model_version']}, {lag} versions behind"
+                sel.discarded[row.experience_id] = f"stale: made by v{row.model_version}, {lag} versions behind"
                 continue
             weight = st.downweight ** (lag - st.max_staleness)
             sel.stale_downweighted += 1
-        if cfg.algorithm.name == "sft" and not _is_demonstration(row, cfg):
-            sel.discarded[row["experience_id"]] = "not a demonstration (reward below sft_min_reward, no sft_label)"
+        if (why := recipe.refuses(row, cfg)) is not None:
+            sel.discarded[row.experience_id] = why
             continue
         usable.append((row, weight))
-
-    size = cfg.train_batch_size
-    if cfg.algorithm.name != "grpo":
-        if len(usable) >= size:
-            sel.items = [_item(r, w) for r, w in usable[:size]]
-        return sel
-    _select_groups(usable, cfg, now, sel)
+    recipe.select(usable, cfg=cfg, now=aware(now), sel=sel)
     return sel
 
 
-def _select_groups(usable: list[tuple[dict, float]], cfg: TrainerConfig, now: datetime, sel: Selection) -> None:
-    a = cfg.algorithm
-    groups: dict[str, list[tuple[dict, float]]] = {}
-    for row, w in usable:
-        key = row.get("task_id") or f"__single__{row['experience_id']}"
-        groups.setdefault(key, []).append((row, w))
-    chosen: list[list[tuple[dict, float]]] = []
-    fallback: list[tuple[dict, float]] = []
-    count = 0
-    for members in groups.values():  # insertion order = oldest first
-        if count >= cfg.train_batch_size:
-            break
-        n = len(members)
-        age = (now - max(_aware(r.get("updated_at")) for r, _ in members)).total_seconds()
-        full = n >= a.group_size if a.group_size else n >= a.min_group_size
-        if not full and age < a.group_wait_s:
-            continue  # more runs of this task may still arrive
-        if n >= a.min_group_size:
-            chosen.append(members)
-            count += n
-        elif a.small_groups == "discard":
-            for r, _ in members:
-                sel.discarded[r["experience_id"]] = f"group of {n} < min_group_size {a.min_group_size}"
-        elif a.small_groups == "batch":
-            fallback.extend(members)
-            count += n
-            sel.small_groups += 1
-    if count < cfg.train_batch_size:
-        return
-    items, gids = [], []
-    for g, members in enumerate(chosen):
-        for r, w in members:
-            items.append(_item(r, w))
-            gids.append(g)
-    if items:
-        adv = group_relative(torch.tensor([i.reward for i in items]), torch.tensor(gids), std_normalize=a.std_normalize)
-        for it, v in zip(items, adv.tolist()):
-            it.advantage = v
-    if fallback:
-        extra = [_item(r, w) for r, w in fallback]
-        rewards = torch.tensor([i.reward for i in items + extra])
-        adv = batch_relative(rewards, std_normalize=a.std_normalize)[len(items):]
-        for it, v in zip(extra, adv.tolist()):
-            it.advantage = v
-        items += extra
-    sel.items = items
+def take_oldest(usable: list[Usable], *, cfg: "TrainerConfig", sel: Selection) -> None:
+    """The plain rule: the oldest ``train_batch_size`` usable rows, once that many are there."""
+    size = cfg.train_batch_size
+    if len(usable) >= size:
+        sel.items = [to_item(r, w) for r, w in usable[:size]]

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from services.common.config import BufferSection, CheckpointsSection, ConfigModel, ModelSection
 
 
 class AlgorithmSection(ConfigModel):
-    name: Literal["ppo", "grpo", "sft"] = Field(default="grpo", description="Objective: ppo, grpo or sft.")
+    name: str = Field(default="grpo", description="Objective (a recipe in services/trainer/recipes/): ppo, grpo or sft.")
     level: Literal["token", "sequence"] = Field(
         default="token", description="token: every token is an action; sequence: the whole response is one action (MARFT)."
     )
@@ -45,6 +45,15 @@ class AlgorithmSection(ConfigModel):
     # SFT
     sft_min_reward: float | None = Field(default=1.0, description="sft: train on experiences with at least this reward.")
     sft_label: str | None = Field(default="demonstration", description="sft: also train on experiences with this feedback label.")
+
+    @field_validator("name")
+    @classmethod
+    def _known(cls, v: str) -> str:
+        from services.trainer.recipes import REGISTRY  # the recipes import torch: only when a trainer config is read
+
+        if v not in REGISTRY:
+            raise ValueError(f"unknown algorithm {v!r}; use one of {', '.join(sorted(REGISTRY))}")
+        return v
 
 
 class LoraSection(ConfigModel):

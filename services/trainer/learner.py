@@ -15,20 +15,19 @@ import os
 import random
 import socket
 import time
-from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from services.common import checkpoints
-from services.trainer.algorithms import REGISTRY
-from services.trainer.algorithms.advantages import gae, sequence_logprob, terminal_rewards
 from services.trainer.algorithms.masking import aggregate, masked_sum
-from services.trainer.algorithms.surrogate import kl_k3
-from services.trainer.batches import TrainItem
+from services.trainer.algorithms.surrogate import kl_k3, kl_penalty
+from services.trainer.batches import Norms, TrainItem
 from services.trainer.config import TrainerConfig
 from services.trainer.policy import Policy, pack
+from services.trainer.recipes import MicroBatch, recipe_for
+from services.trainer.stats import StepStats
 
 log = logging.getLogger(__name__)
 
@@ -55,7 +54,7 @@ class LearnerWorker:
         self.cfg = TrainerConfig.model_validate(config)
         self.rank = rank
         self.world_size = world_size
-        self.objective = REGISTRY[self.cfg.algorithm.name]
+        self.recipe = recipe_for(self.cfg.algorithm.name)
         self.policy: Policy | None = None
         self.optimizers: dict[str, torch.optim.Optimizer] = {}
         self.critic_optimizers: dict[str, torch.optim.Optimizer] = {}
@@ -84,8 +83,8 @@ class LearnerWorker:
         torch.manual_seed(self.cfg.trainer.seed)
         random.seed(self.cfg.trainer.seed)
         self.policy = Policy(
-            model_path=self.cfg.model.path, dtype=self.cfg.model.dtype, device=self.cfg.trainer.device,
-            lora=self.cfg.lora, seed=self.cfg.trainer.seed,
+            model_path=self.cfg.model.path, chat_template=self.cfg.model.chat_template, dtype=self.cfg.model.dtype,
+            device=self.cfg.trainer.device, lora=self.cfg.lora, seed=self.cfg.trainer.seed,
         )
         if self.world_size > 1:
             import torch.distributed as dist
@@ -101,12 +100,12 @@ class LearnerWorker:
         p = self.policy
         if p.has_agent(agent):
             return False
-        p.add_agent(agent, critic=self.objective.uses_critic)
+        p.add_agent(agent, critic=self.recipe.uses_critic)
         o = self.cfg.optim
         self.optimizers[agent] = torch.optim.AdamW(
             p.adapter_parameters(agent), lr=o.lr, weight_decay=o.weight_decay, betas=tuple(o.betas)
         )
-        if self.objective.uses_critic:
+        if self.recipe.uses_critic:
             self.critic_optimizers[agent] = torch.optim.AdamW(p.value_heads[agent].parameters(), lr=self.cfg.algorithm.critic_lr)
         if state_dir:
             self.load_state(agent, state_dir)
@@ -116,115 +115,81 @@ class LearnerWorker:
 
     # ------------------------------------------------------------------ training
 
-    def train_step(self, agent: str, items: list[dict], norms: dict[str, float], step: int, current_version: int) -> dict[str, float]:
-        """One optimizer update per epoch on this worker's shard; returns additive stat sums."""
-        cfg, a, p = self.cfg, self.cfg.algorithm, self.policy
-        objective = self.objective
+    def train_step(self, agent: str, items: list[TrainItem], norms: Norms, step: int, current_version: int) -> StepStats:
+        """One optimizer update per epoch on this worker's shard; returns additive statistics."""
+        cfg, a, p, recipe = self.cfg, self.cfg.algorithm, self.policy, self.recipe
         p.activate(agent)
-        batch_items = [TrainItem(**it) for it in items]
         opt = self.optimizers[agent]
         critic_opt = self.critic_optimizers.get(agent)
         lr = cfg.optim.lr * min(1.0, (step + 1) / cfg.optim.warmup_steps) if cfg.optim.warmup_steps else cfg.optim.lr
         for g in opt.param_groups:
             g["lr"] = lr
         params = p.adapter_parameters(agent)
-        critic_params = list(p.value_heads[agent].parameters()) if objective.uses_critic else []
-        sequence_level = a.level == "sequence" and objective.uses_ratio
-        normalizer = norms["sequences"] if sequence_level else norms["tokens"]
-        want_ref = a.kl_coef > 0 or a.kl_metric
-        totals: dict[str, float] = defaultdict(float)
-        old_values: dict[int, torch.Tensor] = {}
+        critic_params = list(p.value_heads[agent].parameters()) if recipe.uses_critic else []
+        stats = StepStats(lr=lr)
+        cache: dict = {}  # the recipe's memory across the epochs of this step
         t0 = time.perf_counter()
         for epoch in range(cfg.trainer.epochs):
             opt.zero_grad(set_to_none=False)
             if critic_opt:
                 critic_opt.zero_grad(set_to_none=False)
-            for mb, micro in enumerate(_chunks(batch_items, cfg.trainer.micro_batch_size)):
-                stats = self._micro_step(agent, micro, mb, epoch, normalizer, norms, want_ref, sequence_level, old_values, current_version)
-                for k, v in stats.items():
-                    totals[k] += v / cfg.trainer.epochs if not k.startswith("first_") else v
+            for key, micro in enumerate(_chunks(items, cfg.trainer.micro_batch_size)):
+                per_epoch, first = self._micro_step(agent, micro, key=key, epoch=epoch, norms=norms, cache=cache,
+                                                    current_version=current_version)
+                stats.add(per_epoch, 1.0 / cfg.trainer.epochs)  # a step reports its epochs' mean
+                stats.add(first)
             self._all_reduce(params + critic_params)
-            totals["grad_norm"] += float(torch.nn.utils.clip_grad_norm_(params, cfg.optim.grad_clip)) / cfg.trainer.epochs
+            stats.add({"grad_norm": float(torch.nn.utils.clip_grad_norm_(params, cfg.optim.grad_clip))}, 1.0 / cfg.trainer.epochs)
             opt.step()
             if critic_opt:
                 torch.nn.utils.clip_grad_norm_(critic_params, cfg.optim.grad_clip)
                 critic_opt.step()
-        totals["learner_seconds"] = time.perf_counter() - t0
-        totals["lr"] = lr
-        return dict(totals)
+        stats.learner_seconds = time.perf_counter() - t0
+        return stats
 
-    def _micro_step(self, agent, micro, mb, epoch, normalizer, norms, want_ref, sequence_level, old_values, current_version):
-        a, p, objective = self.cfg.algorithm, self.policy, self.objective
+    def _micro_step(self, agent: str, micro: list[TrainItem], *, key: int, epoch: int, norms: Norms, cache: dict,
+                    current_version: int) -> tuple[dict[str, float], dict[str, float]]:
+        """Forward, the recipe's loss (plus the KL penalty and entropy bonus every objective may
+        have), backward. Returns (statistics of every epoch, statistics of the first epoch only)."""
+        a, p, recipe = self.cfg.algorithm, self.policy, self.recipe
         batch = pack([i.prompt_ids for i in micro], [i.response_ids for i in micro], [i.temperature for i in micro], p.pad_id)
         dev = p.device
         mask = batch.response_mask.to(dev)
-        R = batch.response_len
         old_lp = torch.zeros_like(mask)
         for row, it in enumerate(micro):
             old_lp[row, : len(it.old_logprobs)] = torch.tensor(it.old_logprobs)
-        weights = torch.tensor([it.weight for it in micro], device=dev)
-        rewards = torch.tensor([it.reward for it in micro], device=dev)
-        out = p.forward(batch, need_hidden=objective.uses_critic, entropy_grad=a.entropy_coef > 0)
-        stats: dict[str, float] = {}
+        out = p.forward(batch, need_hidden=recipe.uses_critic, entropy_grad=a.entropy_coef > 0)
+        stats: dict[str, float] = {"entropy_sum": float(masked_sum(out.entropy.detach(), mask)), "tokens": float(mask.sum())}
+        first: dict[str, float] = {}
         if epoch == 0:
             diff = (out.logprobs.detach() - old_lp).abs()
-            stats["first_mismatch_sum"] = float(masked_sum(diff, mask))
             on = torch.tensor([float(it.model_version == current_version) for it in micro], device=dev).unsqueeze(-1) * mask
-            stats["first_mismatch_on_policy_sum"] = float(masked_sum(diff, on))
-            stats["first_on_policy_tokens"] = float(on.sum())
+            first = {"mismatch_sum": float(masked_sum(diff, mask)), "mismatch_on_policy_sum": float(masked_sum(diff, on)),
+                     "on_policy_tokens": float(on.sum())}
         ref_lp = None
-        if want_ref:
+        if a.kl_coef > 0 or a.kl_metric:
             with torch.no_grad():
                 ref_lp = p.forward(batch, need_hidden=False, adapter=False).logprobs
             stats["kl_sum"] = float(masked_sum(kl_k3(out.logprobs.detach(), ref_lp), mask))
-        stats["entropy_sum"] = float(masked_sum(out.entropy.detach(), mask))
-        stats["tokens"] = float(mask.sum())
-
-        if objective.name == "sft":
-            loss, st = objective.loss(logprobs=out.logprobs, mask=mask, weights=weights.unsqueeze(-1), normalizer=norms["tokens"])
-        else:
-            kl_args = dict(token_logprobs=out.logprobs, ref_logprobs=ref_lp, token_mask=mask,
-                           token_normalizer=norms["tokens"], kl_coef=a.kl_coef if ref_lp is not None else 0.0)
-            common = dict(clip_low=a.clip_low, clip_high=a.clip_high, normalizer=normalizer, **kl_args)
-            if objective.uses_critic:
-                values = p.value_heads[agent](out.hidden.detach())  # (B, R)
-                if epoch == 0:
-                    old_values[mb] = values.detach()
-                ov = old_values[mb]
-                if sequence_level:
-                    adv = rewards - ov[:, 0]
-                    returns = rewards
-                    adv_mask = torch.ones_like(adv)
-                else:
-                    adv, returns = gae(terminal_rewards(rewards, mask), ov, mask, gamma=a.gamma, lam=a.lam)
-                    adv_mask = mask
-                stats["adv_sum"] = float(masked_sum(adv, adv_mask))
-                stats["adv_sq_sum"] = float(masked_sum(adv**2, adv_mask))
-                stats["adv_count"] = float(adv_mask.sum())
-                stats["value_sum"] = float(masked_sum(ov, mask))
-            else:
-                adv = torch.tensor([it.advantage for it in micro], device=dev)
-            if sequence_level:
-                lp = sequence_logprob(out.logprobs, mask, mode=a.sequence_logprob)
-                olp = sequence_logprob(old_lp, mask, mode=a.sequence_logprob)
-                seq_mask = torch.ones(len(micro), device=dev)
-                pol = dict(logprobs=lp, old_logprobs=olp, advantages=adv if adv.dim() == 1 else adv[:, 0], mask=seq_mask, weights=weights)
-                if objective.uses_critic:
-                    pol.update(values=values[:, 0], old_values=ov[:, 0], returns=returns)
-            else:
-                tok_adv = adv if adv.dim() == 2 else adv.unsqueeze(-1).expand(-1, R)
-                pol = dict(logprobs=out.logprobs, old_logprobs=old_lp, advantages=tok_adv, mask=mask, weights=weights.unsqueeze(-1))
-                if objective.uses_critic:
-                    pol.update(values=values, old_values=ov, returns=returns)
-            if objective.uses_critic:
-                pol.update(value_clip=a.value_clip, vf_coef=a.vf_coef)
-            loss, st = objective.loss(**pol, **common)
+        mb = MicroBatch(
+            items=micro, logprobs=out.logprobs, old_logprobs=old_lp, mask=mask,
+            weights=torch.tensor([it.weight for it in micro], device=dev),
+            rewards=torch.tensor([it.reward for it in micro], device=dev),
+            hidden=out.hidden if recipe.uses_critic else None,
+            value_head=p.value_heads[agent] if recipe.uses_critic else None,
+            norms=norms, algorithm=a, sequence_level=a.level == "sequence" and recipe.uses_ratio,
+            key=key, first_epoch=epoch == 0, cache=cache,
+        )
+        loss, st = recipe.loss(mb)
+        if recipe.uses_ratio and a.kl_coef > 0:
+            kl = kl_penalty(out.logprobs, ref_lp, mask, norms.tokens)
+            loss = loss + a.kl_coef * kl
+            st["kl_loss"], st["loss"] = kl.detach(), loss.detach()
         if a.entropy_coef > 0:
-            loss = loss - a.entropy_coef * aggregate(out.entropy, mask, norms["tokens"])
+            loss = loss - a.entropy_coef * aggregate(out.entropy, mask, norms.tokens)
         loss.backward()
-        for k, v in st.items():
-            stats[k] = float(v)
-        return stats
+        stats.update({k: float(v) for k, v in st.items()})
+        return stats, first
 
     def _all_reduce(self, params: list[torch.nn.Parameter]) -> None:
         if self.world_size <= 1:

@@ -19,6 +19,8 @@ from typing import Sequence
 import torch
 from torch import nn
 
+from services.common.models import load_base_model, resolve_device, resolve_dtype
+
 log = logging.getLogger(__name__)
 
 
@@ -72,19 +74,12 @@ class ForwardOut:
 
 class Policy:
     def __init__(self, *, model_path: str, dtype: str, device: str, lora, seed: int = 0, chat_template: str | None = None):
-        from transformers import AutoModelForCausalLM
-        from transformers.utils import logging as hf_logging
-
-        from services.common.chat_templates import load_tokenizer
-        from services.explorer.engines.hf import resolve_device, resolve_dtype
-
-        hf_logging.disable_progress_bar()
         self.device = resolve_device(device)
         self.dtype = resolve_dtype(dtype, self.device)
         self.model_path = model_path
-        self.tokenizer = load_tokenizer(model_path, chat_template)  # renders prompts as the Explorer does
+        # The tokenizer renders prompts exactly as the Explorer does (same chat template).
+        self.tokenizer, base = load_base_model(model_path, dtype=self.dtype, device=self.device, chat_template=chat_template)
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
-        base = AutoModelForCausalLM.from_pretrained(model_path, dtype=self.dtype).to(self.device)
         base.config.use_cache = False
         self.base = base
         self.lora = lora

@@ -27,7 +27,7 @@ import signal
 import statistics
 import threading
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -35,10 +35,12 @@ from services.common import buffer, checkpoints
 from services.common.buffer import BatchChanged, create_buffer_engine
 from services.common.config import dump_config
 from services.common.faults import failpoint
-from services.trainer.batches import Selection, select_batch
+from services.common.records import TrainerStep
+from services.trainer.batches import Norms, Selection, TrainItem, select_batch
 from services.trainer.config import TrainerConfig
 from services.trainer.metrics import MetricsSink
 from services.trainer.retention import prune_versions
+from services.trainer.stats import StepStats
 
 log = logging.getLogger("kaizen.trainer")
 
@@ -67,20 +69,26 @@ class LearnerGroup:
         info = ray.get([w.setup.remote(addr, port) for w in self.workers])
         log.info("learners ready: %s", info)
 
-    def all(self, method: str, *args, **kwargs) -> list[Any]:
+    def _all(self, calls) -> list[Any]:
         import ray
 
-        return ray.get([getattr(w, method).remote(*args, **kwargs) for w in self.workers])
+        return ray.get(calls)
 
-    def rank0(self, method: str, *args, **kwargs) -> Any:
-        import ray
+    def ensure_agent(self, agent: str, *, state_dir: str | None = None, adapter_dir: str | None = None) -> None:
+        self._all([w.ensure_agent.remote(agent, state_dir=state_dir, adapter_dir=adapter_dir) for w in self.workers])
 
-        return ray.get(getattr(self.workers[0], method).remote(*args, **kwargs))
+    def load_state(self, agent: str, path: str) -> None:
+        self._all([w.load_state.remote(agent, path) for w in self.workers])
 
-    def train(self, agent: str, shards: list[list[dict]], norms: dict, step: int, version: int) -> list[dict]:
-        import ray
+    def save_state(self, agent: str, path: str, meta: dict[str, Any]) -> None:
+        """Rank 0 writes files: every replica holds the same weights."""
+        self._all([self.workers[0].save_state.remote(agent, path, meta)])
 
-        return ray.get([w.train_step.remote(agent, s, norms, step, version) for w, s in zip(self.workers, shards)])
+    def write_version(self, agent: str, root: str, version: int, manifest: dict[str, Any]) -> str:
+        return self._all([self.workers[0].write_version.remote(agent, root, version, manifest)])[0]
+
+    def train(self, agent: str, shards: list[list[TrainItem]], norms: Norms, step: int, version: int) -> list[StepStats]:
+        return self._all([w.train_step.remote(agent, s, norms, step, version) for w, s in zip(self.workers, shards)])
 
 
 def _shard(items: list, n: int) -> list[list]:
@@ -145,19 +153,19 @@ class TrainerService:
             if self._owed_version(agent, last) is not None:
                 self.agents[agent] = self._init_agent(agent)
 
-    def _owed_version(self, agent: str, last: dict[str, Any] | None) -> int | None:
+    def _owed_version(self, agent: str, last: TrainerStep | None) -> int | None:
         """The version the database says is complete (its last step closed it) that LATEST does
         not name yet: the trainer died between that step's commit and the end of its publication."""
-        if not last or last["step"] % self.cfg.save_interval:
+        if not last or last.step % self.cfg.save_interval:
             return None
         published = checkpoints.read_latest(self.root, agent, fallback=False) or 0
-        return last["version"] if published < last["version"] else None
+        return last.version if published < last.version else None
 
-    def _repair(self, agent: str, last: dict[str, Any] | None) -> None:
+    def _repair(self, agent: str, last: TrainerStep | None) -> None:
         """Undo or finish what a kill left half done on disk; the database is the truth."""
         for path in checkpoints.remove_temporaries(self.root, agent):
             log.warning("agent %s: removed %s, left by an interrupted write", agent, path)
-        for step in checkpoints.drop_states_after(self.root, agent, step=last["step"] if last else 0):
+        for step in checkpoints.drop_states_after(self.root, agent, step=last.step if last else 0):
             log.warning("agent %s: dropped the state of step %d, whose batch was never committed", agent, step)
         self._prune_states(agent)  # a kill between a commit and the pruning leaves one state too many
         owed = self._owed_version(agent, last)
@@ -169,24 +177,24 @@ class TrainerService:
         last = buffer.last_trainer_step(engine=self.db, agent=agent)
         self._repair(agent, last)
         latest = checkpoints.read_latest(self.root, agent) or 0
-        if last and last["state_ref"] and (self.root / last["state_ref"]).is_dir():
-            state = self.root / last["state_ref"]
-            self.learners.all("ensure_agent", agent, state_dir=str(state))
-            progress = AgentProgress(step=last["step"], published=latest, next_version=last["version"], state_path=str(state))
-            if last["step"] % self.cfg.save_interval == 0:
+        if last and last.state_ref and (self.root / last.state_ref).is_dir():
+            state = self.root / last.state_ref
+            self.learners.ensure_agent(agent, state_dir=str(state))
+            progress = AgentProgress(step=last.step, published=latest, next_version=last.version, state_path=str(state))
+            if last.step % self.cfg.save_interval == 0:
                 if self._owed_version(agent, last) is not None:  # died between the commit and the version's writing
-                    self._publish(agent, progress, last["version"])
-                progress.next_version = last["version"] + 1
+                    self._publish(agent, progress, last.version)
+                progress.next_version = last.version + 1
             log.info("agent %s: resumed at step %d from %s (serving v%d)", agent, progress.step, state, progress.published)
             return progress
         if last:
-            log.warning("agent %s: state %s named by the buffer is missing; starting from v%d", agent, last["state_ref"], latest)
+            log.warning("agent %s: state %s named by the buffer is missing; starting from v%d", agent, last.state_ref, latest)
         adapter_dir = str(checkpoints.version_dir(self.root, agent, latest)) if latest else None
-        self.learners.all("ensure_agent", agent, adapter_dir=adapter_dir)
-        step = last["step"] if last else 0
+        self.learners.ensure_agent(agent, adapter_dir=adapter_dir)
+        step = last.step if last else 0
         state = checkpoints.state_path(self.root, agent, step)
         if not state.exists():
-            self.learners.rank0("save_state", agent, str(state), {"agent": agent, "step": step, "version": latest})
+            self.learners.save_state(agent, str(state), {"agent": agent, "step": step, "version": latest})
         log.info("agent %s: starting at step %d from %s", agent, step, f"v{latest}" if latest else "the base model")
         return AgentProgress(step=step, published=latest, next_version=latest + 1, state_path=str(state))
 
@@ -238,14 +246,14 @@ class TrainerService:
     def _train(self, agent: str, progress: AgentProgress, selection: Selection) -> bool:
         cfg = self.cfg
         items = selection.items
-        norms = {"tokens": float(sum(len(i.response_ids) for i in items)), "sequences": float(len(items))}
-        shards = [[asdict(i) for i in s] for s in _shard(items, cfg.ray.workers)]
+        norms = Norms.of(items)
+        shards = _shard(items, cfg.ray.workers)
         t0 = time.perf_counter()
         results = self.learners.train(agent, shards, norms, progress.step, progress.published)
         seconds = time.perf_counter() - t0
         step, version = progress.step + 1, progress.next_version
         state = checkpoints.state_path(self.root, agent, step)
-        self.learners.rank0("save_state", agent, str(state), {"agent": agent, "step": step, "version": version})
+        self.learners.save_state(agent, str(state), {"agent": agent, "step": step, "version": version})
         failpoint("trainer.after_state_saved")
         record = self._step_record(agent, step, version, selection, results, norms, seconds)
         try:
@@ -256,7 +264,7 @@ class TrainerService:
             )
         except BatchChanged as e:
             log.warning("agent %s: %s; rolling the step back and retrying with fresh data", agent, e)
-            self.learners.all("load_state", agent, progress.state_path)
+            self.learners.load_state(agent, progress.state_path)
             checkpoints.drop_states_after(self.root, agent, step=progress.step)
             return False
         if selection.discarded:
@@ -284,7 +292,7 @@ class TrainerService:
             "experience_ids": lineage,
             "experience_count": len(lineage),
         }
-        path = self.learners.rank0("write_version", agent, str(self.root), version, manifest)
+        path = self.learners.write_version(agent, str(self.root), version, manifest)
         failpoint("trainer.after_version_renamed")
         checkpoints.set_latest(self.root, agent, version)
         progress.published = version
@@ -298,44 +306,42 @@ class TrainerService:
             except OSError as e:  # an old state left over is harmless; the next step tries again
                 log.warning("agent %s: could not delete the state of step %d: %s", agent, step, e)
 
-    def _step_record(self, agent, step, version, selection, results, norms, seconds) -> dict[str, Any]:
-        total: dict[str, float] = {}
-        for r in results:
-            for k, v in r.items():
-                total[k] = total.get(k, 0.0) + v
-        tokens = max(total.get("tokens", 0.0), 1.0)
+    def _step_record(self, agent: str, step: int, version: int, selection: Selection, results: list[StepStats],
+                     norms: Norms, seconds: float) -> dict[str, Any]:
+        """One line of the metrics log and of trainer_steps.metrics."""
+        total = StepStats.merged(results)
+        tokens = max(total.tokens, 1.0)
         items = selection.items
         rewards = [i.reward for i in items]
         lags = [self.agents[agent].published - i.model_version for i in items]
         rec: dict[str, Any] = {
             "agent": agent, "step": step, "version": version, "algorithm": self.cfg.algorithm.name,
-            "batch_size": len(items), "tokens": int(norms["tokens"]),
+            "batch_size": len(items), "tokens": int(norms.tokens),
             "reward_mean": statistics.fmean(rewards), "reward_std": statistics.pstdev(rewards),
-            "loss": total.get("loss", 0.0), "entropy": total.get("entropy_sum", 0.0) / tokens,
-            "tokens_per_s": total.get("tokens", 0.0) / max(seconds, 1e-9), "step_seconds": seconds,
-            "grad_norm": max(r.get("grad_norm", 0.0) for r in results), "lr": results[0].get("lr", 0.0),
+            "loss": total.loss, "entropy": total.entropy_sum / tokens,
+            "tokens_per_s": total.tokens / max(seconds, 1e-9), "step_seconds": seconds,
+            "grad_norm": total.grad_norm, "lr": total.lr,
             "staleness_mean": statistics.fmean(lags), "staleness_max": max(lags),
             "stale_downweighted": selection.stale_downweighted, "discarded": len(selection.discarded),
             "small_groups": selection.small_groups,
-            "logprob_mismatch": total.get("first_mismatch_sum", 0.0) / tokens,
+            "logprob_mismatch": total.mismatch_sum / tokens,
         }
         for k in ("policy_loss", "value_loss", "kl_loss", "clip_frac", "ratio_mean", "nll"):
-            if k in total:
-                rec[k] = total[k]
-        if "kl_sum" in total:
-            rec["kl"] = total["kl_sum"] / tokens
-        if total.get("first_on_policy_tokens"):
-            rec["logprob_mismatch_on_policy"] = total["first_mismatch_on_policy_sum"] / total["first_on_policy_tokens"]
-        if "adv_count" in total:
-            n = max(total["adv_count"], 1.0)
-            mean = total["adv_sum"] / n
-            rec["advantage_mean"], rec["advantage_std"] = mean, max(total["adv_sq_sum"] / n - mean**2, 0.0) ** 0.5
-            rec["value_mean"] = total["value_sum"] / tokens
+            if getattr(total, k) is not None:
+                rec[k] = getattr(total, k)
+        if total.kl_sum is not None:
+            rec["kl"] = total.kl_sum / tokens
+        if total.on_policy_tokens:
+            rec["logprob_mismatch_on_policy"] = total.mismatch_on_policy_sum / total.on_policy_tokens
+        if total.adv_count is not None:
+            n = max(total.adv_count, 1.0)
+            mean = total.adv_sum / n
+            rec["advantage_mean"], rec["advantage_std"] = mean, max(total.adv_sq_sum / n - mean**2, 0.0) ** 0.5
+            rec["value_mean"] = total.value_sum / tokens
         elif items and items[0].advantage is not None:
             adv = [i.advantage for i in items]
             rec["advantage_mean"], rec["advantage_std"] = statistics.fmean(adv), statistics.pstdev(adv)
         return rec
-
 
 def run_trainer(cfg: TrainerConfig) -> int:
     service = TrainerService(cfg)

@@ -88,6 +88,7 @@ class Ours:
         from services.common.config import load_config
         from services.trainer.config import TrainerConfig
         from services.trainer.learner import LearnerWorker
+        from services.trainer.batches import Norms, TrainItem
         from services.trainer.policy import pack
 
         overrides = [
@@ -107,12 +108,12 @@ class Ours:
         with torch.no_grad():  # sampling logprobs = the base model's, so the ratio starts at 1
             old = p.forward(packed, need_hidden=False, adapter=False).logprobs
         self.items = [
-            dict(experience_id=f"e{i}", task_id=f"t{int(batch.group_ids[i])}", model_version=0, prompt_ids=pr,
+            TrainItem(experience_id=f"e{i}", task_id=f"t{int(batch.group_ids[i])}", model_version=0, prompt_ids=pr,
                  response_ids=c, old_logprobs=old[i, : len(c)].tolist(), reward=float(batch.rewards[i]),
                  temperature=1.0, advantage=float(batch.advantages[i]))
             for i, (pr, c) in enumerate(zip(batch.prompts, batch.completions))
         ]
-        self.norms = {"tokens": float(batch.completion_tokens), "sequences": float(len(self.items))}
+        self.norms = Norms(tokens=float(batch.completion_tokens), sequences=float(len(self.items)))
         self.steps = 0
 
     def adapter_state(self) -> dict[str, torch.Tensor]:
@@ -121,7 +122,7 @@ class Ours:
     def step(self) -> float:
         stats = self.worker.train_step("bench", self.items, self.norms, self.steps, current_version=0)
         self.steps += 1
-        return stats["loss"]
+        return stats.loss
 
 
 def _zero_reward(completions, **kwargs):

@@ -22,6 +22,7 @@ from typing import Any, AsyncIterator
 
 import torch
 
+from services.common.models import ModelLoadError, load_base_model, resolve_device, resolve_dtype
 from services.explorer.engines.base import (
     AdapterRef,
     ChoiceUpdate,
@@ -33,21 +34,6 @@ from services.explorer.engines.base import (
 from services.explorer.engines.detokenizer import IncrementalDetokenizer
 
 log = logging.getLogger(__name__)
-
-
-def resolve_device(device: str) -> torch.device:
-    if device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(device)
-
-
-def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
-    if dtype == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
-    try:
-        return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[dtype]
-    except KeyError:
-        raise ValueError(f"unknown dtype {dtype!r}: use auto, float32, bfloat16 or float16") from None
 
 
 @dataclass
@@ -143,21 +129,12 @@ class HFEngine:
         self._thread.start()
 
     def _load(self) -> None:
-        from transformers import AutoModelForCausalLM
-        from transformers.utils import logging as hf_logging
-
-        from services.common.chat_templates import load_tokenizer
-
-        hf_logging.disable_progress_bar()
         try:
-            self.tokenizer = load_tokenizer(self.model_path, self._chat_template)
-            model = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=self._dtype)
-        except OSError as e:
-            raise EngineError(
-                f"cannot load model.path {self.model_path!r}: {e}. For the local tiny model run "
-                f"`kaizen tiny-model {self.model_path}` first."
-            ) from e
-        model.to(self._device).eval()
+            self.tokenizer, model = load_base_model(self.model_path, dtype=self._dtype, device=self._device,
+                                                    chat_template=self._chat_template)
+        except ModelLoadError as e:
+            raise EngineError(str(e)) from e
+        model.eval()
         self._base = model
         ctx = getattr(model.config, "max_position_embeddings", None) or 2048
         self.max_model_len = min(self._max_model_len_cfg or ctx, ctx)

@@ -1,4 +1,4 @@
-"""PPO (Schulman et al. 2017, arXiv:1707.06347): clipped surrogate + clipped value loss + KL to the reference.
+"""PPO (Schulman et al. 2017, arXiv:1707.06347): clipped surrogate + clipped value loss.
 
 Advantages come from GAE over a learned value head (see ``advantages.gae``). The critic is a small
 MLP head on the policy's final hidden states, detached: it reads the policy's features without
@@ -6,7 +6,8 @@ pushing gradients into the policy's LoRA (no second model, no second forward pas
 
 Shapes: token level: (B, T) tensors with a (B, T) mask; sequence level (the whole response is one
 action, as in MARFT): (B,) tensors with a (B,) mask. ``weights`` has the shape of ``mask`` and
-down-weights stale experiences (1.0 otherwise).
+down-weights stale experiences (1.0 otherwise). The KL penalty to the reference is added once, by
+the learner, for every objective that uses the ratio (``surrogate.kl_penalty``).
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from __future__ import annotations
 import torch
 
 from services.trainer.algorithms.masking import aggregate
-from services.trainer.algorithms.surrogate import clipped_surrogate, kl_k3
+from services.trainer.algorithms.surrogate import clipped_surrogate
 
 
 def clipped_value_loss(
@@ -40,11 +41,6 @@ def ppo_loss(
     clip_high: float,
     value_clip: float,
     vf_coef: float,
-    token_logprobs: torch.Tensor | None = None,
-    ref_logprobs: torch.Tensor | None = None,
-    token_mask: torch.Tensor | None = None,
-    token_normalizer: float = 1.0,
-    kl_coef: float = 0.0,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Loss of one shard of the batch: its share of the batch's mean, ready for ``backward``."""
     pg, ratio, was_clipped = clipped_surrogate(logprobs, old_logprobs, advantages, clip_low=clip_low, clip_high=clip_high)
@@ -59,9 +55,5 @@ def ppo_loss(
         "clip_frac": aggregate(was_clipped, mask, normalizer).detach(),
         "ratio_mean": aggregate(ratio.detach(), mask, normalizer),
     }
-    if kl_coef and ref_logprobs is not None:
-        kl = aggregate(kl_k3(token_logprobs, ref_logprobs), token_mask, token_normalizer)
-        loss = loss + kl_coef * kl
-        stats["kl_loss"] = kl.detach()
     stats["loss"] = loss.detach()
     return loss, stats

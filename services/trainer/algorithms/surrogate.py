@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import torch
 
+from services.trainer.algorithms.masking import aggregate
+
 
 def clipped_surrogate(
     logprobs: torch.Tensor,
@@ -39,3 +41,9 @@ def kl_k3(logprobs: torch.Tensor, ref_logprobs: torch.Tensor) -> torch.Tensor:
     """
     d = ref_logprobs - logprobs
     return torch.exp(d) - d - 1.0
+
+
+def kl_penalty(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, mask: torch.Tensor, normalizer: float) -> torch.Tensor:
+    """The KL term of PPO and GRPO's objectives (GRPO eq. 3): k3 per token, masked, over ``normalizer``
+    tokens of the batch. Shapes: (B, T) each."""
+    return aggregate(kl_k3(logprobs, ref_logprobs), mask, normalizer)

@@ -175,7 +175,7 @@ def _committed_batch(engine, cid: str, reward: float = 1.0) -> dict[str, float]:
     buffer.apply_feedback(engine=engine, msg_ids=[cid], reward=reward, feedback={})
     assert buffer.commit_experiences(engine=engine, msg_ids=[cid]) == 2
     rows = buffer.fetch_committed(engine=engine, agent="a", limit=100)
-    return {r["experience_id"]: r["reward"] for r in rows if r["experience_id"].startswith(f"{cid}-")}
+    return {r.experience_id: r.reward for r in rows if r.experience_id.startswith(f"{cid}-")}
 
 
 @pytest.mark.parametrize("first", ["feedback", "consume"])
@@ -212,7 +212,7 @@ def test_consume_and_feedback_queued_on_the_same_rows(replicas, first):
         assert consume_outcome is None, consume_outcome
         assert isinstance(fb_outcome, AlreadyConsumed) and sorted(fb_outcome.ids) == ["c9-0", "c9-1"], fb_outcome
         assert {(r["status"], r["reward"], r["trained_in"]) for r in rows.values()} == {("consumed", 1.0, 7)}
-        assert buffer.last_trainer_step(engine=b, agent="a")["version"] == 7
+        assert buffer.last_trainer_step(engine=b, agent="a").version == 7
 
 
 def test_consume_racing_feedback_wins_entirely_or_not_at_all(replicas):

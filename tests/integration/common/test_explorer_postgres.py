@@ -47,7 +47,7 @@ def test_chat_feedback_commit_on_postgres(make_explorer, postgres_db_url):
         rows = buffer.fetch_committed(engine=trainer_db, agent="default", limit=10)
     finally:
         trainer_db.dispose()
-    assert {r["experience_id"]: r["response_token_ids"] for r in rows} == {
+    assert {r.experience_id: r.response_token_ids for r in rows} == {
         c.model_extra["experience_id"]: c.model_extra["token_ids"] for c in resp.choices
     }
 
@@ -76,7 +76,7 @@ def test_two_replicas_on_one_database_behave_like_one(make_explorer, postgres_db
     # Once the Trainer consumed them, every replica refuses a new reward with 409.
     trainer_db = buffer.create_buffer_engine(postgres_db_url)
     try:
-        batch = {r["experience_id"]: r["reward"] for r in buffer.fetch_committed(engine=trainer_db, agent="default", limit=10)}
+        batch = {r.experience_id: r.reward for r in buffer.fetch_committed(engine=trainer_db, agent="default", limit=10)}
         buffer.consume_batch(engine=trainer_db, agent="default", step=1, version=1, consumed=batch, discarded=[],
                              state_ref=None)
     finally:

@@ -91,7 +91,7 @@ def test_consume_batch_is_atomic_with_its_step(db):
     buffer.apply_feedback(engine=db, msg_ids=["c1", "c2"], reward=1.0, feedback={})
     buffer.commit_experiences(engine=db)
     rows = buffer.fetch_committed(engine=db, agent="a", limit=10)
-    assert [r["experience_id"] for r in rows] == ["c1-0", "c1-1", "c2-0"]
+    assert [r.experience_id for r in rows] == ["c1-0", "c1-1", "c2-0"]
     # The reward of c1-1 changes between reading and consuming: the whole step is refused.
     buffer.apply_feedback(engine=db, msg_ids=["c1-1"], reward=0.0, feedback={})
     with pytest.raises(buffer.BatchChanged):
@@ -104,7 +104,7 @@ def test_consume_batch_is_atomic_with_its_step(db):
     assert buffer.count_by_status(engine=db) == {"consumed": 2, "discarded": 1}
     assert sorted(buffer.consumed_ids(engine=db)) == [("c1-0", 1), ("c1-1", 1)]
     last = buffer.last_trainer_step(engine=db, agent="a")
-    assert (last["step"], last["version"], last["state_ref"], last["consumed"]) == (1, 1, "s1", 2)
+    assert (last.step, last.version, last.state_ref, last.consumed) == (1, 1, "s1", 2)
     with pytest.raises(buffer.BatchChanged):  # already consumed: never twice
         buffer.consume_batch(engine=db, agent="a", step=2, version=2, consumed={"c1-0": 1.0}, discarded=[], state_ref="s2")
 

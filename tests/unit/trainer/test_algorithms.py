@@ -12,7 +12,7 @@ from services.trainer.algorithms.grpo import grpo_loss
 from services.trainer.algorithms.masking import aggregate, masked_mean, masked_std
 from services.trainer.algorithms.ppo import clipped_value_loss, ppo_loss
 from services.trainer.algorithms.sft import sft_loss
-from services.trainer.algorithms.surrogate import clipped_surrogate, kl_k3
+from services.trainer.algorithms.surrogate import clipped_surrogate, kl_k3, kl_penalty
 
 approx = lambda x: pytest.approx(x, abs=1e-5)  # noqa: E731
 
@@ -106,14 +106,14 @@ def test_grpo_loss_token_level_hand_worked():
 def test_grpo_kl_term_adds_scaled_k3():
     lp = torch.tensor([[-1.0, -1.0]])
     ref = torch.tensor([[-1.0, -2.0]])
-    loss, stats = grpo_loss(
+    loss, _ = grpo_loss(
         logprobs=lp, old_logprobs=lp, advantages=torch.zeros(1, 2), mask=torch.ones(1, 2), weights=torch.ones(1, 2),
-        normalizer=2, clip_low=0.2, clip_high=0.2, token_logprobs=lp, ref_logprobs=ref, token_mask=torch.ones(1, 2),
-        token_normalizer=2, kl_coef=0.1,
+        normalizer=2, clip_low=0.2, clip_high=0.2,
     )
+    kl = kl_penalty(lp, ref, torch.ones(1, 2), 2)
     # k3 per token [0, e^-1]; mean over 2 tokens = 0.18394; times 0.1 = 0.018394; surrogate is 0
-    assert stats["kl_loss"].item() == approx(math.exp(-1) / 2)
-    assert loss.item() == approx(0.1 * math.exp(-1) / 2)
+    assert kl.item() == approx(math.exp(-1) / 2)
+    assert (loss + 0.1 * kl).item() == approx(0.1 * math.exp(-1) / 2)  # as the learner adds it, once
 
 
 def test_ppo_loss_sequence_level_and_staleness_weight():

@@ -7,6 +7,7 @@ from datetime import datetime, timedelta, timezone
 import pytest
 
 from services.common.config import load_config
+from services.common.records import CommittedExperience
 from services.trainer.batches import select_batch
 from services.trainer.config import TrainerConfig
 
@@ -17,13 +18,14 @@ def cfg(*overrides):
     return load_config(TrainerConfig, None, ["model.path=/m", *overrides], env={})
 
 
-def row(i, *, task=None, version=0, reward=1.0, age_s=0.0, labels=None, resp=(5, 6)):
-    return {
-        "experience_id": f"e{i}", "task_id": task, "model_version": version, "prompt_token_ids": [1, 2],
-        "response_token_ids": list(resp), "response_logprobs": [-1.0] * len(resp), "reward": reward,
-        "sampling": {"temperature": 0.7}, "feedback": {"labels": labels or []},
-        "updated_at": NOW - timedelta(seconds=age_s),
-    }
+def row(i, *, task=None, version=0, reward=1.0, age_s=0.0, labels=None, resp=(5, 6), logprobs=None):
+    return CommittedExperience(
+        seq=i, experience_id=f"e{i}", agent="a", task_id=task, run_id=None, model_version=version,
+        prompt_token_ids=[1, 2], response_token_ids=list(resp),
+        response_logprobs=[-1.0] * len(resp) if logprobs is None else logprobs, reward=reward,
+        sampling={"temperature": 0.7}, feedback={"labels": labels or []}, finish_reason="stop",
+        created_at=NOW - timedelta(seconds=age_s), updated_at=NOW - timedelta(seconds=age_s),
+    )
 
 
 def test_ppo_takes_the_oldest_batch_and_waits_for_enough():

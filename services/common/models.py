@@ -1,0 +1,46 @@
+"""Loading the base model the same way in every service: device and dtype, weights, and the
+tokenizer with the configured chat template (so prompt ids agree between Explorer and Trainer)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+
+class ModelLoadError(RuntimeError):
+    """model.path cannot be loaded; the message says how to get a model there."""
+
+
+def resolve_device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(device)
+
+
+def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
+    if dtype == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    try:
+        return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[dtype]
+    except KeyError:
+        raise ValueError(f"unknown dtype {dtype!r}: use auto, float32, bfloat16 or float16") from None
+
+
+def load_base_model(path: str, *, dtype: torch.dtype, device: torch.device, chat_template: str | None = None) -> tuple[Any, Any]:
+    """(tokenizer, causal LM on ``device``) from a local directory or hub id."""
+    from transformers import AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
+
+    from services.common.chat_templates import load_tokenizer
+
+    hf_logging.disable_progress_bar()
+    try:
+        tokenizer = load_tokenizer(path, chat_template)
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+    except OSError as e:
+        raise ModelLoadError(
+            f"cannot load model.path {path!r}: {e}. For the local tiny model run `kaizen tiny-model {path}`; for "
+            f"a real one `kaizen pretrained smollm2-135m-instruct {path}`."
+        ) from e
+    return tokenizer, model.to(device)

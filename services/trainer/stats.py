@@ -1,0 +1,53 @@
+"""What one training step measured, as one typed record that crosses from the learners to the
+driver: additive sums over a learner's shard, merged over learners by ``StepStats.merged``."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+
+@dataclass
+class StepStats:
+    tokens: float = 0.0  # response tokens trained on
+    loss: float = 0.0
+    entropy_sum: float = 0.0
+    kl_sum: float | None = None  # KL to the base model, summed over tokens (kl_metric or kl_coef)
+    # From the recipe's loss (None when the objective has no such term)
+    policy_loss: float | None = None
+    value_loss: float | None = None
+    kl_loss: float | None = None
+    clip_frac: float | None = None
+    ratio_mean: float | None = None
+    nll: float | None = None
+    adv_sum: float | None = None  # recipes that compute advantages in the learner (PPO)
+    adv_sq_sum: float | None = None
+    adv_count: float | None = None
+    value_sum: float | None = None
+    # First epoch only: how far the policy's logprobs are from those recorded at sampling
+    mismatch_sum: float = 0.0
+    mismatch_on_policy_sum: float = 0.0
+    on_policy_tokens: float = 0.0
+    # The update
+    grad_norm: float = 0.0
+    lr: float = 0.0
+    learner_seconds: float = 0.0
+
+    def add(self, values: dict[str, float], scale: float = 1.0) -> None:
+        """Add ``values`` (StepStats field names; an unknown name is a bug) times ``scale``."""
+        for k, v in values.items():
+            now = getattr(self, k)  # AttributeError names the unknown statistic
+            setattr(self, k, (now or 0.0) + float(v) * scale)
+
+    @classmethod
+    def merged(cls, parts: list["StepStats"]) -> "StepStats":
+        """Sums over learners; the gradient norm is the largest, the learning rate the first's."""
+        out = cls()
+        for f in fields(cls):
+            present = [getattr(p, f.name) for p in parts if getattr(p, f.name) is not None]
+            if f.name == "grad_norm":
+                out.grad_norm = max(present, default=0.0)
+            elif f.name == "lr":
+                out.lr = present[0] if present else 0.0
+            elif present:
+                setattr(out, f.name, sum(present))
+        return out
