@@ -305,3 +305,41 @@ def delete_version(root: str | Path, agent: str, version: int) -> None:
     doomed = path.with_name(f".deleting-v{version}-{os.getpid()}")
     os.rename(path, doomed)
     shutil.rmtree(doomed, ignore_errors=True)
+
+
+# ---------------------------------------------------------------------------------------------
+# Serving files: each Explorer replica says which versions it still reads; retention keeps them.
+
+SERVING_STALE_S = 120.0  # a replica that has not refreshed its serving file for this long is gone
+
+
+def serving_dir(root: str | Path, agent: str) -> Path:
+    return agent_dir(root, agent) / ".serving"
+
+
+def write_serving(root: str | Path, agent: str, *, replica: str, versions: list[int]) -> None:
+    d = serving_dir(root, agent)
+    d.mkdir(parents=True, exist_ok=True)
+    write_text_atomic(d / f"{replica}.json", json.dumps({"replica": replica, "versions": versions, "updated_at": time.time()}))
+
+
+def remove_serving(root: str | Path, agent: str, *, replica: str) -> None:
+    (serving_dir(root, agent) / f"{replica}.json").unlink(missing_ok=True)
+
+
+def versions_in_use(root: str | Path, agent: str, *, now: float | None = None) -> set[int]:
+    """Versions that live Explorer replicas still read (serving files refreshed in the last
+    ``SERVING_STALE_S``)."""
+    now = time.time() if now is None else now
+    used: set[int] = set()
+    d = serving_dir(root, agent)
+    if not d.is_dir():
+        return used
+    for f in d.glob("*.json"):
+        try:
+            body = json.loads(f.read_text())
+        except (OSError, ValueError):
+            continue
+        if now - float(body.get("updated_at", 0)) <= SERVING_STALE_S:
+            used.update(int(v) for v in body.get("versions", []))
+    return used

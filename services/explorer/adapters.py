@@ -16,7 +16,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
-import json
 import logging
 import os
 import re
@@ -278,20 +277,15 @@ class AdapterRegistry:
     def write_serving_files(self) -> None:
         """Tell the Trainer which versions this replica still needs (refreshed by watch())."""
         for agent in self.agents:
-            d = Path(self.root) / agent / ".serving"
             try:
-                d.mkdir(parents=True, exist_ok=True)
-                checkpoints.write_text_atomic(
-                    d / f"{self.replica_id}.json",
-                    json.dumps({"replica": self.replica_id, "versions": self.in_use(agent), "updated_at": time.time()}),
-                )
+                checkpoints.write_serving(self.root, agent, replica=self.replica_id, versions=self.in_use(agent))
             except OSError as e:
                 log.warning("cannot write serving file for %s: %s", agent, e)
 
     def remove_serving_files(self) -> None:
         for agent in self.agents:
             with contextlib.suppress(OSError):
-                (Path(self.root) / agent / ".serving" / f"{self.replica_id}.json").unlink()
+                checkpoints.remove_serving(self.root, agent, replica=self.replica_id)
 
     def describe(self) -> Iterator[dict]:
         for name, state in sorted(self.agents.items()):

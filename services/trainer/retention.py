@@ -12,31 +12,11 @@ from services.common import checkpoints
 
 log = logging.getLogger(__name__)
 
-SERVING_STALE_S = 120.0  # a replica that has not refreshed its serving file for this long is gone
-
-
-def versions_in_use(root: str | Path, agent: str, *, now: float | None = None) -> set[int]:
-    """Versions live Explorer replicas still read (from <root>/<agent>/.serving/*.json)."""
-    now = time.time() if now is None else now
-    used: set[int] = set()
-    d = Path(root) / agent / ".serving"
-    if not d.is_dir():
-        return used
-    for f in d.glob("*.json"):
-        try:
-            body = json.loads(f.read_text())
-        except (OSError, ValueError):
-            continue
-        if now - float(body.get("updated_at", 0)) <= SERVING_STALE_S:
-            used.update(int(v) for v in body.get("versions", []))
-    return used
-
-
 def versions_to_delete(root: str | Path, agent: str, *, keep: int, grace_s: float, now: float | None = None) -> list[int]:
     now = time.time() if now is None else now
     versions = checkpoints.list_versions(root, agent)
     latest = checkpoints.read_latest(root, agent)
-    in_use = versions_in_use(root, agent, now=now)
+    in_use = checkpoints.versions_in_use(root, agent, now=now)
     doomed = []
     for i, v in enumerate(versions[:-keep] if keep else versions):
         if v == latest or v in in_use:

@@ -27,7 +27,7 @@ import logging
 import os
 import threading
 from types import SimpleNamespace
-from typing import Any, AsyncIterator
+from typing import TYPE_CHECKING, Any, AsyncIterator
 
 from services.explorer.engines.base import (
     AdapterRef,
@@ -37,6 +37,9 @@ from services.explorer.engines.base import (
     EngineStats,
     GenerateRequest,
 )
+
+if TYPE_CHECKING:
+    from services.explorer.config import VLLMSection
 
 log = logging.getLogger(__name__)
 
@@ -87,13 +90,7 @@ class VLLMEngine:
         max_model_len: int | None = None,
         max_waiting: int = 4096,
         seed: int = 0,
-        gpu_memory_utilization: float = 0.85,
-        tensor_parallel_size: int = 1,
-        max_loras: int = 4,
-        max_lora_rank: int = 16,
-        enforce_eager: bool = False,
-        kv_cache_gib: float | None = None,
-        extra_args: dict[str, Any] | None = None,
+        settings: "VLLMSection | None" = None,
         visible_devices: str | None = None,
         name: str = "vllm",
     ):
@@ -104,13 +101,12 @@ class VLLMEngine:
         self._max_model_len_cfg = max_model_len
         self.max_waiting = max_waiting
         self._seed = seed
-        self._gpu_memory_utilization = gpu_memory_utilization
-        self._tp = tensor_parallel_size
-        self._max_loras = max_loras
-        self._max_lora_rank = max_lora_rank
-        self._enforce_eager = enforce_eager
-        self._kv_cache_gib = kv_cache_gib
-        self._extra = dict(extra_args or {})
+        if settings is None:
+            from services.explorer.config import VLLMSection
+
+            settings = VLLMSection()
+        self._settings = settings  # engine.vllm: each setting is documented once, there
+        self._extra = dict(settings.extra_args)
         self._visible_devices = visible_devices
         self.name = name
         self.tokenizer: Any = None
@@ -128,25 +124,26 @@ class VLLMEngine:
         """The AsyncEngineArgs this engine starts with (config first, then ``extra_args`` on top)."""
         if self._vllm is None:
             self._vllm = _import_vllm()
+        v = self._settings
         kw: dict[str, Any] = dict(
             model=self.model_path,
             dtype=self._dtype,
             seed=self._seed,
             max_num_seqs=self.max_batch_size,
-            gpu_memory_utilization=self._gpu_memory_utilization,
-            tensor_parallel_size=self._tp,
+            gpu_memory_utilization=v.gpu_memory_utilization,
+            tensor_parallel_size=v.tensor_parallel_size,
             enable_lora=True,
-            max_loras=self._max_loras,
-            max_lora_rank=self._max_lora_rank,
-            enforce_eager=self._enforce_eager,
+            max_loras=v.max_loras,
+            max_lora_rank=v.max_lora_rank,
+            enforce_eager=v.enforce_eager,
             logprobs_mode="processed_logprobs",
             max_logprobs=20,
             disable_log_stats=True,
         )
         if self._max_model_len_cfg is not None:
             kw["max_model_len"] = self._max_model_len_cfg
-        if self._kv_cache_gib is not None:
-            kw["kv_cache_memory_bytes"] = int(self._kv_cache_gib * 2**30)
+        if v.kv_cache_gib is not None:
+            kw["kv_cache_memory_bytes"] = int(v.kv_cache_gib * 2**30)
         kw.update(self._extra)
         return self._vllm.AsyncEngineArgs(**kw)
 
@@ -157,7 +154,7 @@ class VLLMEngine:
         # Prompts are rendered here and handed to vLLM as token ids; its own tokenizer only decodes.
         self.tokenizer = await asyncio.to_thread(load_tokenizer, self.model_path, self._chat_template)
         args = self.engine_args()
-        if _on_cpu() and self._kv_cache_gib is None and "kv_cache_memory_bytes" not in self._extra:
+        if _on_cpu() and self._settings.kv_cache_gib is None and "kv_cache_memory_bytes" not in self._extra:
             # vLLM's CPU default (VLLM_CPU_KVCACHE_SPACE, else a share of RAM) is fine for real
             # models; say what was used so a small machine can size it.
             log.info("vllm on CPU: KV cache from VLLM_CPU_KVCACHE_SPACE=%s GiB (engine.vllm.kv_cache_gib sets it)",
@@ -321,13 +318,7 @@ def build_vllm_engine(config, *, replica: int = 0) -> VLLMEngine:
         max_model_len=e.max_model_len,
         max_waiting=e.max_waiting,
         seed=e.seed + replica,
-        gpu_memory_utilization=v.gpu_memory_utilization,
-        tensor_parallel_size=v.tensor_parallel_size,
-        max_loras=v.max_loras,
-        max_lora_rank=v.max_lora_rank,
-        enforce_eager=v.enforce_eager,
-        kv_cache_gib=v.kv_cache_gib,
-        extra_args=v.extra_args,
+        settings=v,
         visible_devices=devices,
         name=f"vllm-{replica}",
     )

@@ -35,8 +35,3 @@ def aggregate(per_token: torch.Tensor, mask: torch.Tensor, normalizer: float) ->
     loss (DAPO's choice: long responses are not down-weighted per token).
     """
     return masked_sum(per_token, mask) / max(normalizer, 1e-8)
-
-
-def sequence_weights_to_tokens(weights: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """(B,) per-sequence weights -> (B, T) per-token weights on real tokens."""
-    return weights.unsqueeze(-1) * mask
