@@ -156,12 +156,25 @@ class ExplorerClient:
     async def chat_completions(self, **body: Any) -> dict[str, Any]:
         return await self._call("POST", "/v1/chat/completions", json=body)
 
-    async def feedback(self, *, msg_ids: list[str], reward: float, task_id: str | None = None,
+    async def feedback(self, *, reward: float, msg_ids: list[str] | None = None, task_id: str | None = None,
                        run_id: str | None = None, labels: list[str] | None = None, comment: str | None = None,
                        source: str | None = None) -> dict[str, Any]:
         body = {"msg_ids": msg_ids, "reward": reward, "task_id": task_id, "run_id": run_id,
                 "labels": labels, "comment": comment, "source": source}
         return await self._call("POST", "/feedback", json={k: v for k, v in body.items() if v is not None})
+
+    async def episode_feedback(self, *, task_id: str, run_id: str, reward: float, **extra: Any) -> dict[str, Any]:
+        """The reward of a whole episode: it reaches every call made under task_id + run_id."""
+        return await self.feedback(reward=reward, task_id=task_id, run_id=run_id, **extra)
+
+    async def demonstrations(self, *, model: str, messages: list[dict[str, Any]], response: dict[str, Any],
+                             tools: list[dict[str, Any]] | None = None, task_id: str | None = None,
+                             comment: str | None = None) -> dict[str, Any]:
+        """Store the ideal ``response`` (an assistant message, tool calls included) to ``messages``
+        as a demonstration: a new agent's cold start, trained by supervised terms."""
+        body = {"model": model, "messages": messages, "response": response, "tools": tools, "task_id": task_id,
+                "comment": comment}
+        return await self._call("POST", "/demonstrations", json={k: v for k, v in body.items() if v is not None})
 
     async def commit(self, *, task_id: str | None = None, msg_ids: list[str] | None = None) -> dict[str, Any]:
         if msg_ids is not None and not msg_ids:

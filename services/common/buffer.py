@@ -42,7 +42,7 @@ from sqlalchemy import (
 )
 from sqlalchemy.engine import Connection, Engine, make_url
 
-from services.common.records import CommittedExperience, Experience, ExperienceStatus, TrainerStep
+from services.common.records import DEMONSTRATION_KIND, CommittedExperience, Experience, ExperienceStatus, TrainerStep
 
 log = logging.getLogger(__name__)
 
@@ -297,6 +297,14 @@ def _resolve(conn: Connection, msg_ids: Sequence[str], *, lock: bool) -> dict[st
     return found
 
 
+def episode_experience_ids(*, engine: Engine, task_id: str, run_id: str) -> list[str]:
+    """The experience ids of every call of an episode (task_id + run_id), in arrival order."""
+    e = experiences.c
+    q = select(e.experience_id).where(e.task_id == task_id, e.run_id == run_id).order_by(e.seq)
+    with engine.connect() as conn:
+        return list(conn.scalars(q))
+
+
 def find_unknown_ids(*, engine: Engine, msg_ids: Sequence[str]) -> list[str]:
     """The msg ids that name no recorded completion or experience."""
     with engine.connect() as conn:
@@ -500,11 +508,16 @@ def agents_with_committed(*, engine: Engine) -> list[str]:
         return sorted(conn.scalars(q))
 
 
-def fetch_committed(*, engine: Engine, agent: str, limit: int) -> list[CommittedExperience]:
-    """The oldest ``limit`` committed experiences of ``agent``."""
+_DEMONSTRATION = experiences.c.completion_id.startswith(DEMONSTRATION_KIND + "-")
+
+
+def fetch_committed(*, engine: Engine, agent: str, limit: int, demonstrations: bool = False) -> list[CommittedExperience]:
+    """The oldest ``limit`` committed rollouts of ``agent`` (with ``demonstrations``: its
+    demonstrations instead, which stay committed: the Trainer replays them)."""
     q = (
         select(*_TRAIN_COLUMNS)
-        .where(experiences.c.agent == agent, experiences.c.status == ExperienceStatus.COMMITTED.value)
+        .where(experiences.c.agent == agent, experiences.c.status == ExperienceStatus.COMMITTED.value,
+               _DEMONSTRATION if demonstrations else ~_DEMONSTRATION)
         .order_by(experiences.c.seq)
         .limit(limit)
     )

@@ -14,6 +14,15 @@ from typing import Any
 from pydantic import BaseModel, Field
 
 
+# Demonstrations (POST /demonstrations) are experiences whose completion id is ``demo-...``: never
+# sampled, trained by supervised terms only, replayed by the Trainer rather than consumed.
+DEMONSTRATION_KIND = "demo"
+
+
+def is_demonstration_id(completion_id: str) -> bool:
+    return completion_id.startswith(DEMONSTRATION_KIND + "-")
+
+
 class ExperienceStatus(str, enum.Enum):
     """Lifecycle: recorded -> rewarded -> committed -> consumed (or discarded)."""
 

@@ -75,7 +75,7 @@ def report(demo, evals, start_version: int, serving: dict, seconds: float) -> in
         "",
         f"  experiences recorded {total} (rewarded {len(rows)}, trained on {counts.get('consumed', 0)}, "
         f"discarded {counts.get('discarded', 0)})",
-        f"  trainer steps {last['step'] if last else 0}, versions published {len(versions)}, "
+        f"  trainer steps {last.step if last else 0}, versions published {len(versions)}, "
         f"versions hot-loaded by the Explorer {serving['reloads']}, failed requests {demo.failed_requests}",
         f"  wall time {seconds:.0f}s; plot {png}",
     ]

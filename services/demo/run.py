@@ -267,7 +267,7 @@ class Demo:
         last = buffer.last_trainer_step(engine=db, agent=self.cfg.agent)
         m = self.serving()
         say(f"  [{time.monotonic() - self.t0:5.0f}s] requests {sum(b['episodes'] for b in self.batches):5d}"
-            f" | reward (last rounds) {reward:.2f} | trainer steps {last['step'] if last else 0:3d}"
+            f" | reward (last rounds) {reward:.2f} | trainer steps {last.step if last else 0:3d}"
             f" | serving v{m['version']} (reloads {m['reloads']}) | failed {self.failed_requests}")
 
 

@@ -20,6 +20,7 @@ from services.common.buffer import create_buffer_engine
 from services.common.config import dump_config
 from services.explorer.adapters import AdapterRegistry
 from services.explorer.config import ExplorerConfig
+from services.explorer.demonstrations import DemonstrationService
 from services.explorer.deps import require_api_key
 from services.explorer.engines import Engine, build_engine
 from services.explorer.errors import error_body, install_error_handlers
@@ -27,12 +28,12 @@ from services.explorer.feedback import FeedbackService
 from services.explorer.metrics import ExplorerMetrics
 from services.explorer.journal import DEAD_LETTERS, Journal
 from services.explorer.recorder import Recorder
-from services.explorer.routes import chat, experiences, feedback, health, models
+from services.explorer.routes import chat, demonstrations, experiences, feedback, health, models
 from services.explorer.service import ChatService
 
 log = logging.getLogger(__name__)
 
-_ROUTES = ("/v1/chat/completions", "/feedback", "/commit", "/experiences", "/v1/models", "/health", "/metrics")
+_ROUTES = ("/v1/chat/completions", "/feedback", "/commit", "/demonstrations", "/experiences", "/v1/models", "/health", "/metrics")
 
 
 @dataclass
@@ -45,6 +46,7 @@ class ExplorerState:
     registry: AdapterRegistry
     chat: ChatService
     feedback: FeedbackService
+    demonstrations: DemonstrationService
     api_keys: list[bytes]
     started_at: float = field(default_factory=time.time)
     tasks: list[asyncio.Task] = field(default_factory=list)
@@ -144,6 +146,7 @@ def create_app(config: ExplorerConfig, *, engine: Engine | None = None) -> FastA
         chat=ChatService(config=config, engine=engine, registry=registry, recorder=recorder, metrics=metrics),
         feedback=FeedbackService(db=db, recorder=recorder, metrics=metrics, unknown_id_grace_s=rc.unknown_id_grace_s,
                                  wait_s=rc.feedback_wait_s),
+        demonstrations=DemonstrationService(engine=engine, registry=registry, db=db),
         api_keys=[k.encode() for k in config.auth.api_keys],
     )
 
@@ -170,7 +173,7 @@ def create_app(config: ExplorerConfig, *, engine: Engine | None = None) -> FastA
     install_error_handlers(app)
     auth = [Depends(require_api_key)]
     app.include_router(health.router)  # /health alone needs no key
-    for r in (chat.router, feedback.router, experiences.router, models.router, health.metrics_router):
+    for r in (chat.router, feedback.router, demonstrations.router, experiences.router, models.router, health.metrics_router):
         app.include_router(r, dependencies=auth)
     app.add_middleware(EdgeMiddleware, max_body_bytes=config.server.max_body_bytes, metrics=metrics)
     return app

@@ -17,6 +17,7 @@ from typing import Any
 from sqlalchemy.engine import Engine
 
 from services.common import buffer
+from services.common.buffer import UnknownIds
 from services.common.ids import id_age_seconds
 from services.explorer.metrics import ExplorerMetrics
 from services.explorer.protocol import CommitRequest, FeedbackRequest
@@ -50,8 +51,11 @@ class FeedbackService:
             delay = min(delay * 2, 0.5)
 
     async def feedback(self, req: FeedbackRequest) -> dict[str, Any]:
-        ids = list(dict.fromkeys(req.msg_ids))
-        await self._settle(ids)
+        if req.episode:
+            ids = await self._episode(req.task_id, str(req.run_id))
+        else:
+            ids = list(dict.fromkeys(req.msg_ids))
+            await self._settle(ids)
         note = {
             "labels": req.labels or [],
             "comment": req.comment,
@@ -69,6 +73,14 @@ class FeedbackService:
         )
         self._metrics.feedback.inc(len(result.experience_ids))
         return {"status": "success", "updated": len(result.experience_ids), "experience_ids": result.experience_ids}
+
+    async def _episode(self, task_id: str, run_id: str) -> list[str]:
+        """Every call of an episode, once this replica's records of it are written."""
+        await self._recorder.flush(self._wait_s)
+        ids = await asyncio.to_thread(buffer.episode_experience_ids, engine=self._db, task_id=task_id, run_id=run_id)
+        if not ids:
+            raise UnknownIds([f"episode task_id={task_id!r} run_id={run_id!r}"])
+        return ids
 
     async def commit(self, req: CommitRequest) -> dict[str, Any]:
         # Without ids, nothing in flight can qualify: only rewarded rows commit, and a reward

@@ -156,10 +156,33 @@ class ChatCompletionRequest(_Recorded):
         return v
 
 
-class FeedbackRequest(_Recorded):
-    """Compatible with Trinity-RFT's serve-mode body."""
+class DemonstrationRequest(_Recorded):
+    """Kaizen's own endpoint: a conversation and the ideal assistant reply, stored as a committed
+    demonstration the Trainer learns from by supervised terms (cold start)."""
 
-    msg_ids: list[str] = Field(min_length=1, max_length=10_000)
+    model: str = Field(min_length=1)
+    messages: list[Message] = Field(min_length=1)
+    tools: list[Tool] | None = None
+    response: Message
+    task_id: str | None = None
+    comment: str | None = Field(default=None, max_length=10_000)
+
+    @model_validator(mode="after")
+    def _reply(self) -> "DemonstrationRequest":
+        r = self.response
+        if r.role != "assistant":
+            raise ValueError("response must be an assistant message")
+        if r.content in (None, "", []) and not r.tool_calls:
+            raise ValueError("response needs content or tool_calls")
+        check_grouping_id(self.task_id, "task_id")
+        return self
+
+
+class FeedbackRequest(_Recorded):
+    """Compatible with Trinity-RFT's serve-mode body. Without ``msg_ids``, ``task_id`` + ``run_id``
+    name an episode and the reward reaches every call of it (an extension)."""
+
+    msg_ids: list[str] | None = Field(default=None, min_length=1, max_length=10_000)
     reward: Float
     task_id: str | None = None
     run_id: Int | str | None = None
@@ -169,8 +192,8 @@ class FeedbackRequest(_Recorded):
 
     @field_validator("msg_ids")
     @classmethod
-    def _check_ids(cls, v: list[str]) -> list[str]:
-        if any(not i for i in v):
+    def _check_ids(cls, v: list[str] | None) -> list[str] | None:
+        if v is not None and any(not i for i in v):
             raise ValueError("msg_ids must not contain empty strings")
         return v
 
@@ -183,9 +206,16 @@ class FeedbackRequest(_Recorded):
 
     @model_validator(mode="after")
     def _widths(self) -> "FeedbackRequest":
+        if self.msg_ids is None and (self.task_id is None or self.run_id is None):
+            raise APIError(400, "missing required parameter 'msg_ids' (or task_id and run_id, to reward a whole episode)",
+                           param="msg_ids", code="invalid_request")
         check_grouping_id(self.task_id, "task_id")
         check_grouping_id(self.run_id, "run_id")
         return self
+
+    @property
+    def episode(self) -> bool:
+        return self.msg_ids is None
 
 
 class CommitRequest(_Recorded):
@@ -309,3 +339,11 @@ class ChatCompletionChunk(BaseModel):
 
     # Extensions, not in the OpenAI spec
     prompt_token_ids: list[int] | None = Omitted
+
+
+class Demonstration(BaseModel):
+    object: Literal["demonstration"] = "demonstration"
+    experience_id: str
+    agent: str
+    prompt_tokens: int
+    response_tokens: int

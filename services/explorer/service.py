@@ -96,7 +96,9 @@ def _text_content(msg: Message, index: int) -> str | None:
     return "".join(parts)
 
 
-def _normalize_messages(messages: list[Message]) -> list[dict[str, Any]]:
+def normalize_messages(messages: list[Message]) -> list[dict[str, Any]]:
+    """OpenAI request messages as the chat template takes them (text parts joined, tool calls
+    with string arguments); 400 for what the template cannot render."""
     out = []
     for i, m in enumerate(messages):
         d: dict[str, Any] = {"role": "system" if m.role == "developer" else m.role, "content": _text_content(m, i)}
@@ -173,7 +175,7 @@ class ChatService:
         if not self.recorder.has_capacity(req.n or 1):
             raise APIError(503, "the experience buffer is unreachable and the backlog is full; retry later", code="buffer_unavailable")
 
-        messages = _normalize_messages(req.messages)
+        messages = normalize_messages(req.messages)
         tool_choice = req.tool_choice.model_dump() if hasattr(req.tool_choice, "model_dump") else req.tool_choice
         tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
         if tool_choice not in (None, "none", "auto") and not tools:

@@ -36,6 +36,32 @@ class TrainItem:
     weight: float = 1.0
     advantage: float | None = None  # set at selection by recipes that know it then (GRPO)
     run_id: str | None = None
+    seq: int = 0  # arrival order in the buffer: the order of an episode's calls
+    demonstration: bool = False  # trained by the supervised term only (POST /demonstrations)
+
+    @property
+    def episode(self) -> tuple[str | None, str]:
+        """An episode is every call under one task_id + run_id; a call without a run_id is its own."""
+        return (self.task_id, self.run_id) if self.run_id is not None else (None, self.experience_id)
+
+
+def episodes_of(items: list[TrainItem]) -> list[list[TrainItem]]:
+    """Items grouped by episode (first appearance order), each episode's calls in arrival order."""
+    by: dict[tuple, list[TrainItem]] = {}
+    for it in items:
+        by.setdefault(it.episode, []).append(it)
+    return [sorted(calls, key=lambda i: i.seq) for calls in by.values()]
+
+
+def episode_chunks(items: list[TrainItem], size: int) -> list[list[TrainItem]]:
+    """Micro-batches of about ``size`` items that never split an episode (its calls are credited
+    together); an episode longer than ``size`` is a micro-batch of its own."""
+    chunks: list[list[TrainItem]] = [[]]
+    for calls in episodes_of(items):
+        if chunks[-1] and len(chunks[-1]) + len(calls) > size:
+            chunks.append([])
+        chunks[-1].extend(calls)
+    return [c for c in chunks if c]
 
 
 @dataclass(frozen=True)
@@ -44,10 +70,13 @@ class Norms:
 
     tokens: float
     sequences: float
+    demo_tokens: float = 0.0  # of the demonstrations in the step (the supervised term's mean)
 
     @classmethod
     def of(cls, items: list[TrainItem]) -> "Norms":
-        return cls(tokens=float(sum(len(i.response_ids) for i in items)), sequences=float(len(items)))
+        rl = [i for i in items if not i.demonstration]
+        return cls(tokens=float(sum(len(i.response_ids) for i in rl)), sequences=float(len(rl)),
+                   demo_tokens=float(sum(len(i.response_ids) for i in items if i.demonstration)))
 
 
 @dataclass
@@ -56,10 +85,15 @@ class Selection:
     discarded: dict[str, str] = field(default_factory=dict)  # experience id -> why
     stale_downweighted: int = 0
     small_groups: int = 0
+    demonstrations: list[TrainItem] = field(default_factory=list)  # replayed, never consumed
 
     @property
     def ready(self) -> bool:
-        return bool(self.items)
+        return bool(self.items or self.demonstrations)
+
+    @property
+    def all_items(self) -> list[TrainItem]:
+        return self.items + self.demonstrations
 
 
 # A committed row that passed the shared checks, with its staleness weight.
@@ -85,13 +119,28 @@ def to_item(row: CommittedExperience, weight: float) -> TrainItem:
         reward=float(row.reward),
         temperature=temperature if temperature > 0 else 1.0,  # greedy samples were scored at T=1
         weight=weight,
+        seq=int(row.seq),
+    )
+
+
+def demonstration_item(row: CommittedExperience) -> TrainItem:
+    return TrainItem(
+        experience_id=row.experience_id, task_id=row.task_id, run_id=row.run_id, model_version=int(row.model_version),
+        prompt_ids=list(row.prompt_token_ids), response_ids=list(row.response_token_ids), old_logprobs=[],
+        reward=0.0, temperature=1.0, seq=int(row.seq), demonstration=True,
     )
 
 
 def select_batch(
-    rows: list[CommittedExperience], *, cfg: "TrainerConfig", current_version: int, now: datetime | None = None
+    rows: list[CommittedExperience], *, cfg: "TrainerConfig", current_version: int, now: datetime | None = None,
+    demonstrations: list[CommittedExperience] = (), step: int = 0,
 ) -> Selection:
-    """Pick the next batch of ``rows`` (oldest first) for one agent at ``current_version``."""
+    """Pick the next batch of ``rows`` (oldest first) for one agent at ``current_version``.
+
+    Demonstrations join every step that trains (``algorithm.demo_batch_size`` of them, in turn);
+    while no batch of rollouts is ready, the first ``algorithm.cold_start_steps`` steps train on
+    them alone (a new agent starting from a handful of examples).
+    """
     from services.trainer.recipes import recipe_for
 
     recipe = recipe_for(cfg.algorithm.name)
@@ -118,11 +167,30 @@ def select_batch(
             continue
         usable.append((row, weight))
     recipe.select(usable, cfg=cfg, now=aware(now), sel=sel)
+    a = cfg.algorithm
+    if demonstrations and a.sft_coef > 0 and (sel.items or step < a.cold_start_steps):
+        sel.demonstrations = _in_turn(demonstrations, a.demo_batch_size, step)
     return sel
 
 
+def _in_turn(demos: list[CommittedExperience], size: int, step: int) -> list[TrainItem]:
+    """``size`` demonstrations, a different slice each step, all of them when they fit."""
+    if len(demos) <= size:
+        return [demonstration_item(d) for d in demos]
+    start = (step * size) % len(demos)
+    return [demonstration_item(demos[(start + k) % len(demos)]) for k in range(size)]
+
+
 def take_oldest(usable: list[Usable], *, cfg: "TrainerConfig", sel: Selection) -> None:
-    """The plain rule: the oldest ``train_batch_size`` usable rows, once that many are there."""
-    size = cfg.train_batch_size
-    if len(usable) >= size:
-        sel.items = [to_item(r, w) for r, w in usable[:size]]
+    """The plain rule: the oldest ``train_batch_size`` usable rows, once that many are there, and
+    whole episodes only (the last one may take the batch a little over)."""
+    episodes: dict[tuple, list[Usable]] = {}
+    for r, w in usable:
+        episodes.setdefault((r.task_id, r.run_id) if r.run_id is not None else (None, r.experience_id), []).append((r, w))
+    chosen: list[Usable] = []
+    for calls in episodes.values():
+        if len(chosen) >= cfg.train_batch_size:
+            break
+        chosen += calls
+    if len(chosen) >= cfg.train_batch_size:
+        sel.items = [to_item(r, w) for r, w in chosen]

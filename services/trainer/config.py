@@ -42,6 +42,16 @@ class AlgorithmSection(ConfigModel):
         description="grpo: after group_wait_s, groups under min_group_size keep waiting, are discarded, "
         "or are trained against the batch mean.",
     )
+    # Demonstrations (POST /demonstrations): supervised terms only, in any objective
+    sft_coef: float = Field(
+        default=1.0, ge=0,
+        description="Weight of the supervised term on demonstrations added to every step (0: demonstrations unused).",
+    )
+    demo_batch_size: int = Field(default=16, ge=1, description="Demonstrations per step (taken in turn when there are more).")
+    cold_start_steps: int = Field(
+        default=0, ge=0,
+        description="While no batch of rollouts is ready, train the first this many steps on demonstrations alone.",
+    )
     # SFT
     sft_min_reward: float | None = Field(default=1.0, description="sft: train on experiences with at least this reward.")
     sft_label: str | None = Field(default="demonstration", description="sft: also train on experiences with this feedback label.")

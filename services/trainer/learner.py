@@ -23,7 +23,8 @@ import torch
 from services.common import checkpoints
 from services.trainer.algorithms.masking import aggregate, masked_sum
 from services.trainer.algorithms.surrogate import kl_k3, kl_penalty
-from services.trainer.batches import Norms, TrainItem
+from services.trainer.algorithms.sft import sft_loss
+from services.trainer.batches import Norms, TrainItem, episode_chunks
 from services.trainer.config import TrainerConfig
 from services.trainer.policy import Policy, pack
 from services.trainer.recipes import MicroBatch, recipe_for
@@ -133,11 +134,14 @@ class LearnerWorker:
             opt.zero_grad(set_to_none=False)
             if critic_opt:
                 critic_opt.zero_grad(set_to_none=False)
-            for key, micro in enumerate(_chunks(items, cfg.trainer.micro_batch_size)):
+            rollouts = [i for i in items if not i.demonstration]
+            for key, micro in enumerate(episode_chunks(rollouts, cfg.trainer.micro_batch_size)):
                 per_epoch, first = self._micro_step(agent, micro, key=key, epoch=epoch, norms=norms, cache=cache,
                                                     current_version=current_version)
                 stats.add(per_epoch, 1.0 / cfg.trainer.epochs)  # a step reports its epochs' mean
                 stats.add(first)
+            for micro in _chunks([i for i in items if i.demonstration], cfg.trainer.micro_batch_size):
+                stats.add(self._demonstration_step(micro, norms), 1.0 / cfg.trainer.epochs)
             self._all_reduce(params + critic_params)
             stats.add({"grad_norm": float(torch.nn.utils.clip_grad_norm_(params, cfg.optim.grad_clip))}, 1.0 / cfg.trainer.epochs)
             opt.step()
@@ -190,6 +194,17 @@ class LearnerWorker:
         loss.backward()
         stats.update({k: float(v) for k, v in st.items()})
         return stats, first
+
+    def _demonstration_step(self, micro: list[TrainItem], norms: Norms) -> dict[str, float]:
+        """The supervised term on demonstrations: ``sft_coef`` times their token-mean NLL, in the
+        same update as the objective's own loss (a mixed objective)."""
+        p = self.policy
+        batch = pack([i.prompt_ids for i in micro], [i.response_ids for i in micro], [1.0] * len(micro), p.pad_id)
+        mask = batch.response_mask.to(p.device)
+        out = p.forward(batch, need_hidden=False, entropy_grad=False)
+        loss, st = sft_loss(logprobs=out.logprobs, mask=mask, weights=torch.ones_like(mask), normalizer=norms.demo_tokens)
+        (self.cfg.algorithm.sft_coef * loss).backward()
+        return {"demo_nll": float(st["loss"])}
 
     def _all_reduce(self, params: list[torch.nn.Parameter]) -> None:
         if self.world_size <= 1:

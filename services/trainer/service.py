@@ -36,7 +36,7 @@ from services.common.buffer import BatchChanged, create_buffer_engine
 from services.common.config import dump_config
 from services.common.faults import failpoint
 from services.common.records import TrainerStep
-from services.trainer.batches import Norms, Selection, TrainItem, select_batch
+from services.trainer.batches import Norms, Selection, TrainItem, episodes_of, select_batch
 from services.trainer.config import TrainerConfig
 from services.trainer.metrics import MetricsSink
 from services.trainer.retention import prune_versions
@@ -91,15 +91,20 @@ class LearnerGroup:
         return self._all([w.train_step.remote(agent, s, norms, step, version) for w, s in zip(self.workers, shards)])
 
 
-def _shard(items: list, n: int) -> list[list]:
-    """Split items into n shards of similar token counts (longest first, to the lightest shard)."""
-    shards: list[list] = [[] for _ in range(n)]
+def _shard(items: list[TrainItem], n: int) -> list[list[TrainItem]]:
+    """Split items into n shards of similar token counts, whole episodes each (their calls are
+    credited together): longest episode first, to the lightest shard."""
+    shards: list[list[TrainItem]] = [[] for _ in range(n)]
     loads = [0] * n
-    for it in sorted(items, key=lambda i: -(len(i.prompt_ids) + len(i.response_ids))):
+    size = lambda calls: sum(len(i.prompt_ids) + len(i.response_ids) for i in calls)  # noqa: E731
+    for calls in sorted(episodes_of(items), key=lambda c: -size(c)):
         k = loads.index(min(loads))
-        shards[k].append(it)
-        loads[k] += len(it.prompt_ids) + len(it.response_ids)
+        shards[k].extend(calls)
+        loads[k] += size(calls)
     return shards
+
+
+_MAX_DEMONSTRATIONS = 10_000  # read per poll; an agent's demonstrations are a few to a few hundred
 
 
 class TrainerService:
@@ -224,12 +229,15 @@ class TrainerService:
     def _poll_agent(self, agent: str) -> bool:
         window = max(self.cfg.train_batch_size * 8, 256)
         rows = buffer.fetch_committed(engine=self.db, agent=agent, limit=window)
-        if not rows:
+        demos = buffer.fetch_committed(engine=self.db, agent=agent, limit=_MAX_DEMONSTRATIONS, demonstrations=True) \
+            if self.cfg.algorithm.sft_coef > 0 else []
+        if not rows and not demos:
             return False
         if agent not in self.agents:
             self.agents[agent] = self._init_agent(agent)
         progress = self.agents[agent]
-        selection = select_batch(rows, cfg=self.cfg, current_version=progress.published)
+        selection = select_batch(rows, cfg=self.cfg, current_version=progress.published, demonstrations=demos,
+                                 step=progress.step)
         if not selection.ready:
             if selection.discarded:
                 n = buffer.discard_experiences(engine=self.db, experience_ids=list(selection.discarded))
@@ -245,9 +253,9 @@ class TrainerService:
 
     def _train(self, agent: str, progress: AgentProgress, selection: Selection) -> bool:
         cfg = self.cfg
-        items = selection.items
-        norms = Norms.of(items)
-        shards = _shard(items, cfg.ray.workers)
+        items = selection.items  # the rollouts this step consumes; demonstrations are replayed, not consumed
+        norms = Norms.of(selection.all_items)
+        shards = _shard(selection.all_items, cfg.ray.workers)
         t0 = time.perf_counter()
         results = self.learners.train(agent, shards, norms, progress.step, progress.published)
         seconds = time.perf_counter() - t0
@@ -312,11 +320,12 @@ class TrainerService:
         total = StepStats.merged(results)
         tokens = max(total.tokens, 1.0)
         items = selection.items
-        rewards = [i.reward for i in items]
-        lags = [self.agents[agent].published - i.model_version for i in items]
+        rewards = [i.reward for i in items] or [float("nan")]
+        lags = [self.agents[agent].published - i.model_version for i in items] or [0]
         rec: dict[str, Any] = {
             "agent": agent, "step": step, "version": version, "algorithm": self.cfg.algorithm.name,
-            "batch_size": len(items), "tokens": int(norms.tokens),
+            "batch_size": len(items), "tokens": int(norms.tokens), "demonstrations": len(selection.demonstrations),
+            "episodes": len(episodes_of(items)),
             "reward_mean": statistics.fmean(rewards), "reward_std": statistics.pstdev(rewards),
             "loss": total.loss, "entropy": total.entropy_sum / tokens,
             "tokens_per_s": total.tokens / max(seconds, 1e-9), "step_seconds": seconds,
@@ -326,6 +335,8 @@ class TrainerService:
             "small_groups": selection.small_groups,
             "logprob_mismatch": total.mismatch_sum / tokens,
         }
+        if total.demo_nll is not None:
+            rec["demo_nll"] = total.demo_nll
         for k in ("policy_loss", "value_loss", "kl_loss", "clip_frac", "ratio_mean", "nll"):
             if getattr(total, k) is not None:
                 rec[k] = getattr(total, k)

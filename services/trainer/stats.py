@@ -19,6 +19,7 @@ class StepStats:
     clip_frac: float | None = None
     ratio_mean: float | None = None
     nll: float | None = None
+    demo_nll: float | None = None  # the supervised term on demonstrations (its share of their token mean)
     adv_sum: float | None = None  # recipes that compute advantages in the learner (PPO)
     adv_sq_sum: float | None = None
     adv_count: float | None = None

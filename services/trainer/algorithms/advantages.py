@@ -85,3 +85,42 @@ def sequence_logprob(token_logprobs: torch.Tensor, mask: torch.Tensor, *, mode: 
     if mode == "mean":
         return total / mask.sum(-1).clamp(min=1)
     raise ValueError(f"unknown sequence logprob mode {mode!r}")
+
+
+def episode_gae(
+    values: list[torch.Tensor], reward: float, *, gamma: float, lam: float
+) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """GAE through one multi-call episode, the reward at the end of its last call.
+
+    The sampled tokens of the episode's calls, in order, are one trajectory: between two calls the
+    environment (tool output, the user) acts, and the value of the next call's first token is what
+    the previous call's last token bootstraps from. One call is plain per-token ``gae``.
+
+    Args:
+        values: per call, (L_i,) V before each of its sampled tokens.
+    Returns (advantages, returns): per call, (L_i,) each.
+    """
+    flat = torch.cat(values).unsqueeze(0)  # (1, sum L_i)
+    rewards = torch.zeros_like(flat)
+    rewards[0, -1] = reward
+    adv, ret = gae(rewards, flat, torch.ones_like(flat), gamma=gamma, lam=lam)
+    sizes = [len(v) for v in values]
+    return list(adv[0].split(sizes)), list(ret[0].split(sizes))
+
+
+def turn_gae(turn_values: torch.Tensor, reward: float, *, gamma: float, lam: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """GAE over the turns of an episode when each call is one action (sequence level): V_t is the
+    value before call t, the reward arrives after the last. (T,) in, ((T,) advantages, (T,) returns) out."""
+    rewards = torch.zeros_like(turn_values).unsqueeze(0)
+    rewards[0, -1] = reward
+    adv, ret = gae(rewards, turn_values.unsqueeze(0), torch.ones_like(rewards), gamma=gamma, lam=lam)
+    return adv[0], ret[0]
+
+
+def episode_relative(
+    episode_rewards: torch.Tensor, episode_groups: torch.Tensor, *, std_normalize: bool
+) -> torch.Tensor:
+    """GRPO over episodes: each episode's reward against the other episodes of its group (task).
+    A group's statistics count episodes, never calls, so an episode of five calls weighs as much as
+    one of one call. (E,) in, (E,) out; the caller gives every call of an episode its advantage."""
+    return group_relative(episode_rewards, episode_groups, std_normalize=std_normalize)

@@ -1,5 +1,7 @@
 """PPO: a value head on the policy's features, GAE over each response's tokens (or one advantage
-per response at sequence level), the clipped ratio and the clipped value loss."""
+per response at sequence level), the clipped ratio and the clipped value loss. The calls of one
+episode (task_id + run_id) are credited in order: GAE runs through the episode, turn by turn at
+sequence level, with the reward at its last call."""
 
 from __future__ import annotations
 
@@ -8,10 +10,10 @@ from datetime import datetime
 import torch
 
 from services.common.records import CommittedExperience
-from services.trainer.algorithms.advantages import gae, terminal_rewards
+from services.trainer.algorithms.advantages import episode_gae, gae, terminal_rewards, turn_gae
 from services.trainer.algorithms.masking import masked_sum
 from services.trainer.algorithms.ppo import ppo_loss
-from services.trainer.batches import Selection, Usable, take_oldest
+from services.trainer.batches import Selection, Usable, episodes_of, take_oldest
 from services.trainer.recipes.base import MicroBatch, clip_args, ratio_inputs
 
 
@@ -32,12 +34,14 @@ class PPO:
         if mb.first_epoch:
             mb.cache[mb.key] = values.detach()  # advantages stay those of the policy that sampled
         old = mb.cache[mb.key]
-        if mb.sequence_level:
+        episodes = episodes_of(mb.items)
+        if len(episodes) < len(mb.items):  # some episode has several calls: credit through it
+            adv, returns = _episode_credit(mb, old, episodes)
+        elif mb.sequence_level:
             adv, returns = mb.rewards - old[:, 0], mb.rewards
-            adv_mask = torch.ones_like(adv)
         else:
             adv, returns = gae(terminal_rewards(mb.rewards, mb.mask), old, mb.mask, gamma=a.gamma, lam=a.lam)
-            adv_mask = mb.mask
+        adv_mask = torch.ones_like(adv) if mb.sequence_level else mb.mask
         inputs, normalizer = ratio_inputs(mb, adv)
         if mb.sequence_level:
             inputs.update(values=values[:, 0], old_values=old[:, 0], returns=returns)
@@ -49,3 +53,26 @@ class PPO:
             value_sum=masked_sum(old, mb.mask),
         )
         return loss, stats
+
+
+def _episode_credit(mb: MicroBatch, old: torch.Tensor, episodes) -> tuple[torch.Tensor, torch.Tensor]:
+    """Advantages and returns when calls form episodes (the learner keeps an episode in one
+    micro-batch): token-level GAE through the episode's sampled tokens, or turn-level GAE at
+    sequence level, the reward (the last call's) at the end of the last call."""
+    a = mb.algorithm
+    row = {id(it): b for b, it in enumerate(mb.items)}
+    lengths = mb.mask.sum(1).long().tolist()
+    if mb.sequence_level:
+        adv, ret = torch.zeros(len(mb.items), device=old.device), torch.zeros(len(mb.items), device=old.device)
+    else:
+        adv, ret = torch.zeros_like(old), torch.zeros_like(old)
+    for calls in episodes:
+        rows = [row[id(c)] for c in calls]
+        if mb.sequence_level:
+            ta, tr = turn_gae(old[rows, 0], calls[-1].reward, gamma=a.gamma, lam=a.lam)
+            adv[rows], ret[rows] = ta, tr
+            continue
+        ea, er = episode_gae([old[b, : lengths[b]] for b in rows], calls[-1].reward, gamma=a.gamma, lam=a.lam)
+        for b, x, y in zip(rows, ea, er):
+            adv[b, : lengths[b]], ret[b, : lengths[b]] = x, y
+    return adv, ret

@@ -127,3 +127,19 @@ def test_list_experiences_validates_status(explorer):
     r = explorer.http.get("/experiences", params={"status": "bogus"})
     assert r.status_code == 400 and "bogus" in r.json()["error"]["message"]
     assert explorer.http.get("/experiences/nope").status_code == 404
+
+
+def test_an_episode_reward_reaches_every_call_of_the_episode(explorer):
+    def chat(run: str) -> str:
+        r = explorer.client.chat.completions.create(model="default", messages=[{"role": "user", "content": "step"}],
+                                                    max_tokens=2, metadata={"task_id": "ep", "run_id": run})
+        return r.choices[0].model_extra["experience_id"]
+
+    calls = [chat("r1") for _ in range(3)]
+    other = chat("r2")
+    r = explorer.http.post("/feedback", json={"task_id": "ep", "run_id": "r1", "reward": 1.0})
+    assert r.status_code == 200 and sorted(r.json()["experience_ids"]) == sorted(calls), r.text
+    assert explorer.http.get(f"/experiences/{other}").json()["reward"] is None
+    assert explorer.http.post("/feedback", json={"task_id": "ep", "run_id": "r9", "reward": 1.0}).status_code == 404
+    bad = explorer.http.post("/feedback", json={"task_id": "ep", "reward": 1.0})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "msg_ids"

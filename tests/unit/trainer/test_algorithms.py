@@ -7,7 +7,15 @@ import math
 import pytest
 import torch
 
-from services.trainer.algorithms.advantages import gae, group_relative, sequence_logprob, terminal_rewards
+from services.trainer.algorithms.advantages import (
+    episode_gae,
+    episode_relative,
+    gae,
+    group_relative,
+    sequence_logprob,
+    terminal_rewards,
+    turn_gae,
+)
 from services.trainer.algorithms.grpo import grpo_loss
 from services.trainer.algorithms.masking import aggregate, masked_mean, masked_std
 from services.trainer.algorithms.ppo import clipped_value_loss, ppo_loss
@@ -146,3 +154,36 @@ def test_sft_loss_is_mean_nll_of_response_tokens():
     # -(ln 0.5 + ln 0.25) / 2 tokens = (0.6931 + 1.3863) / 2 = 1.0397
     loss, _ = sft_loss(logprobs=lp, mask=m, weights=torch.ones(1, 3), normalizer=2)
     assert loss.item() == approx((math.log(2) + math.log(4)) / 2)
+
+
+def test_episode_gae_runs_through_the_calls_of_an_episode_hand_worked():
+    # Call 0 sampled one token (V 0.5); then a tool answered; call 1 sampled two (V 0.2, 0.1).
+    # Reward 1 after the last token; gamma 1, lambda 0.5:
+    #   t2: delta = 1 - 0.1 = 0.9                  A = 0.9
+    #   t1: delta = 0 + 0.1 - 0.2 = -0.1           A = -0.1 + 0.5 * 0.9 = 0.35
+    #   t0: delta = 0 + 0.2 - 0.5 = -0.3 (bootstraps from the next call's first value)
+    #                                              A = -0.3 + 0.5 * 0.35 = -0.125
+    # returns = A + V = [0.375], [0.55, 1.0]
+    adv, ret = episode_gae([torch.tensor([0.5]), torch.tensor([0.2, 0.1])], 1.0, gamma=1.0, lam=0.5)
+    assert [a.tolist() for a in adv] == [approx([-0.125]), approx([0.35, 0.9])]
+    assert [r.tolist() for r in ret] == [approx([0.375]), approx([0.55, 1.0])]
+    # One call is plain per-token GAE with the terminal reward.
+    one, _ = episode_gae([torch.tensor([0.2, 0.1])], 1.0, gamma=1.0, lam=0.5)
+    ref, _ = gae(torch.tensor([[0.0, 1.0]]), torch.tensor([[0.2, 0.1]]), torch.ones(1, 2), gamma=1.0, lam=0.5)
+    assert one[0].tolist() == approx(ref[0].tolist())
+
+
+def test_turn_gae_credits_turns_in_order_hand_worked():
+    # Values before each call 0.4, 0.7; reward 1 after the last; gamma 0.9, lambda 1:
+    #   turn 1: delta = 1 - 0.7 = 0.3                      A = 0.3
+    #   turn 0: delta = 0.9 * 0.7 - 0.4 = 0.23             A = 0.23 + 0.9 * 0.3 = 0.5
+    # returns = A + V = [0.9, 1.0]
+    adv, ret = turn_gae(torch.tensor([0.4, 0.7]), 1.0, gamma=0.9, lam=1.0)
+    assert adv.tolist() == approx([0.5, 0.3]) and ret.tolist() == approx([0.9, 1.0])
+
+
+def test_episode_relative_counts_episodes_not_calls():
+    # Task t: episode A (reward 1), episode B (reward 0); task u: one episode (reward 0.5) alone.
+    # Centred within each task: A +0.5, B -0.5; u's only episode 0 (no std normalisation).
+    adv = episode_relative(torch.tensor([1.0, 0.0, 0.5]), torch.tensor([0, 0, 1]), std_normalize=False)
+    assert adv.tolist() == approx([0.5, -0.5, 0.0])

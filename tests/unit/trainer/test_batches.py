@@ -5,6 +5,7 @@ from __future__ import annotations
 from datetime import datetime, timedelta, timezone
 
 import pytest
+from pytest import approx
 
 from services.common.config import load_config
 from services.common.records import CommittedExperience
@@ -87,3 +88,44 @@ def test_grpo_incomplete_groups_wait_then_fall_back():
 def test_sft_needs_a_rule():
     with pytest.raises(Exception, match="sft needs"):
         cfg("algorithm.name=sft", "algorithm.sft_min_reward=null", "algorithm.sft_label=null")
+
+
+def call(i, *, task, run, reward, seq=None, resp=(5, 6)):
+    r = row(i, task=task, reward=reward, resp=resp, age_s=100)
+    from dataclasses import replace
+
+    return replace(r, run_id=run, seq=i if seq is None else seq)
+
+
+def test_grpo_groups_episodes_not_calls():
+    # Task t: run r1 is an episode of 5 calls (reward 1 on each: an episode reward), run r2 one call
+    # (reward 0). Over episodes the mean is 0.5: r1's calls get +0.5, r2's call -0.5 (std off).
+    # Counted per call, the mean would be 5/6 and r1 would weigh five times r2.
+    rows = [call(i, task="t", run="r1", reward=1.0) for i in range(5)] + [call(5, task="t", run="r2", reward=0.0)]
+    c = cfg("algorithm.name=grpo", "train_batch_size=6", "algorithm.std_normalize=false", "algorithm.group_size=2")
+    sel = select_batch(rows, cfg=c, current_version=0, now=NOW)
+    adv = {i.experience_id: (i.advantage, i.weight) for i in sel.items}
+    assert adv["e5"] == (approx(-0.5), approx(1.0))
+    for k in range(5):
+        assert adv[f"e{k}"] == (approx(0.5), approx(0.2))  # each episode weighs the same in total
+    assert [i.experience_id for i in sel.items[:5]] == [f"e{k}" for k in range(5)]  # calls in order
+
+
+def test_ppo_batches_never_split_an_episode():
+    rows = [call(0, task="t", run="a", reward=1.0), call(1, task="t", run="b", reward=0.0),
+            call(2, task="t", run="a", reward=1.0), call(3, task="u", run="c", reward=0.0)]
+    sel = select_batch(rows, cfg=cfg("algorithm.name=ppo", "train_batch_size=2"), current_version=0, now=NOW)
+    assert sorted(i.experience_id for i in sel.items) == ["e0", "e2"]  # episode a whole; b waits for the next step
+
+
+def test_demonstrations_join_each_step_and_alone_only_for_the_cold_start():
+    demos = [row(100 + k) for k in range(3)]
+    c = cfg("algorithm.name=grpo", "train_batch_size=4", "algorithm.cold_start_steps=2", "algorithm.demo_batch_size=2")
+    sel = select_batch([], cfg=c, current_version=0, now=NOW, demonstrations=demos, step=0)
+    assert sel.ready and not sel.items and [d.experience_id for d in sel.demonstrations] == ["e100", "e101"]
+    sel = select_batch([], cfg=c, current_version=0, now=NOW, demonstrations=demos, step=1)
+    assert [d.experience_id for d in sel.demonstrations] == ["e102", "e100"]  # in turn
+    assert all(d.demonstration and d.old_logprobs == [] for d in sel.demonstrations)
+    assert not select_batch([], cfg=c, current_version=0, now=NOW, demonstrations=demos, step=2).ready
+    off = cfg("algorithm.name=grpo", "algorithm.cold_start_steps=2", "algorithm.sft_coef=0")
+    assert not select_batch([], cfg=off, current_version=0, now=NOW, demonstrations=demos, step=0).ready

@@ -1,0 +1,70 @@
+"""The demo's agent app: answers a word problem through the Explorer with the official `openai`
+client and ``tools=[calculator]``, running the calculator itself.
+
+One episode is every call made under one ``metadata={"task_id", "run_id"}``: call 1 (the model
+should call the calculator), the app runs the tool and sends a ``role: tool`` result, call 2 (the
+model should answer), at most ``max_turns`` calls. The app then scores the final reply
+(services/demo/tools_task.reward) and, for traffic, sends that reward with ``/feedback`` naming
+every call of the episode; the caller commits.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from services.demo import tools_task
+
+
+@dataclass
+class Episode:
+    problem: tools_task.Problem
+    task_id: str | None
+    run_id: str | None
+    msg_ids: list[str] = field(default_factory=list)  # completion ids, one per call
+    messages: list[dict[str, Any]] = field(default_factory=list)
+    final: str | None = None  # the reply that was not a tool call (None: the turns ran out)
+    tool_calls: int = 0
+    tool_errors: int = 0
+    reward: float = 0.0
+    error: str | None = None
+
+    @property
+    def called_tool_right(self) -> bool:
+        """Whether a calculator call of this episode computed the answer (for the report)."""
+        return any(m.get("role") == "tool" and m.get("content") == str(self.problem.answer) for m in self.messages)
+
+
+async def run_episode(client, problem: tools_task.Problem, *, model: str, task_id: str | None = None,
+                      run_id: str | None = None, max_turns: int = 3, max_tokens: int = 48,
+                      temperature: float = 1.0) -> Episode:
+    """One episode with ``client`` (an ``openai.AsyncOpenAI`` on the Explorer). Never raises: an
+    HTTP error ends the episode with ``error`` set and reward 0."""
+    ep = Episode(problem=problem, task_id=task_id, run_id=run_id)
+    ep.messages = [{"role": "user", "content": problem.question}]
+    metadata = {"task_id": task_id, "run_id": run_id} if task_id is not None else None
+    try:
+        for _ in range(max_turns):
+            r = await client.chat.completions.create(
+                model=model, messages=ep.messages, tools=tools_task.TOOLS, temperature=temperature,
+                max_tokens=max_tokens, **({"metadata": metadata} if metadata else {}))
+            ep.msg_ids.append(r.id)
+            msg = r.choices[0].message
+            if not msg.tool_calls:
+                ep.final = msg.content or ""
+                break
+            calls = [{"id": c.id, "type": "function", "function": {"name": c.function.name, "arguments": c.function.arguments}}
+                     for c in msg.tool_calls]
+            ep.messages.append({"role": "assistant", "content": msg.content, "tool_calls": calls})
+            for c in calls:
+                result = tools_task.run_tool_call(c["function"]["name"], c["function"]["arguments"])
+                ep.tool_calls += 1
+                ep.tool_errors += result.startswith("error")
+                ep.messages.append({"role": "tool", "tool_call_id": c["id"], "content": result})
+    except Exception as e:  # an unanswered call: the episode scores 0 and is not trained on
+        ep.error = f"{type(e).__name__}: {e}"
+        return ep
+    if ep.final is not None:
+        ep.messages.append({"role": "assistant", "content": ep.final})
+    ep.reward = tools_task.reward(problem.answer, ep.final)
+    return ep

@@ -1,0 +1,220 @@
+"""The real demo's task: arithmetic word problems that an agent answers with a calculator tool.
+
+A question such as "A crate holds 48 bottles. How many bottles are in 27 crates?" needs a product
+a 135M model cannot work out in its head, so the agent has to call ``calculator`` with the right
+expression (which numbers, which operation), read the result the app sends back as a ``role: tool``
+message, and state it. The reward is verifiable: **1 when the last number in the final reply
+equals the answer exactly** (commas and a trailing ".0" ignored), else 0. Pure logic, no I/O: the
+agent app that runs episodes through the Explorer is services/demo/agent_app.py.
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+import operator
+import random
+import re
+from dataclasses import dataclass
+from typing import Any
+
+CALCULATOR = {
+    "type": "function",
+    "function": {
+        "name": "calculator",
+        "description": "Evaluate an arithmetic expression with + - * / and parentheses.",
+        "parameters": {
+            "type": "object",
+            "properties": {"expression": {"type": "string", "description": "e.g. 12 * (3 + 4)"}},
+            "required": ["expression"],
+        },
+    },
+}
+TOOLS = [CALCULATOR]
+
+
+@dataclass(frozen=True)
+class Problem:
+    """One question, the expression that answers it and its value (always an integer here)."""
+
+    question: str
+    expression: str
+    answer: int
+
+
+# ---------------------------------------------------------------------------------------- the tool
+
+_OPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv}
+
+
+def _eval(node: ast.AST) -> float:
+    if isinstance(node, ast.Expression):
+        return _eval(node.body)
+    if isinstance(node, ast.Constant) and isinstance(node.value, (int, float)) and not isinstance(node.value, bool):
+        return node.value
+    if isinstance(node, ast.BinOp) and type(node.op) in _OPS:
+        return _OPS[type(node.op)](_eval(node.left), _eval(node.right))
+    if isinstance(node, ast.UnaryOp) and isinstance(node.op, (ast.USub, ast.UAdd)):
+        v = _eval(node.operand)
+        return -v if isinstance(node.op, ast.USub) else v
+    raise ValueError("only numbers, + - * / and parentheses are allowed")
+
+
+def calculate(expression: str) -> str:
+    """The calculator the app runs: the value as text (an integer when whole), or "error: ..."."""
+    if len(expression) > 200:
+        return "error: expression too long"
+    try:
+        value = _eval(ast.parse(expression.replace("×", "*").replace("÷", "/").strip(), mode="eval"))
+    except ZeroDivisionError:
+        return "error: division by zero"
+    except (SyntaxError, ValueError, TypeError, RecursionError) as e:
+        return f"error: {e}"
+    if abs(value) > 1e15:
+        return "error: result too large"
+    return str(int(value)) if float(value).is_integer() else f"{value:.6g}"
+
+
+def run_tool_call(name: str, arguments: str | dict[str, Any]) -> str:
+    """What the app sends back for one call of the model (never raises: a bad call gets an error text)."""
+    if name != "calculator":
+        return f"error: unknown tool {name!r}; the only tool is calculator"
+    if isinstance(arguments, str):
+        try:
+            arguments = json.loads(arguments)
+        except ValueError:
+            return "error: arguments are not JSON"
+    expression = arguments.get("expression") if isinstance(arguments, dict) else None
+    if not isinstance(expression, str):
+        return 'error: arguments must be {"expression": "..."}'
+    return calculate(expression)
+
+
+# ---------------------------------------------------------------------------------------- reward
+
+_NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?")
+
+
+def last_number(text: str | None) -> float | None:
+    found = _NUMBER.findall(text or "")
+    if not found:
+        return None
+    try:
+        return float(found[-1].replace(",", ""))
+    except ValueError:
+        return None
+
+
+def reward(answer: int, final_reply: str | None) -> float:
+    """1.0 when the last number of the final reply is the answer, else 0.0."""
+    value = last_number(final_reply)
+    return 1.0 if value is not None and value == answer else 0.0
+
+
+# ---------------------------------------------------------------------------------------- questions
+
+_ITEMS = ["apples", "pens", "books", "cards", "shells", "stamps", "coins", "marbles", "bricks", "cups",
+          "eggs", "bottles", "tickets", "boxes", "seeds", "nails", "plates", "chairs", "ropes", "candles"]
+_NAMES = ["Ana", "Ben", "Chen", "Dara", "Eli", "Farah", "Gus", "Hana", "Ivan", "Jude", "Kemi", "Luis",
+          "Mia", "Noor", "Omar", "Pia", "Ravi", "Sara", "Tom", "Uma"]
+_CONTAINERS = ["crate", "bag", "shelf", "box", "tray", "basket", "drawer", "case"]
+
+# (operation, template). {a} {b}: the numbers, in the order they appear in the expression.
+_TEMPLATES: list[tuple[str, str]] = [
+    ("*", "A {c} holds {a} {x}. How many {x} are in {b} {c}s?"),
+    ("*", "{n} buys {b} packs of {x} with {a} in each pack. How many {x} is that?"),
+    ("*", "What is {a} times {b}?"),
+    ("+", "{n} has {a} {x} and gets {b} more. How many {x} does {n} have now?"),
+    ("+", "A farm sold {a} {x} on Monday and {b} on Tuesday. How many {x} did it sell in total?"),
+    ("+", "What is {a} plus {b}?"),
+    ("-", "{n} had {a} {x} and gave away {b}. How many {x} are left?"),
+    ("-", "A shop had {a} {x} and sold {b} of them. How many {x} does it still have?"),
+    ("-", "What is {a} minus {b}?"),
+    ("/", "{a} {x} are shared equally by {b} friends. How many {x} does each friend get?"),
+    ("/", "{n} packs {a} {x} into {b} equal {c}s. How many {x} go in each {c}?"),
+    ("/", "What is {a} divided by {b}?"),
+]
+
+
+def _numbers(op: str, rng: random.Random) -> tuple[int, int]:
+    """Numbers that make the answer hard to guess (a product or a sum of 2-3 digit numbers)."""
+    if op == "*":
+        return rng.randint(12, 99), rng.randint(12, 99)
+    if op == "+":
+        return rng.randint(100, 999), rng.randint(100, 999)
+    if op == "-":
+        a = rng.randint(300, 999)
+        return a, rng.randint(100, a - 50)
+    b = rng.randint(3, 19)
+    return b * rng.randint(12, 99), b
+
+
+def make_problem(rng: random.Random, template: int | None = None) -> Problem:
+    op, text = _TEMPLATES[rng.randrange(len(_TEMPLATES)) if template is None else template]
+    a, b = _numbers(op, rng)
+    question = text.format(a=a, b=b, x=rng.choice(_ITEMS), n=rng.choice(_NAMES), c=rng.choice(_CONTAINERS))
+    expression = f"{a} {op} {b}"
+    return Problem(question=question, expression=expression, answer=int(calculate(expression)))
+
+
+@dataclass(frozen=True)
+class Split:
+    traffic: list[Problem]  # what the simulated users ask
+    heldout: list[Problem]  # never asked in traffic and not among the demonstrations
+
+
+def split(seed: int, n_traffic: int, n_heldout: int) -> Split:
+    """Distinct problems from a seeded generator; held-out ones never appear in traffic or demonstrations."""
+    rng = random.Random(seed)
+    taken = {d.question for d in DEMONSTRATIONS}
+    problems: list[Problem] = []
+    while len(problems) < n_traffic + n_heldout:
+        p = make_problem(rng)
+        if p.question not in taken:
+            taken.add(p.question)
+            problems.append(p)
+    return Split(traffic=problems[n_heldout:], heldout=problems[:n_heldout])
+
+
+# ---------------------------------------------------------------------------------------- demonstrations
+
+# Hand-written, one per template family: each becomes two demonstrations (the call, then the
+# answer after the tool result), so 8 episodes give the 16 demonstrations of the cold start.
+DEMONSTRATIONS: list[Problem] = [
+    Problem("A crate holds 36 bottles. How many bottles are in 24 crates?", "36 * 24", 864),
+    Problem("What is 57 times 43?", "57 * 43", 2451),
+    Problem("Lena has 418 stamps and gets 275 more. How many stamps does Lena have now?", "418 + 275", 693),
+    Problem("What is 652 plus 189?", "652 + 189", 841),
+    Problem("Milo had 730 shells and gave away 248. How many shells are left?", "730 - 248", 482),
+    Problem("What is 915 minus 367?", "915 - 367", 548),
+    Problem("384 cards are shared equally by 8 friends. How many cards does each friend get?", "384 / 8", 48),
+    Problem("What is 1071 divided by 17?", "1071 / 17", 63),
+]
+
+_DEMO_CALL_ID = "call_demo"
+
+
+def final_reply(answer: int | str) -> str:
+    """How the demonstrations state the result."""
+    return f"The answer is {answer}."
+
+
+def demonstration_turns(p: Problem) -> list[dict[str, Any]]:
+    """The two demonstrations of one episode, as ``POST /demonstrations`` bodies without ``model``:
+    the first call (the user's question -> a calculator call), then the answer after the tool result."""
+    user = {"role": "user", "content": p.question}
+    call = {"id": _DEMO_CALL_ID, "type": "function",
+            "function": {"name": "calculator", "arguments": json.dumps({"expression": p.expression})}}
+    assistant_call = {"role": "assistant", "content": None, "tool_calls": [call]}
+    tool = {"role": "tool", "tool_call_id": _DEMO_CALL_ID, "content": calculate(p.expression)}
+    return [
+        {"messages": [user], "tools": TOOLS, "response": assistant_call},
+        {"messages": [user, assistant_call, tool], "tools": TOOLS,
+         "response": {"role": "assistant", "content": final_reply(p.answer)}},
+    ]
+
+
+def demonstrations(limit: int = 16) -> list[dict[str, Any]]:
+    """At most ``limit`` demonstrations, whole episodes first (call + answer)."""
+    out = [turn for p in DEMONSTRATIONS for turn in demonstration_turns(p)]
+    return out[:limit]
