@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 from pathlib import Path
 
@@ -54,22 +55,45 @@ def smollm2_model() -> Path:
 
 @pytest.fixture(scope="session")
 def ray_address(tmp_path_factory):
-    """One local Ray cluster for the whole session (loopback only, no dashboard, no auth token)."""
+    """One local Ray cluster for the whole session (loopback only, no dashboard, no auth token).
+
+    Started in the foreground (``--block``) in a process group of its own and stopped by killing
+    that group, never with ``ray stop --force``, which would also stop any other session's cluster
+    on the machine (another test run, a developer's Trainer).
+    """
+    import signal
     import subprocess
     import sys
+    import time
 
     from tests.helpers import free_port
 
     ray = Path(sys.executable).parent / "ray"
     port = free_port()
     env = {**os.environ, "RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0", "RAY_worker_niceness": "0"}
-    subprocess.run(
-        [str(ray), "start", "--head", "--node-ip-address=127.0.0.1", f"--port={port}", "--num-cpus=4",
-         "--include-dashboard=false", "--disable-usage-stats", "--object-store-memory=200000000"],
-        check=True, env=env, capture_output=True, timeout=180,
+    log = open(tmp_path_factory.mktemp("ray") / "ray.log", "wb")
+    proc = subprocess.Popen(
+        [str(ray), "start", "--head", "--block", "--node-ip-address=127.0.0.1", f"--port={port}",
+         f"--ray-client-server-port={free_port()}", "--num-cpus=4", "--include-dashboard=false",
+         "--disable-usage-stats", "--object-store-memory=200000000"],
+        env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
     )
+    address = f"127.0.0.1:{port}"
+    deadline = time.monotonic() + 180
+    while subprocess.run([str(ray), "status", f"--address={address}"], env=env, capture_output=True).returncode:
+        if proc.poll() is not None or time.monotonic() > deadline:
+            raise RuntimeError(f"the test Ray cluster did not start: see {log.name}")
+        time.sleep(1)
     os.environ["RAY_AUTH_MODE"] = "disabled"
     try:
-        yield f"127.0.0.1:{port}"
+        yield address
     finally:
-        subprocess.run([str(ray), "stop", "--force"], env=env, capture_output=True, timeout=120)
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(30)
+        log.close()

@@ -38,6 +38,10 @@ def _chunks(items: list, size: int):
         yield items[i : i + size]
 
 
+def _by_length(items: list[TrainItem]) -> list[TrainItem]:
+    return sorted(items, key=lambda i: (len(i.prompt_ids) + len(i.response_ids), i.seq))
+
+
 def _undo_ray_niceness() -> None:
     """Ray workers start at nice 15 (RAY_worker_niceness); a learner at that priority starves behind
     any busy neighbour. Raising priority back needs privileges: try, and say so if it fails."""
@@ -135,12 +139,12 @@ class LearnerWorker:
             if critic_opt:
                 critic_opt.zero_grad(set_to_none=False)
             rollouts = [i for i in items if not i.demonstration]
-            for key, micro in enumerate(episode_chunks(rollouts, cfg.trainer.micro_batch_size)):
+            for key, micro in enumerate(self._micro_batches(rollouts)):
                 per_epoch, first = self._micro_step(agent, micro, key=key, epoch=epoch, norms=norms, cache=cache,
                                                     current_version=current_version)
                 stats.add(per_epoch, 1.0 / cfg.trainer.epochs)  # a step reports its epochs' mean
                 stats.add(first)
-            for micro in _chunks([i for i in items if i.demonstration], cfg.trainer.micro_batch_size):
+            for micro in _chunks(_by_length([i for i in items if i.demonstration]), cfg.trainer.micro_batch_size):
                 stats.add(self._demonstration_step(micro, norms), 1.0 / cfg.trainer.epochs)
             self._all_reduce(params + critic_params)
             stats.add({"grad_norm": float(torch.nn.utils.clip_grad_norm_(params, cfg.optim.grad_clip))}, 1.0 / cfg.trainer.epochs)
@@ -194,6 +198,12 @@ class LearnerWorker:
         loss.backward()
         stats.update({k: float(v) for k, v in st.items()})
         return stats, first
+
+    def _micro_batches(self, items: list[TrainItem]) -> list[list[TrainItem]]:
+        """A recipe that credits an episode's calls together (a critic) sees whole episodes; the
+        others get sequences of similar length together, so little of each forward is padding."""
+        size = self.cfg.trainer.micro_batch_size
+        return episode_chunks(items, size) if self.recipe.uses_critic else list(_chunks(_by_length(items), size))
 
     def _demonstration_step(self, micro: list[TrainItem], norms: Norms) -> dict[str, float]:
         """The supervised term on demonstrations: ``sft_coef`` times their token-mean NLL, in the
