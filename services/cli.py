@@ -2,7 +2,7 @@
 
     kaizen explorer --config configs/explorer.yaml [dotted.key=value ...]
     kaizen trainer  --config configs/trainer.yaml  [--max-steps N] [dotted.key=value ...]
-    kaizen demo     [--config configs/demo.yaml]   [dotted.key=value ...]
+    kaizen demo     [--config configs/demo.yaml]   [task=tools|parity] [dotted.key=value ...]
     kaizen tiny-model PATH [--seed N]
     kaizen pretrained NAME PATH [--no-install]
 """
@@ -91,7 +91,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("overrides", nargs="*", help="dotted.key=value overrides")
     p.set_defaults(func=_trainer)
 
-    p = sub.add_parser("demo", help="run the whole loop locally on the tiny model and show it learn")
+    p = sub.add_parser("demo", help="run the whole loop locally and show an agent learn (task=tools: SmolLM2 with a calculator; task=parity: the tiny model, fast)")
     p.add_argument("--config", default="configs/demo.yaml", help="YAML file (default: configs/demo.yaml)")
     p.add_argument("overrides", nargs="*", help="dotted.key=value overrides")
     p.set_defaults(func=_demo)

@@ -1,9 +1,10 @@
 """Loading the base model the same way in every service: device and dtype, weights, and the
-tokenizer with the configured chat template (so prompt ids agree between Explorer and Trainer)."""
+tokenizer with the configured chat template (so prompt ids agree between Explorer and Trainer), and
+the prompt prefix a batch shares (both services compute it once)."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Sequence
 
 import torch
 
@@ -44,3 +45,16 @@ def load_base_model(path: str, *, dtype: torch.dtype, device: torch.device, chat
             f"a real one `kaizen pretrained smollm2-135m-instruct {path}`."
         ) from e
     return tokenizer, model.to(device)
+
+
+def shared_prefix_len(prompts: Sequence[Sequence[int]]) -> int:
+    """How many leading tokens every prompt has in common, leaving each at least one of its own
+    (the logits that score a response's first token come from the prompt's last position)."""
+    first = prompts[0]
+    n = min(len(p) for p in prompts) - 1
+    for p in prompts[1:]:
+        k = 0
+        while k < n and p[k] == first[k]:
+            k += 1
+        n = k
+    return max(n, 0)

@@ -1,24 +1,41 @@
-"""DemoConfig: the settings of `kaizen demo`, documented once, here."""
+"""DemoConfig: the settings of `kaizen demo`, documented once, here.
+
+Two tasks: ``tools`` (the default: SmolLM2-135M-Instruct learns to answer word problems with a
+calculator tool, services/demo/tools_demo.py) and ``parity`` (the tiny random model learns "Is N
+even or odd?" in a few minutes, the fast loop CI runs, services/demo/parity_demo.py). Settings
+of one task live in its section; the Trainer's and the Explorer's own keys are set through
+``trainer`` and ``explorer`` (merged over what the demo sets).
+"""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
 
-from pydantic import Field
+from pydantic import Field, field_validator, model_validator
 
 from services.common.config import ConfigModel
 
 
-class TaskSection(ConfigModel):
-    train_numbers: int = Field(default=800, ge=16, description="Numbers the simulated users ask about (0..999, shuffled).")
-    heldout_numbers: int = Field(default=100, ge=4, description="Numbers never used in traffic, for evaluation.")
-    eval_samples: int = Field(default=4, ge=1, description="Answers sampled per held-out question (temperature 1).")
-    max_tokens: int = Field(
-        default=1, ge=1,
-        description="Longest answer the agent may give. 'even' and 'odd' are one token each; with room for more, "
-        "GRPO's negative advantages on wrong answers also push down the end-of-answer token, until the model "
-        "stops ending its answers (seen with 4 after a few hundred steps).",
-    )
+class TrafficSection(ConfigModel):
+    """Each task has its own defaults (``_PARITY_TRAFFIC``, ``_TOOLS_TRAFFIC``); keys given fill in over them."""
+
+    tasks_per_batch: int = Field(default=16, ge=1, description="Questions per round of simulated traffic.")
+    repeat: int = Field(default=4, ge=1, description="Runs (episodes) per question: a GRPO group.")
+    concurrency: int = Field(default=16, ge=1, description="Episodes in flight at once.")
+    max_backlog: int = Field(default=128, ge=1, description="Pause traffic while this many committed experiences wait for the trainer.")
+
+
+_PARITY_TRAFFIC = {"tasks_per_batch": 16, "repeat": 4, "concurrency": 16, "max_backlog": 128}
+_TOOLS_TRAFFIC = {"tasks_per_batch": 2, "repeat": 4, "concurrency": 16, "max_backlog": 32}
+
+
+def _traffic_over(defaults: dict[str, int]):
+    """A ``mode="before"`` validator: a partial traffic section keeps the task's defaults for the keys it leaves out."""
+
+    def fill(cls, value: Any) -> Any:
+        return {**defaults, **value} if isinstance(value, dict) else value
+
+    return field_validator("traffic", mode="before")(classmethod(fill))
 
 
 class WarmStartSection(ConfigModel):
@@ -28,19 +45,59 @@ class WarmStartSection(ConfigModel):
     lr: float = Field(default=3e-3, gt=0, description="Learning rate of the warm start.")
 
 
-class TrafficSection(ConfigModel):
-    tasks_per_batch: int = Field(default=16, ge=1, description="Questions per round of simulated traffic.")
-    repeat: int = Field(default=4, ge=1, description="Runs per question (a GRPO group).")
-    concurrency: int = Field(default=16, ge=1, description="Episodes in flight at once.")
-    max_backlog: int = Field(default=128, ge=1, description="Pause traffic while this many committed experiences wait for the trainer.")
+class ParitySection(ConfigModel):
+    train_numbers: int = Field(default=800, ge=16, description="Numbers the simulated users ask about (0..999, shuffled).")
+    heldout_numbers: int = Field(default=100, ge=4, description="Numbers never used in traffic, for evaluation.")
+    eval_samples: int = Field(default=4, ge=1, description="Answers sampled per held-out question (temperature 1).")
+    max_tokens: int = Field(
+        default=1, ge=1,
+        description="Longest answer the agent may give. 'even' and 'odd' are one token each; with room for more, "
+        "GRPO's negative advantages on wrong answers also push down the end-of-answer token, until the model "
+        "stops ending its answers (seen with 4 after a few hundred steps).",
+    )
+    warm_start: WarmStartSection = Field(default_factory=WarmStartSection)
+    traffic: TrafficSection = Field(default_factory=lambda: TrafficSection(**_PARITY_TRAFFIC))
+
+    fill_traffic = _traffic_over(_PARITY_TRAFFIC)
+
+
+class ToolsSection(ConfigModel):
+    heldout: int = Field(default=64, ge=4, description="Held-out problems (never asked in traffic), one episode each per evaluation.")
+    traffic_problems: int = Field(default=2000, ge=16, description="Problems the simulated users draw from.")
+    demonstrations: int = Field(
+        default=16, ge=2, le=16,
+        description="Hand-written demonstrations posted for the cold start (two per episode: the call, then the answer).")
+    max_turns: int = Field(default=3, ge=2, description="Calls per episode at most; an episode without a final answer scores 0.")
+    max_tokens: int = Field(default=40, ge=8, description="Tokens per call at most (a calculator call takes about 25).")
+    temperature: float = Field(default=1.0, ge=0, description="Sampling temperature of traffic and of the evaluations.")
+    eval_concurrency: int = Field(default=16, ge=1, description="Held-out episodes in flight at once.")
+    cold_start_in_process: bool = Field(
+        default=False,
+        description="Train the cold start (trainer.algorithm.cold_start_steps supervised steps on the demonstrations) in "
+        "the demo process and publish it, instead of letting the Trainer do it.")
+    traffic: TrafficSection = Field(default_factory=lambda: TrafficSection(**_TOOLS_TRAFFIC))
+
+    fill_traffic = _traffic_over(_TOOLS_TRAFFIC)
+
+
+_DEFAULTS = {  # task -> (model_path, agent, duration_s)
+    "tools": (".cache/smollm2-135m-instruct", "calculator", 420.0),
+    "parity": (".cache/tiny-model", "parity", 300.0),
+}
 
 
 class DemoConfig(ConfigModel):
+    task: Literal["tools", "parity"] = Field(
+        default="tools",
+        description="tools: SmolLM2-135M-Instruct learns a calculator tool (built with `kaizen pretrained` if missing); "
+        "parity: the tiny random model learns parity (fast; what CI runs).")
     run_dir: str = Field(default="runs/demo", description="Each run gets a fresh folder under this.")
-    model_path: str = Field(default=".cache/tiny-model", description="Base model; built with `kaizen tiny-model` if missing.")
-    agent: str = Field(default="parity", description="Name of the agent (adapter) being trained.")
+    model_path: str | None = Field(
+        default=None, description="Base model. Default: .cache/smollm2-135m-instruct (tools), .cache/tiny-model (parity); "
+        "either is built if missing.")
+    agent: str | None = Field(default=None, description="Name of the agent (adapter) being trained. Default: calculator / parity.")
     seed: int = Field(default=0, description="Seed of the task split and the warm start.")
-    duration_s: float = Field(default=300.0, gt=0, description="How long the online loop runs.")
+    duration_s: float | None = Field(default=None, gt=0, description="How long the online loop runs. Default: 420 (tools), 300 (parity).")
     min_new_versions: int = Field(
         default=0, ge=0,
         description="Keep the online loop going past duration_s until its traffic was served by this many versions "
@@ -49,8 +106,15 @@ class DemoConfig(ConfigModel):
         default=None, gt=0,
         description="Hard limit of the online loop when min_new_versions extends it (default: 4 x duration_s).")
     progress_every_s: float = Field(default=5.0, gt=0, description="Seconds between progress lines.")
-    task: TaskSection = Field(default_factory=TaskSection)
-    warm_start: WarmStartSection = Field(default_factory=WarmStartSection)
-    traffic: TrafficSection = Field(default_factory=TrafficSection)
+    tools: ToolsSection = Field(default_factory=ToolsSection)
+    parity: ParitySection = Field(default_factory=ParitySection)
     explorer: dict[str, Any] = Field(default_factory=dict, description="Extra Explorer config (merged over the demo's).")
     trainer: dict[str, Any] = Field(default_factory=dict, description="Extra Trainer config (merged over the demo's).")
+
+    @model_validator(mode="after")
+    def _task_defaults(self) -> "DemoConfig":
+        model_path, agent, duration_s = _DEFAULTS[self.task]
+        self.model_path = self.model_path or model_path
+        self.agent = self.agent or agent
+        self.duration_s = self.duration_s or duration_s
+        return self

@@ -1,44 +1,75 @@
-"""The demo's ending: the table, the plot (PNG) and a summary.json in the run folder."""
+"""The demo's ending: the table, the plot (PNG) and a summary.json in the run folder, for either task."""
 
 from __future__ import annotations
 
 import json
+import random
 import statistics
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from services.common import buffer, checkpoints
+from services.demo.run import EvalResult
 
 
-def _training_rows(demo) -> list[dict]:
+@dataclass
+class Stage:
+    """A held-out evaluation and what brought it there from the stage before (None for the first)."""
+
+    result: EvalResult
+    gain_name: str | None
+    note: str = ""
+
+
+def paired_gain_ci(before: list[float], after: list[float], *, rounds: int = 2000, seed: int = 0) -> tuple[float, float]:
+    """95% interval of mean(after) - mean(before) by a paired bootstrap over questions (the same
+    held-out questions are asked at every stage, so their differences are resampled together)."""
+    diffs = [a - b for a, b in zip(after, before)]
+    if not diffs:
+        return 0.0, 0.0
+    rng = random.Random(seed)
+    n = len(diffs)
+    means = sorted(sum(diffs[rng.randrange(n)] for _ in range(n)) / n for _ in range(rounds))
+    return means[int(0.025 * rounds)], means[int(0.975 * rounds) - 1]
+
+
+def _traffic_rows(stack) -> tuple[list[dict], dict, object]:
     """Rewarded traffic experiences (evaluation requests are never rewarded, so they are left out)."""
-    db = buffer.create_buffer_engine(demo.db_url, create_tables=False)
-    rows = [asdict(p) for p in buffer.rewarded_history(engine=db, agent=demo.cfg.agent)]
-    counts = buffer.count_by_status(engine=db, agent=demo.cfg.agent)
-    last = buffer.last_trainer_step(engine=db, agent=demo.cfg.agent)
+    db = buffer.create_buffer_engine(stack.db_url, create_tables=False)
+    rows = [asdict(p) for p in buffer.rewarded_history(engine=db, agent=stack.agent)]
+    counts = buffer.count_by_status(engine=db, agent=stack.agent)
+    last = buffer.last_trainer_step(engine=db, agent=stack.agent)
     db.dispose()
     return rows, counts, last
 
 
-def plot(demo, evals, rows, path: Path) -> None:
+def plot(stages: list[Stage], loop, rows: list[dict], path: Path, *, metric: str, title: str) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.5))
-    ts = [b["t"] for b in demo.batches]
-    rs = [b["reward"] for b in demo.batches]
+    fig, (ax0, ax1, ax2) = plt.subplots(1, 3, figsize=(16, 4.5), gridspec_kw={"width_ratios": [0.8, 1.2, 1.0]})
+    names = [s.result.label.replace("after ", "after\n") for s in stages]
+    means = [s.result.mean for s in stages]
+    errs = [[s.result.mean - s.result.low for s in stages], [s.result.high - s.result.mean for s in stages]]
+    ax0.bar(range(len(stages)), means, yerr=errs, capsize=6, color=["tab:gray", "tab:orange", "tab:green"][-len(stages):])
+    for i, s in enumerate(stages):
+        ax0.text(i, min(s.result.high + 0.03, 0.97), f"{s.result.mean:.2f}\nv{s.result.version}", ha="center", fontsize=8)
+    ax0.set(xticks=range(len(stages)), xticklabels=names, ylim=(0, 1.05), ylabel=f"held-out {metric}",
+            title="Held-out questions (95% CI)")
+    ts = [r.t for r in loop.rounds]
+    rs = [r.reward for r in loop.rounds]
     if ts:
         ax1.plot(ts, rs, ".", alpha=0.35, color="tab:blue", label="traffic round (mean reward)")
         w = 8
         smooth = [statistics.fmean(rs[max(0, i - w + 1): i + 1]) for i in range(len(rs))]
         ax1.plot(ts, smooth, "-", color="tab:blue", label=f"moving mean ({w} rounds)")
-    start, final = evals[-2], evals[-1]
-    ax1.errorbar([0], [start.mean], yerr=[start.ci95], fmt="s", color="tab:orange", capsize=4,
-                 label=f"held-out, start (v{start.version})")
-    ax1.errorbar([ts[-1] if ts else demo.cfg.duration_s], [final.mean], yerr=[final.ci95], fmt="D", color="tab:green",
-                 capsize=4, label=f"held-out, end (v{final.version})")
+    start, final = stages[-2].result, stages[-1].result
+    ax1.errorbar([0], [start.mean], yerr=[[start.mean - start.low], [start.high - start.mean]], fmt="s", color="tab:orange",
+                 capsize=4, label=f"held-out, start (v{start.version})")
+    ax1.errorbar([ts[-1] if ts else loop.cfg.duration_s], [final.mean], yerr=[[final.mean - final.low], [final.high - final.mean]],
+                 fmt="D", color="tab:green", capsize=4, label=f"held-out, end (v{final.version})")
     ax1.set(xlabel="seconds of online loop", ylabel="reward", ylim=(-0.02, 1.02), title="Reward against time")
     ax1.legend(loc="lower right", fontsize=8)
     by_version: dict[int, list[float]] = {}
@@ -48,46 +79,49 @@ def plot(demo, evals, rows, path: Path) -> None:
     ax2.plot(vs, [statistics.fmean(by_version[v]) for v in vs], "o-", color="tab:purple", ms=3)
     ax2.set(xlabel="adapter version that produced the answer", ylabel="mean reward of its traffic",
             ylim=(-0.02, 1.02), title="Reward against version")
-    fig.suptitle(f"kaizen demo: '{demo.cfg.agent}' agent, tiny model on CPU")
+    fig.suptitle(f"kaizen demo: '{loop.stack.agent}' agent, {title}")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
 
 
-def report(demo, evals, start_version: int, serving: dict, seconds: float) -> int:
-    rows, counts, last = _training_rows(demo)
-    versions = checkpoints.list_versions(demo.root, demo.cfg.agent)
-    png = demo.run / "reward.png"
-    plot(demo, evals, rows, png)
-    start = next(e for e in evals if e.version == start_version)
-    final = evals[-1]
-    lines = ["", "Held-out reward (questions never asked in traffic; mean ± 95% CI over questions)", ""]
-    width = max(len(e.label) for e in evals) + 8
-    for e in evals:
-        lines.append(f"  {e.label + f' (v{e.version})':<{width}} {e.mean:5.2f} ± {e.ci95:.2f}")
+def report(cfg, stack, loop, stages: list[Stage], *, serving: dict, explorer_requests: dict, seconds: float,
+           metric: str, interval: str, title: str) -> int:
+    rows, counts, last = _traffic_rows(stack)
+    versions = checkpoints.list_versions(stack.root, stack.agent)
+    png = stack.run / "reward.png"
+    plot(stages, loop, rows, png, metric=metric, title=title)
+    lines = ["", f"Held-out {metric} (questions never asked in traffic; {interval})", ""]
+    width = max(len(s.result.label) for s in stages) + 8
+    for s in stages:
+        e = s.result
+        lines.append(f"  {e.label + f' (v{e.version})':<{width}} {e.mean:5.2f}  [{e.low:.2f}, {e.high:.2f}]")
     lines.append("")
-    if len(evals) > 2:
-        lines.append(f"  warm start gave      {evals[1].mean - evals[0].mean:+.2f}  (supervised on a last-digit code that is right for half the digits)")
-    lines.append(f"  online loop gave     {final.mean - start.mean:+.2f}  (v{start.version} -> v{final.version}, "
-                 f"same run, measured through the Explorer)")
+    gains = {}
+    for before, s in zip(stages, stages[1:]):
+        gain = s.result.mean - before.result.mean
+        low, high = paired_gain_ci(before.result.per_prompt, s.result.per_prompt)
+        gains[s.gain_name] = {"gain": gain, "low": low, "high": high}
+        lines.append(f"  {s.gain_name + ' gave':<20} {gain:+.2f}  [{low:+.2f}, {high:+.2f}]  ({s.note})")
+    lines.append("  (gains: 95% CI by a paired bootstrap over the held-out questions)")
     total = sum(counts.values())
     lines += [
         "",
         f"  experiences recorded {total} (rewarded {len(rows)}, trained on {counts.get('consumed', 0)}, "
         f"discarded {counts.get('discarded', 0)})",
         f"  trainer steps {last.step if last else 0}, versions published {len(versions)}, "
-        f"versions hot-loaded by the Explorer {serving['reloads']}, failed requests {demo.failed_requests}",
+        f"versions hot-loaded by the Explorer {serving['reloads']}, failed requests {loop.failed_requests}",
         f"  wall time {seconds:.0f}s; plot {png}",
     ]
-    text = "\n".join(lines)
-    print(text, flush=True)
-    (demo.run / "summary.json").write_text(json.dumps({
-        "evals": [{"label": e.label, "version": e.version, "mean": e.mean, "ci95": e.ci95} for e in evals],
-        "online_gain": final.mean - start.mean,
-        "warm_start_gain": evals[1].mean - evals[0].mean if len(evals) > 2 else None,
+    print("\n".join(lines), flush=True)
+    (stack.run / "summary.json").write_text(json.dumps({
+        "task": cfg.task,
+        "evals": [{"label": s.result.label, "version": s.result.version, "mean": s.result.mean, "low": s.result.low,
+                   "high": s.result.high, "ci95": s.result.ci95, "seconds": s.result.seconds} for s in stages],
+        "gains": gains,
         "experiences": counts, "rewarded": len(rows), "trainer_steps": last.step if last else 0,
-        "versions_published": len(versions), "reloads": serving["reloads"], "failed_requests": demo.failed_requests,
-        "explorer_requests": demo.explorer_requests,
-        "wall_seconds": seconds, "rounds": demo.batches,
+        "versions_published": len(versions), "reloads": serving["reloads"], "failed_requests": loop.failed_requests,
+        "explorer_requests": explorer_requests,
+        "wall_seconds": seconds, "rounds": [asdict(r) for r in loop.rounds],
     }, indent=2))
     return 0

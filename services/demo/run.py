@@ -1,37 +1,34 @@
 """`kaizen demo`: the whole online loop on one laptop CPU, start to finish, with no argument.
 
-    kaizen demo [--config configs/demo.yaml] [dotted.key=value ...]
+    kaizen demo [--config configs/demo.yaml] [task=tools|parity] [dotted.key=value ...]
 
-1. builds the tiny model if it is missing; 2. a warm start that teaches the format, not the rule
-(see task.warm_start_code), published as v1; 3. a real Explorer and a real Trainer, as separate
-processes sharing a SQLite buffer and a checkpoint folder in the run folder, and a simulated agent app (the runner SDK's EnvironmentRunner)
-asking "Is N even or odd?"; 4. progress while it runs; 5. a table of held-out reward before and
-after, and a plot of reward against time and version in the run folder.
+What both tasks share lives here: a real Explorer and a real Trainer started as separate processes
+on one SQLite buffer and one checkpoint folder in a fresh run folder (``Stack``), and the online
+loop that keeps simulated traffic flowing while the Trainer trains and the Explorer hot-loads
+(``OnlineLoop``). The tasks themselves: services/demo/tools_demo.py (the default: SmolLM2 learns a
+calculator tool) and services/demo/parity_demo.py (the tiny model learns parity; what CI runs).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
-import math
 import os
 import signal
+import socket
 import statistics
 import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Awaitable, Callable
 
 import httpx
 import yaml
 
-from runner_sdk import EnvironmentRunner
-from services.common import buffer, checkpoints
+from services.common import buffer
 from services.common.config import load_config
-from services.demo import task as parity
 from services.demo.config import DemoConfig
 from services.explorer.config import ExplorerConfig
 from services.trainer.config import TrainerConfig
@@ -41,131 +38,109 @@ def say(msg: str) -> None:
     print(msg, flush=True)
 
 
-def _merge(base: dict, extra: dict) -> dict:
+def merge(base: dict, extra: dict) -> dict:
     out = dict(base)
     for k, v in extra.items():
-        out[k] = _merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+        out[k] = merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
     return out
+
+
+def new_run_dir(base: str) -> Path:
+    run = Path(base) / time.strftime("%Y%m%d-%H%M%S")
+    n = 0
+    while run.exists():
+        n += 1
+        run = Path(base) / f"{time.strftime('%Y%m%d-%H%M%S')}-{n}"
+    run.mkdir(parents=True)
+    return run
 
 
 @dataclass
 class EvalResult:
+    """Held-out score of one version: the mean and its 95% interval [low, high]."""
+
     label: str
     version: int
     mean: float
-    ci95: float
-    per_prompt: list[float] = field(default_factory=list)
+    low: float
+    high: float
+    per_prompt: list[float] = field(default_factory=list)  # one score per held-out question, in a fixed order
+    seconds: float = 0.0
+
+    @property
+    def ci95(self) -> float:
+        """Half the width of the interval (symmetric intervals print as mean ± ci95)."""
+        return (self.high - self.low) / 2
 
 
-class Demo:
-    def __init__(self, cfg: DemoConfig, run_dir: Path):
-        self.cfg = cfg
-        self.run = run_dir
-        self.root = run_dir / "checkpoints"
-        self.db_url = f"sqlite:///{run_dir / 'buffer.db'}"
-        self.start_version = 1 if cfg.warm_start.enabled else 0
-        self.split = parity.split(cfg.seed, cfg.task.train_numbers, cfg.task.heldout_numbers, cfg.warm_start.examples)
-        self.port = self._free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.procs: list[subprocess.Popen] = []
-        self.batches: list[dict[str, Any]] = []  # per traffic round: time, mean reward, episodes
-        self.failed_requests = 0  # episodes of the simulated traffic that ended in an error
-        self.explorer_requests: dict[str, dict[str, int]] = {}  # route -> HTTP status -> count, at the end
-        self._extended = False  # the loop went past duration_s (min_new_versions)
-        self.t0 = time.monotonic()
+class Stack:
+    """A real Explorer and a real Trainer as subprocesses (`python -m services.cli ...`), sharing
+    only a SQLite buffer and a checkpoint folder in the run folder, as in production."""
 
-    @staticmethod
-    def _free_port() -> int:
-        import socket
-
+    def __init__(self, run: Path, agent: str):
+        self.run = run
+        self.agent = agent
+        self.root = run / "checkpoints"
+        self.db_url = f"sqlite:///{run / 'buffer.db'}"
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
-            return s.getsockname()[1]
+            self.port = s.getsockname()[1]
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.procs: list[subprocess.Popen] = []
 
-    # ------------------------------------------------------------------ configs
-
-    def explorer_config(self) -> dict:
-        base = {
-            "model": {"path": self.cfg.model_path},
-            "engine": {"kind": "hf", "max_batch_size": 64, "torch_threads": 1},
+    def explorer_config(self, base: dict, extra: dict) -> dict:
+        """``base`` (the task's settings) over what every demo Explorer has, then ``extra``; validated."""
+        shared = {
             "buffer": {"url": self.db_url},
             "checkpoints": {"root": str(self.root)},
             "server": {"host": "127.0.0.1", "port": self.port, "log_level": "warning"},
-            "agents": {"names": [self.cfg.agent], "default": self.cfg.agent},
+            "agents": {"names": [self.agent], "default": self.agent},
             "reload": {"poll_interval_s": 0.25},
         }
-        merged = _merge(base, self.cfg.explorer)
-        ExplorerConfig.model_validate(merged)  # fail now, naming the key, not in a subprocess
-        return merged
+        cfg = merge(merge(shared, base), extra)
+        ExplorerConfig.model_validate(cfg)  # fail now, naming the key, not in a subprocess
+        return cfg
 
-    def trainer_config(self) -> dict:
-        base = {
-            "model": {"path": self.cfg.model_path},
+    def trainer_config(self, base: dict, extra: dict) -> dict:
+        shared = {
             "buffer": {"url": self.db_url},
             "checkpoints": {"root": str(self.root), "keep_versions": 1000},
-            "algorithm": {"name": "grpo", "kl_metric": False},
-            "lora": {"r": 16, "alpha": 32},
-            "optim": {"lr": 1e-3},
-            "train_batch_size": self.cfg.traffic.tasks_per_batch * self.cfg.traffic.repeat,
             "save_interval": 1,
-            "staleness": {"max_staleness": 4, "policy": "discard"},
-            "trainer": {"run_dir": str(self.run / "trainer"), "micro_batch_size": 64, "torch_threads": 1,
-                        "agents": [self.cfg.agent], "progress": False},
+            "trainer": {"run_dir": str(self.run / "trainer"), "agents": [self.agent], "progress": False},
             "log_level": "info",
         }
-        merged = _merge(base, self.cfg.trainer)
-        TrainerConfig.model_validate(merged)
-        return merged
+        cfg = merge(merge(shared, base), extra)
+        TrainerConfig.model_validate(cfg)
+        return cfg
 
-    # ------------------------------------------------------------------ steps
-
-    def warm_start(self, trainer_cfg: dict) -> None:
-        """SFT of a fresh adapter on the no-information code (task.warm_start_code), published as v1 through the normal layout."""
-        from services.trainer.batches import Norms, TrainItem
-        from services.trainer.learner import LearnerWorker
-
-        ws = self.cfg.warm_start
-        cfg = _merge(trainer_cfg, {"algorithm": {"name": "sft", "sft_min_reward": 0.0}, "log_level": "warning",
-                                   "optim": {"lr": ws.lr}, "trainer": {"micro_batch_size": 64}})
-        worker = LearnerWorker(cfg)
-        worker.setup()
-        worker.ensure_agent(self.cfg.agent)
-        tok = worker.policy.tokenizer
-        end = tok.convert_tokens_to_ids("<|im_end|>")
-        items = []
-        for i, (n, label) in enumerate(self.split.warm_start):
-            prompt = tok.apply_chat_template([{"role": "user", "content": parity.question(n)}], add_generation_prompt=True, tokenize=False)
-            resp = tok.encode(label, add_special_tokens=False) + [end]
-            items.append(TrainItem(experience_id=f"warm-{i}", task_id=None, model_version=0,
-                                   prompt_ids=tok.encode(prompt, add_special_tokens=False), response_ids=resp,
-                                   old_logprobs=[0.0] * len(resp), reward=1.0, temperature=1.0))
-        norms = Norms.of(items)
-        for step in range(ws.steps):
-            worker.train_step(self.cfg.agent, items, norms, step, 0)
-        worker.publish(self.cfg.agent, str(self.root), 1, {
-            "step": 0, "algorithm": "warm-start (sft on a last-digit code right for half the digits: no parity information)", "base_model": self.cfg.model_path,
-            "examples": len(items), "sft_steps": ws.steps})
-
-    def start_services(self, explorer_cfg: dict, trainer_cfg: dict) -> None:
+    def start(self, explorer_cfg: dict, trainer_cfg: dict, timeout_s: float = 300) -> None:
         for name, cfg in (("explorer", explorer_cfg), ("trainer", trainer_cfg)):
             path = self.run / f"{name}.yaml"
             path.write_text(yaml.safe_dump(cfg, sort_keys=False))
             log = open(self.run / f"{name}.log", "ab")
+            env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+            if name == "trainer" and not (cfg.get("ray") or {}).get("address"):
+                # The demo's Trainer starts its own Ray. Without an address, ray.init() joins whatever
+                # /tmp/ray/ray_current_cluster names, even a cluster that died long ago.
+                env.setdefault("RAY_ADDRESS", "local")
             self.procs.append(subprocess.Popen(
                 [sys.executable, "-m", "services.cli", name, "--config", str(path)],
-                stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"}))
-        deadline = time.monotonic() + 300
+                stdout=log, stderr=subprocess.STDOUT, env=env))
+        deadline = time.monotonic() + timeout_s
         while True:
-            if any(p.poll() is not None for p in self.procs):
-                raise RuntimeError(f"a service exited during start-up; see {self.run}/explorer.log and trainer.log")
+            self.check_alive()
             with contextlib.suppress(httpx.HTTPError):
                 if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
                     return
             if time.monotonic() > deadline:
-                raise TimeoutError("the Explorer did not start within 300 s")
+                raise TimeoutError(f"the Explorer did not start within {timeout_s:.0f} s; see {self.run}/explorer.log")
             time.sleep(0.3)
 
-    def stop_services(self) -> None:
+    def check_alive(self) -> None:
+        if any(p.poll() is not None for p in self.procs):
+            raise RuntimeError(f"a service exited; see {self.run}/explorer.log and trainer.log")
+
+    def stop(self) -> None:
         for p in reversed(self.procs):
             if p.poll() is None:
                 p.send_signal(signal.SIGTERM)
@@ -175,24 +150,10 @@ class Demo:
             except subprocess.TimeoutExpired:
                 p.kill()
 
-    async def evaluate(self, label: str, version: int) -> EvalResult:
-        """Held-out questions through the Explorer, pinned to ``version``; mean and 95% CI over prompts."""
-        k = self.cfg.task.eval_samples
-        sem = asyncio.Semaphore(16)
-        async with httpx.AsyncClient(base_url=self.url, timeout=300) as client:
-
-            async def one(n: int) -> float:
-                async with sem:
-                    r = await client.post("/v1/chat/completions", json={
-                        "model": f"{self.cfg.agent}@v{version}", "n": k, "temperature": 1.0,
-                        "max_tokens": self.cfg.task.max_tokens,
-                        "messages": [{"role": "user", "content": parity.question(n)}]})
-                    r.raise_for_status()
-                    return statistics.fmean(parity.reward(n, c["message"]["content"]) for c in r.json()["choices"])
-
-            per_prompt = await asyncio.gather(*(one(n) for n in self.split.heldout))
-        sd = statistics.pstdev(per_prompt) if len(per_prompt) > 1 else 0.0
-        return EvalResult(label, version, statistics.fmean(per_prompt), 1.96 * sd / math.sqrt(len(per_prompt)), list(per_prompt))
+    def serving(self) -> dict:
+        """This agent's entry in /v1/models: the version it serves and how many it has loaded."""
+        data = httpx.get(f"{self.url}/v1/models", timeout=10).json()["data"]
+        return next(m for m in data if m["id"] == self.agent)
 
     def http_statuses(self) -> dict[str, dict[str, int]]:
         """The Explorer's own count of the answers it gave, by route and HTTP status (from /metrics)."""
@@ -206,118 +167,91 @@ class Demo:
                     out.setdefault(s.labels["route"], {})[s.labels["status"]] = int(s.value)
         return out
 
-    def serving(self) -> dict:
-        data = httpx.get(f"{self.url}/v1/models", timeout=10).json()["data"]
-        return next(m for m in data if m["id"] == self.cfg.agent)
 
-    async def traffic(self) -> None:
-        """The simulated agent app: rounds of questions through the runner SDK until time is up."""
-        tr = self.cfg.traffic
+@dataclass
+class Round:
+    """One round of simulated traffic: its episodes' mean reward."""
 
-        async def agent(client, observation):
-            return await client.complete(observation, max_tokens=self.cfg.task.max_tokens, temperature=1.0)
+    t: float
+    reward: float
+    episodes: int
+    failed: int = 0
 
-        runner = EnvironmentRunner(endpoint=self.url, model=self.cfg.agent, make_env=parity.ParityEnv, agent=agent,
-                                   repeat=tr.repeat, concurrency=tr.concurrency, task_id=lambda n, i: f"n{n}-{time.time_ns()}")
-        db = buffer.create_buffer_engine(self.db_url, create_tables=False)
-        rng = __import__("random").Random(self.cfg.seed + 1)
-        last_print = 0.0
+
+class OnlineLoop:
+    """Rounds of traffic (``one_round``, the task's) until ``duration_s`` is up, paused while the
+    Trainer has a backlog, with a progress line every ``progress_every_s``."""
+
+    def __init__(self, cfg: DemoConfig, stack: Stack, *, start_version: int, max_backlog: int,
+                 one_round: Callable[[], Awaitable[Round]], baseline_committed: int = 0):
+        self.cfg = cfg
+        self.stack = stack
+        self.start_version = start_version
+        self.max_backlog = max_backlog
+        self.one_round = one_round
+        self.baseline_committed = baseline_committed  # committed rows that never leave (demonstrations)
+        self.rounds: list[Round] = []
+        self.t0 = time.monotonic()
+        self._extended = False
+
+    @property
+    def failed_requests(self) -> int:
+        return sum(r.failed for r in self.rounds)
+
+    async def run(self) -> None:
+        db = buffer.create_buffer_engine(self.stack.db_url, create_tables=False)
+        self.t0 = last_print = time.monotonic()
         try:
-            while not self.loop_done(db):
-                backlog = buffer.count_by_status(engine=db, agent=self.cfg.agent).get("committed", 0)
-                if backlog >= tr.max_backlog:  # the trainer is behind: do not pile up stale data
+            while not self.done(db):
+                self.stack.check_alive()  # a dead Trainer would leave the traffic paused forever
+                committed = buffer.count_by_status(engine=db, agent=self.stack.agent).get("committed", 0)
+                if committed - self.baseline_committed >= self.max_backlog:  # the trainer is behind: no stale pile-up
                     await asyncio.sleep(0.2)
                 else:
-                    numbers = [rng.choice(self.split.train) for _ in range(tr.tasks_per_batch)]
-                    results = await runner.run(numbers)
-                    self.failed_requests += sum(1 for r in results if r.error)
-                    ok = [r.reward for r in results if r.error is None]
-                    self.batches.append({"t": time.monotonic() - self.t0, "reward": statistics.fmean(ok) if ok else 0.0,
-                                         "episodes": len(results)})
+                    r = await self.one_round()
+                    r.t = time.monotonic() - self.t0
+                    self.rounds.append(r)
                 if time.monotonic() - last_print >= self.cfg.progress_every_s:
                     last_print = time.monotonic()
                     self.progress(db)
         finally:
             db.dispose()
 
-    def loop_done(self, db) -> bool:
+    def done(self, db) -> bool:
         """duration_s is up and, if min_new_versions asks for it, traffic has seen that many new versions
-        (or max_duration_s is up, or a service died)."""
+        (or max_duration_s is up)."""
         cfg, elapsed = self.cfg, time.monotonic() - self.t0
         if elapsed < cfg.duration_s:
             return False
         if cfg.min_new_versions == 0 or elapsed >= (cfg.max_duration_s or 4 * cfg.duration_s):
             return True
-        if any(p.poll() is not None for p in self.procs):
-            return True
-        if self.new_versions_served(db) >= cfg.min_new_versions:
+        served = buffer.count_versions_served(engine=db, agent=self.stack.agent, newer_than=self.start_version)
+        if served >= cfg.min_new_versions:
             return True
         if not self._extended:
             self._extended = True
             say(f"  (extending the loop until traffic was served by {cfg.min_new_versions} versions after v{self.start_version})")
         return False
 
-    def new_versions_served(self, db) -> int:
-        """Distinct versions newer than the start one that served traffic (evaluation requests carry no task id)."""
-        return buffer.count_versions_served(engine=db, agent=self.cfg.agent, newer_than=self.start_version)
-
     def progress(self, db) -> None:
-        recent = self.batches[-5:]
-        reward = statistics.fmean(b["reward"] for b in recent) if recent else float("nan")
-        last = buffer.last_trainer_step(engine=db, agent=self.cfg.agent)
-        m = self.serving()
-        say(f"  [{time.monotonic() - self.t0:5.0f}s] requests {sum(b['episodes'] for b in self.batches):5d}"
+        recent = self.rounds[-5:]
+        reward = statistics.fmean(r.reward for r in recent) if recent else float("nan")
+        last = buffer.last_trainer_step(engine=db, agent=self.stack.agent)
+        m = self.stack.serving()
+        say(f"  [{time.monotonic() - self.t0:5.0f}s] episodes {sum(r.episodes for r in self.rounds):5d}"
             f" | reward (last rounds) {reward:.2f} | trainer steps {last.step if last else 0:3d}"
             f" | serving v{m['version']} (reloads {m['reloads']}) | failed {self.failed_requests}")
-
-
-def _new_run_dir(base: str) -> Path:
-    run = Path(base) / time.strftime("%Y%m%d-%H%M%S")
-    n = 0
-    while run.exists():
-        n += 1
-        run = Path(base) / f"{time.strftime('%Y%m%d-%H%M%S')}-{n}"
-    run.mkdir(parents=True)
-    return run
 
 
 def run_demo(config_path: str | None, overrides: list[str]) -> int:
     path = config_path if config_path and Path(config_path).exists() else None
     cfg = load_config(DemoConfig, path, overrides)
-    t_start = time.monotonic()
-    say("Kaizen demo: an agent that gets smarter with use (tiny model, CPU, everything local)")
-    if not (Path(cfg.model_path) / "config.json").exists():
-        from services.common.tiny_model import build_tiny_model
+    # A SIGTERM unwinds like Ctrl-C, so the Explorer and the Trainer are stopped too (Stack.stop).
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
+    if cfg.task == "parity":
+        from services.demo.parity_demo import run_parity
 
-        say(f"- building the tiny model at {cfg.model_path}")
-        build_tiny_model(cfg.model_path)
-    run = _new_run_dir(cfg.run_dir)
-    demo = Demo(cfg, run)
-    explorer_cfg, trainer_cfg = demo.explorer_config(), demo.trainer_config()
-    say(f"- run folder: {run}")
-    if cfg.warm_start.enabled:
-        say(f"- warm start: {cfg.warm_start.steps} SFT steps on {cfg.warm_start.examples} questions labelled by a code of the "
-            "last digit that is WRONG for half the digits (teaches the format and where to look, not the rule) -> v1")
-        demo.warm_start(trainer_cfg)
-    start_version = demo.start_version
-    say("- starting the Explorer and the Trainer (separate processes, shared SQLite buffer and checkpoints)")
-    demo.start_services(explorer_cfg, trainer_cfg)
-    try:
-        say(f"- measuring held-out reward ({len(demo.split.heldout)} questions never asked in traffic, "
-            f"{cfg.task.eval_samples} samples each)")
-        evals = [asyncio.run(demo.evaluate("base model", 0))]
-        if cfg.warm_start.enabled:
-            evals.append(asyncio.run(demo.evaluate("after warm start", 1)))
-        say(f"- online loop for {cfg.duration_s:.0f}s: simulated users ask, the runner SDK rewards and commits, "
-            "the Trainer trains (GRPO), the Explorer hot-loads each new version")
-        demo.t0 = time.monotonic()
-        asyncio.run(demo.traffic())
-        final_version = demo.serving()["version"]
-        evals.append(asyncio.run(demo.evaluate("after online loop", final_version)))
-        serving = demo.serving()
-        demo.explorer_requests = demo.http_statuses()
-    finally:
-        demo.stop_services()
-    from services.demo.report import report
+        return run_parity(cfg)
+    from services.demo.tools_demo import run_tools
 
-    return report(demo, evals, start_version, serving, time.monotonic() - t_start)
+    return run_tools(cfg)

@@ -22,12 +22,8 @@ CALCULATOR = {
     "type": "function",
     "function": {
         "name": "calculator",
-        "description": "Evaluate an arithmetic expression with + - * / and parentheses.",
-        "parameters": {
-            "type": "object",
-            "properties": {"expression": {"type": "string", "description": "e.g. 12 * (3 + 4)"}},
-            "required": ["expression"],
-        },
+        "description": "Evaluate an arithmetic expression (+ - * / and parentheses).",
+        "parameters": {"type": "object", "properties": {"expression": {"type": "string"}}, "required": ["expression"]},
     },
 }
 TOOLS = [CALCULATOR]
@@ -40,6 +36,7 @@ class Problem:
     question: str
     expression: str
     answer: int
+    template: int = -1  # which phrasing (index into _TEMPLATES)
 
 
 # ---------------------------------------------------------------------------------------- the tool
@@ -114,24 +111,36 @@ def reward(answer: int, final_reply: str | None) -> float:
 # ---------------------------------------------------------------------------------------- questions
 
 _ITEMS = ["apples", "pens", "books", "cards", "shells", "stamps", "coins", "marbles", "bricks", "cups",
-          "eggs", "bottles", "tickets", "boxes", "seeds", "nails", "plates", "chairs", "ropes", "candles"]
+          "eggs", "bottles", "tickets", "seeds", "nails", "plates", "chairs", "ropes", "candles"]
 _NAMES = ["Ana", "Ben", "Chen", "Dara", "Eli", "Farah", "Gus", "Hana", "Ivan", "Jude", "Kemi", "Luis",
           "Mia", "Noor", "Omar", "Pia", "Ravi", "Sara", "Tom", "Uma"]
-_CONTAINERS = ["crate", "bag", "shelf", "box", "tray", "basket", "drawer", "case"]
+_CONTAINERS = [("crate", "crates"), ("bag", "bags"), ("shelf", "shelves"), ("box", "boxes"), ("tray", "trays"),
+               ("basket", "baskets"), ("drawer", "drawers"), ("case", "cases")]
 
-# (operation, template). {a} {b}: the numbers, in the order they appear in the expression.
+# (operation, template). {a} {b}: the numbers, in the order of the expression "a op b"; {x} items,
+# {n} a name, {c} / {cs} a container and its plural. The demonstrations show the first phrasing of
+# each operation and the plain one; traffic and the held-out problems use all of them, so most
+# phrasings are learnt from traffic, not from examples.
 _TEMPLATES: list[tuple[str, str]] = [
-    ("*", "A {c} holds {a} {x}. How many {x} are in {b} {c}s?"),
+    ("*", "A {c} holds {a} {x}. How many {x} are in {b} {cs}?"),
     ("*", "{n} buys {b} packs of {x} with {a} in each pack. How many {x} is that?"),
+    ("*", "Each of {b} rooms has {a} {x}. How many {x} are there in all the rooms?"),
+    ("*", "{n} stacks {a} rows of {b} {x}. How many {x} are stacked?"),
     ("*", "What is {a} times {b}?"),
     ("+", "{n} has {a} {x} and gets {b} more. How many {x} does {n} have now?"),
     ("+", "A farm sold {a} {x} on Monday and {b} on Tuesday. How many {x} did it sell in total?"),
+    ("+", "{n} counted {a} {x} in one room and {b} in another. How many {x} did {n} count altogether?"),
+    ("+", "A library had {a} {x} and bought {b} new ones. How many {x} does it have now?"),
     ("+", "What is {a} plus {b}?"),
     ("-", "{n} had {a} {x} and gave away {b}. How many {x} are left?"),
     ("-", "A shop had {a} {x} and sold {b} of them. How many {x} does it still have?"),
+    ("-", "{n} needs {a} {x} and already has {b}. How many more {x} does {n} need?"),
+    ("-", "A box had {a} {x} and {b} of them broke. How many {x} are not broken?"),
     ("-", "What is {a} minus {b}?"),
     ("/", "{a} {x} are shared equally by {b} friends. How many {x} does each friend get?"),
-    ("/", "{n} packs {a} {x} into {b} equal {c}s. How many {x} go in each {c}?"),
+    ("/", "{n} packs {a} {x} into {b} equal {cs}. How many {x} go in each {c}?"),
+    ("/", "{b} kids split {a} {x} evenly. How many {x} does each kid get?"),
+    ("/", "{a} {x} are put in rows of {b}. How many rows are there?"),
     ("/", "What is {a} divided by {b}?"),
 ]
 
@@ -150,11 +159,13 @@ def _numbers(op: str, rng: random.Random) -> tuple[int, int]:
 
 
 def make_problem(rng: random.Random, template: int | None = None) -> Problem:
-    op, text = _TEMPLATES[rng.randrange(len(_TEMPLATES)) if template is None else template]
+    index = rng.randrange(len(_TEMPLATES)) if template is None else template
+    op, text = _TEMPLATES[index]
     a, b = _numbers(op, rng)
-    question = text.format(a=a, b=b, x=rng.choice(_ITEMS), n=rng.choice(_NAMES), c=rng.choice(_CONTAINERS))
+    c, cs = rng.choice(_CONTAINERS)
+    question = text.format(a=a, b=b, x=rng.choice(_ITEMS), n=rng.choice(_NAMES), c=c, cs=cs)
     expression = f"{a} {op} {b}"
-    return Problem(question=question, expression=expression, answer=int(calculate(expression)))
+    return Problem(question=question, expression=expression, answer=int(calculate(expression)), template=index)
 
 
 @dataclass(frozen=True)
@@ -181,15 +192,17 @@ def split(seed: int, n_traffic: int, n_heldout: int) -> Split:
 # Hand-written, one per template family: each becomes two demonstrations (the call, then the
 # answer after the tool result), so 8 episodes give the 16 demonstrations of the cold start.
 DEMONSTRATIONS: list[Problem] = [
-    Problem("A crate holds 36 bottles. How many bottles are in 24 crates?", "36 * 24", 864),
-    Problem("What is 57 times 43?", "57 * 43", 2451),
-    Problem("Lena has 418 stamps and gets 275 more. How many stamps does Lena have now?", "418 + 275", 693),
-    Problem("What is 652 plus 189?", "652 + 189", 841),
-    Problem("Milo had 730 shells and gave away 248. How many shells are left?", "730 - 248", 482),
-    Problem("What is 915 minus 367?", "915 - 367", 548),
-    Problem("384 cards are shared equally by 8 friends. How many cards does each friend get?", "384 / 8", 48),
-    Problem("What is 1071 divided by 17?", "1071 / 17", 63),
+    Problem("A crate holds 36 bottles. How many bottles are in 24 crates?", "36 * 24", 864, template=0),
+    Problem("What is 57 times 43?", "57 * 43", 2451, template=4),
+    Problem("Lena has 418 stamps and gets 275 more. How many stamps does Lena have now?", "418 + 275", 693, template=5),
+    Problem("What is 652 plus 189?", "652 + 189", 841, template=9),
+    Problem("Milo had 730 shells and gave away 248. How many shells are left?", "730 - 248", 482, template=10),
+    Problem("What is 915 minus 367?", "915 - 367", 548, template=14),
+    Problem("384 cards are shared equally by 8 friends. How many cards does each friend get?", "384 / 8", 48, template=15),
+    Problem("What is 1071 divided by 17?", "1071 / 17", 63, template=19),
 ]
+SHOWN_TEMPLATES = frozenset(p.template for p in DEMONSTRATIONS)  # phrasings a demonstration shows
+
 
 _DEMO_CALL_ID = "call_demo"
 

@@ -44,6 +44,11 @@ class EngineSection(ConfigModel):
     max_waiting: int = Field(default=4096, ge=1, description="Queued requests before new ones get 503.")
     torch_threads: int | None = Field(default=None, ge=1, description="hf: torch intra-op threads.")
     seed: int = Field(default=0, description="Seed of the sampler for requests without a seed.")
+    shared_prefix_min_tokens: int = Field(
+        default=32, ge=0,
+        description="hf: requests admitted together whose prompts share at least this many leading tokens "
+        "(and one adapter) compute that prefix once; 0 disables.",
+    )
     replicas: int = Field(default=1, ge=1, description="Engines behind this Explorer, requests spread by load (vllm: one per GPU group).")
     vllm: VLLMSection = Field(default_factory=VLLMSection)
 

@@ -107,6 +107,10 @@ class TrainerLoopSection(ConfigModel):
     seed: int = Field(default=0, description="Seed of adapter init and data order.")
     agents: list[str] = Field(default_factory=list, description="Train only these agents (empty: every agent with data).")
     micro_batch_size: int = Field(default=8, ge=1, description="Sequences per forward/backward (gradient accumulation).")
+    shared_prefix_min_tokens: int = Field(
+        default=32, ge=0,
+        description="A prompt prefix every sequence of a micro-batch shares (a system prompt, tool descriptions) is "
+        "computed once when it is at least this long; same losses and gradients, less work. 0: never.")
     epochs: int = Field(default=1, ge=1, description="Optimizer updates per batch.")
     torch_threads: int | None = Field(default=None, ge=1, description="torch intra-op threads of each learner.")
     progress: bool = Field(default=True, description="Show a progress line on a terminal.")

@@ -160,7 +160,8 @@ class LearnerWorker:
         """Forward, the recipe's loss (plus the KL penalty and entropy bonus every objective may
         have), backward. Returns (statistics of every epoch, statistics of the first epoch only)."""
         a, p, recipe = self.cfg.algorithm, self.policy, self.recipe
-        batch = pack([i.prompt_ids for i in micro], [i.response_ids for i in micro], [i.temperature for i in micro], p.pad_id)
+        batch = pack([i.prompt_ids for i in micro], [i.response_ids for i in micro], [i.temperature for i in micro], p.pad_id,
+                     share_prefix_min=self.cfg.trainer.shared_prefix_min_tokens)
         dev = p.device
         mask = batch.response_mask.to(dev)
         old_lp = torch.zeros_like(mask)
@@ -209,7 +210,8 @@ class LearnerWorker:
         """The supervised term on demonstrations: ``sft_coef`` times their token-mean NLL, in the
         same update as the objective's own loss (a mixed objective)."""
         p = self.policy
-        batch = pack([i.prompt_ids for i in micro], [i.response_ids for i in micro], [1.0] * len(micro), p.pad_id)
+        batch = pack([i.prompt_ids for i in micro], [i.response_ids for i in micro], [1.0] * len(micro), p.pad_id,
+                     share_prefix_min=self.cfg.trainer.shared_prefix_min_tokens)
         mask = batch.response_mask.to(p.device)
         out = p.forward(batch, need_hidden=False, entropy_grad=False)
         loss, st = sft_loss(logprobs=out.logprobs, mask=mask, weights=torch.ones_like(mask), normalizer=norms.demo_tokens)

@@ -40,8 +40,10 @@ class MetricsSink:
         line = (
             f"step {record['step']:>5} {record['agent']} -> v{record['version']}"
             f"{' (published)' if record.get('published') else ''}"
-            f" | reward {record['reward_mean']:+.3f}±{record['reward_std']:.3f}"
-            f" | loss {record['loss']:+.4f} kl {record.get('kl', 0.0):.4f} ent {record['entropy']:.3f}"
+            + (f" | reward {record['reward_mean']:+.3f}±{record['reward_std']:.3f}" if record["reward_mean"] is not None
+               else f" | demonstrations only ({record.get('demonstrations', 0)})")
+            + (f" | demo nll {record['demo_nll']:.4f}" if record.get("demo_nll") is not None else "")
+            + f" | loss {record['loss']:+.4f} kl {record.get('kl', 0.0):.4f} ent {record['entropy']:.3f}"
             f" clip {record.get('clip_frac', 0.0):.2f} | {record['tokens_per_s']:.0f} tok/s"
             f" | stale {record['staleness_mean']:.1f}"
         )

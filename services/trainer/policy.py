@@ -6,10 +6,17 @@ term is the base model with the adapter disabled, not a second copy.
 
 Batches are laid out with prompts left-padded to a common length P and responses right-padded to
 R, so the logits that score response token t sit at column P - 1 + t for every row.
+
+A prefix every row shares (an agent's system prompt with its tool descriptions is often most of a
+prompt) is computed once: one forward over it builds its keys and values, which are expanded to
+every row (a view), and the rows' own tokens attend to them. Gradients flow back through the
+expansion into that one computation, so losses and gradients are those of the plain layout (up to
+float rounding), for a fraction of the work.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 from dataclasses import dataclass
@@ -19,7 +26,7 @@ from typing import Sequence
 import torch
 from torch import nn
 
-from services.common.models import load_base_model, resolve_device, resolve_dtype
+from services.common.models import load_base_model, resolve_device, resolve_dtype, shared_prefix_len
 
 log = logging.getLogger(__name__)
 
@@ -37,18 +44,31 @@ class ValueHead(nn.Module):
 
 @dataclass
 class PackedBatch:
-    input_ids: torch.Tensor  # (B, P + R)
+    input_ids: torch.Tensor  # (B, P + R): each row's prompt after the shared prefix, then its response
     attention_mask: torch.Tensor  # (B, P + R)
-    position_ids: torch.Tensor  # (B, P + R)
+    position_ids: torch.Tensor  # (B, P + R), counted from the start of the shared prefix
     response_ids: torch.Tensor  # (B, R)
     response_mask: torch.Tensor  # (B, R) float
     temperatures: torch.Tensor  # (B,)
-    prompt_len: int  # P
+    prompt_len: int  # P (after the shared prefix)
     response_len: int  # R
+    prefix_ids: torch.Tensor | None = None  # (L,): the prompt tokens every row starts with, computed once
+
+    @property
+    def prefix_len(self) -> int:
+        return 0 if self.prefix_ids is None else int(self.prefix_ids.numel())
 
 
-def pack(prompts: Sequence[Sequence[int]], responses: Sequence[Sequence[int]], temperatures: Sequence[float], pad_id: int) -> PackedBatch:
+def pack(prompts: Sequence[Sequence[int]], responses: Sequence[Sequence[int]], temperatures: Sequence[float], pad_id: int,
+         *, share_prefix_min: int = 0) -> PackedBatch:
+    """The layout above. With ``share_prefix_min`` > 0 and at least two rows, a common prefix of at
+    least that many tokens is split off into ``prefix_ids`` (the rest is laid out as before)."""
     B = len(prompts)
+    L = shared_prefix_len(prompts) if share_prefix_min > 0 and B > 1 else 0
+    if L < max(share_prefix_min, 1):
+        L = 0
+    prefix = torch.tensor(list(prompts[0][:L]), dtype=torch.long) if L else None
+    prompts = [p[L:] for p in prompts]
     P = max(len(p) for p in prompts)
     R = max(len(r) for r in responses)
     ids = torch.full((B, P + R), pad_id, dtype=torch.long)
@@ -61,8 +81,8 @@ def pack(prompts: Sequence[Sequence[int]], responses: Sequence[Sequence[int]], t
         attn[i, P - len(p) : P + len(r)] = 1
         resp[i, : len(r)] = torch.tensor(r, dtype=torch.long)
         rmask[i, : len(r)] = 1.0
-    pos = (attn.cumsum(-1) - 1).clamp(min=0)
-    return PackedBatch(ids, attn, pos, resp, rmask, torch.tensor(list(temperatures), dtype=torch.float32), P, R)
+    pos = L + (attn.cumsum(-1) - 1).clamp(min=0)
+    return PackedBatch(ids, attn, pos, resp, rmask, torch.tensor(list(temperatures), dtype=torch.float32), P, R, prefix)
 
 
 @dataclass
@@ -156,22 +176,29 @@ class Policy:
 
     # ------------------------------------------------------------------ forward passes
 
+    def _inputs(self, batch: PackedBatch) -> dict:
+        """The model's inputs for ``batch``; its shared prefix (if any) is run here, once, and joins
+        every row as past keys and values."""
+        dev = self.device
+        ids, attn = batch.input_ids.to(dev), batch.attention_mask.to(dev)
+        inputs = dict(input_ids=ids, attention_mask=attn, position_ids=batch.position_ids.to(dev), use_cache=False)
+        if batch.prefix_ids is None:
+            return inputs
+        from transformers import DynamicCache
+
+        B, L = ids.shape[0], batch.prefix_len
+        pre = self.model(input_ids=batch.prefix_ids.to(dev).unsqueeze(0), use_cache=True, logits_to_keep=1).past_key_values
+        layers = [(k.expand(B, *k.shape[1:]), v.expand(B, *v.shape[1:])) for k, v, *_ in pre]
+        inputs.update(attention_mask=torch.cat([attn.new_ones((B, L)), attn], dim=1),
+                      past_key_values=DynamicCache(ddp_cache_data=layers), use_cache=True)
+        return inputs
+
     def forward(self, batch: PackedBatch, *, need_hidden: bool, adapter: bool = True, entropy_grad: bool = False) -> ForwardOut:
         """Logprobs of the response tokens (with grad unless under no_grad), entropy, hidden states."""
         P, R = batch.prompt_len, batch.response_len
-        kwargs = dict(
-            input_ids=batch.input_ids.to(self.device),
-            attention_mask=batch.attention_mask.to(self.device),
-            position_ids=batch.position_ids.to(self.device),
-            use_cache=False,
-            output_hidden_states=need_hidden,
-            logits_to_keep=R + 1,  # positions P-1 .. P+R-1; the last one predicts nothing we need
-        )
-        if adapter:
-            out = self.model(**kwargs)
-        else:
-            with self.model.disable_adapter():
-                out = self.model(**kwargs)
+        with contextlib.nullcontext() if adapter else self.model.disable_adapter():
+            out = self.model(**self._inputs(batch), output_hidden_states=need_hidden,
+                             logits_to_keep=R + 1)  # positions P-1 .. P+R-1; the last one predicts nothing we need
         logits = out.logits[:, :-1, :].float() / batch.temperatures.to(self.device).view(-1, 1, 1)  # (B, R, V)
         logp_all = torch.log_softmax(logits, dim=-1)
         logprobs = logp_all.gather(-1, batch.response_ids.to(self.device).unsqueeze(-1)).squeeze(-1)

@@ -320,13 +320,14 @@ class TrainerService:
         total = StepStats.merged(results)
         tokens = max(total.tokens, 1.0)
         items = selection.items
-        rewards = [i.reward for i in items] or [float("nan")]
+        rewards = [i.reward for i in items]  # none in a cold-start step (demonstrations only)
         lags = [self.agents[agent].published - i.model_version for i in items] or [0]
         rec: dict[str, Any] = {
             "agent": agent, "step": step, "version": version, "algorithm": self.cfg.algorithm.name,
             "batch_size": len(items), "tokens": int(norms.tokens), "demonstrations": len(selection.demonstrations),
             "episodes": len(episodes_of(items)),
-            "reward_mean": statistics.fmean(rewards), "reward_std": statistics.pstdev(rewards),
+            "reward_mean": statistics.fmean(rewards) if rewards else None,
+            "reward_std": statistics.pstdev(rewards) if rewards else None,
             "loss": total.loss, "entropy": total.entropy_sum / tokens,
             "tokens_per_s": total.tokens / max(seconds, 1e-9), "step_seconds": seconds,
             "grad_norm": total.grad_norm, "lr": total.lr,

@@ -9,9 +9,10 @@ from services.common.logging import setup_logging
 
 def main() -> int:
     setup_logging("warning")
-    from tests.bench import explorer, recording, reload, trainer, vllm
+    from tests.bench import explorer, recording, reload, smollm2, trainer, vllm
 
-    sections = [("explorer", explorer.main), ("recording", recording.main), ("trainer", trainer.main), ("reload", reload.main), ("vllm", vllm.main)]
+    sections = [("explorer", explorer.main), ("recording", recording.main), ("trainer", trainer.main), ("reload", reload.main), ("vllm", vllm.main),
+                ("smollm2", smollm2.main)]
     only = set(sys.argv[1:])
     for name, fn in sections:
         if only and name not in only:

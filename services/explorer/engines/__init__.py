@@ -53,6 +53,7 @@ def _build_one(config, replica: int) -> Engine:
             max_waiting=e.max_waiting,
             torch_threads=e.torch_threads,
             seed=e.seed + replica,
+            shared_prefix_min_tokens=e.shared_prefix_min_tokens,
         )
     if e.kind == "vllm":
         from services.explorer.engines.vllm import build_vllm_engine

@@ -22,7 +22,7 @@ from typing import Any, AsyncIterator
 
 import torch
 
-from services.common.models import ModelLoadError, load_base_model, resolve_device, resolve_dtype
+from services.common.models import ModelLoadError, load_base_model, resolve_device, resolve_dtype, shared_prefix_len
 from services.explorer.engines.base import (
     AdapterRef,
     ChoiceUpdate,
@@ -90,6 +90,7 @@ class HFEngine:
         prefill_token_budget: int = 8192,
         torch_threads: int | None = None,
         seed: int = 0,
+        shared_prefix_min_tokens: int = 32,
     ):
         self.model_path = model_path
         self._chat_template = chat_template
@@ -101,6 +102,9 @@ class HFEngine:
         self.prefill_token_budget = prefill_token_budget
         self._torch_threads = torch_threads
         self._seed = seed
+        # Requests admitted together whose prompts share at least this many leading tokens compute
+        # that prefix once (0: never). Agents' prompts share their system prompt and tool list.
+        self.shared_prefix_min_tokens = shared_prefix_min_tokens
         self.tokenizer: Any = None
         self.max_model_len: int = 0
         self._base: Any = None
@@ -120,6 +124,7 @@ class HFEngine:
         self._eos: set[int] = set()
         self.steps = 0
         self.tokens_generated = 0
+        self.shared_prefix_tokens_saved = 0  # prompt tokens not recomputed thanks to a shared prefix
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -160,7 +165,11 @@ class HFEngine:
         return EngineStats(
             running=len(self._rows),
             waiting=len(self._waiting) + self._cmds.qsize(),
-            extra={"steps": float(self.steps), "tokens_generated": float(self.tokens_generated)},
+            extra={
+                "steps": float(self.steps),
+                "tokens_generated": float(self.tokens_generated),
+                "shared_prefix_tokens_saved": float(self.shared_prefix_tokens_saved),
+            },
         )
 
     # ------------------------------------------------------------------ public async API
@@ -349,32 +358,23 @@ class HFEngine:
             budget -= cost
         if not admitted:
             return
-        pad = self.tokenizer.pad_token_id or 0
-        lens = [len(st.req.prompt_token_ids) for st in admitted]
-        width = max(lens)
-        ids = torch.full((len(admitted), width), pad, dtype=torch.long)
-        mask = torch.zeros((len(admitted), width), dtype=torch.long)
-        for i, st in enumerate(admitted):
-            ids[i, width - lens[i] :] = torch.tensor(st.req.prompt_token_ids, dtype=torch.long)
-            mask[i, width - lens[i] :] = 1
-        pos = (mask.cumsum(-1) - 1).clamp(min=0)
+        prompts = [st.req.prompt_token_ids for st in admitted]
         adapters = [st.req.adapter.name if st.req.adapter else None for st in admitted]
         try:
-            out = self._forward(
-                ids.to(self._device), mask.to(self._device), pos.to(self._device), DynamicCache(), adapters
-            )
+            out, mask = self._prefill(prompts, adapters)
         except Exception as e:  # fail these requests only; the running batch is untouched
             log.exception("prefill of %d requests failed", len(admitted))
             for st in admitted:
                 self._send(st, e)
             return
+        lens = [len(p) for p in prompts]
         # Each prompt was computed once; its n choices share (copies of) its cache.
         expand = torch.repeat_interleave(
             torch.arange(len(admitted)), torch.tensor([st.req.n for st in admitted])
         ).to(self._device)
         new_layers = [(k.index_select(0, expand), v.index_select(0, expand)) for k, v, *_ in out.past_key_values]
         new_logits = out.logits[:, -1, :].float().index_select(0, expand)
-        new_mask = mask.to(self._device).index_select(0, expand)
+        new_mask = mask.index_select(0, expand)
         new_pos = torch.tensor(lens, dtype=torch.long, device=self._device).index_select(0, expand)
         new_rows = []
         for st in admitted:
@@ -402,6 +402,58 @@ class HFEngine:
             self._pos = torch.cat([self._pos, new_pos])
             self._logits = torch.cat([self._logits, new_logits])
         self._rows.extend(new_rows)
+
+    def _shared_prefix_len(self, prompts: list[list[int]], adapters: list[str | None]) -> int:
+        """Leading tokens common to all ``prompts`` worth computing once (0: none).
+
+        Only when every prompt runs on the same adapter (a prefix's KV depends on it), and never
+        the whole of a prompt: each one keeps at least one token of its own to compute its logits.
+        """
+        if self.shared_prefix_min_tokens <= 0 or len(prompts) < 2 or len(set(adapters)) != 1:
+            return 0
+        n = shared_prefix_len(prompts)
+        return n if n >= self.shared_prefix_min_tokens else 0
+
+    def _prefill(self, prompts: list[list[int]], adapters: list[str | None]):
+        """One batched prefill of ``prompts``: (model output, attention mask on the device).
+
+        Prompts are left-padded to one width. When they share a long enough prefix, it is computed
+        once as a (1, L) forward, its KV copied to every row, and only the suffixes (left-padded
+        among themselves) are run on top of it; the mask is then [ones(L), suffix mask], padding in
+        the middle, and positions come from its cumsum, so every token sees exactly what it would
+        have seen in a forward of its whole prompt.
+        """
+        from transformers import DynamicCache
+
+        dev = self._device
+        shared = self._shared_prefix_len(prompts, adapters)
+        suffixes = [p[shared:] for p in prompts]
+        pad = self.tokenizer.pad_token_id or 0
+        lens = [len(s) for s in suffixes]
+        width = max(lens)
+        ids = torch.full((len(prompts), width), pad, dtype=torch.long)
+        mask = torch.zeros((len(prompts), width), dtype=torch.long)
+        for i, s in enumerate(suffixes):
+            ids[i, width - lens[i] :] = torch.tensor(s, dtype=torch.long)
+            mask[i, width - lens[i] :] = 1
+        mask = mask.to(dev)
+        cache = DynamicCache()
+        if shared:
+            prefix = torch.tensor([prompts[0][:shared]], dtype=torch.long, device=dev)
+            pre = self._forward(
+                prefix, torch.ones_like(prefix), torch.arange(shared, device=dev).unsqueeze(0), DynamicCache(),
+                adapters[:1],
+            )
+            rows = torch.zeros(len(prompts), dtype=torch.long, device=dev)
+            cache = DynamicCache(
+                ddp_cache_data=[(k.index_select(0, rows), v.index_select(0, rows)) for k, v, *_ in pre.past_key_values]
+            )
+            mask = torch.cat([mask.new_ones((len(prompts), shared)), mask], dim=1)
+        pos = (mask.cumsum(-1) - 1).clamp(min=0)[:, shared:]
+        out = self._forward(ids.to(dev), mask, pos, cache, adapters)
+        if shared:
+            self.shared_prefix_tokens_saved += shared * (len(prompts) - 1)
+        return out, mask
 
     def _sample_and_emit(self) -> None:
         rows = self._rows

@@ -1,4 +1,4 @@
-"""`kaizen demo`, scaled down: a real Explorer, a real Trainer and simulated traffic, end to end.
+"""`kaizen demo task=parity`, scaled down: a real Explorer, a real Trainer and simulated traffic, end to end.
 
 The demo runs as a user runs it (a subprocess of ``python -m services.cli demo``) on the tiny model,
 with its run folder under tmp_path and its Trainer joining the session's Ray cluster. Everything
@@ -43,13 +43,13 @@ def demo_run(tiny_model, ray_address, tmp_path_factory) -> Path:
     """One scaled-down demo; its run folder. Shared by the tests of this module."""
     base = tmp_path_factory.mktemp("demo")
     args = [
-        sys.executable, "-m", "services.cli", "demo", "--config", "configs/demo.yaml",
+        sys.executable, "-m", "services.cli", "demo", "--config", "configs/demo.yaml", "task=parity",
         f"run_dir={base / 'runs'}", f"model_path={tiny_model}", f"agent={AGENT}",
         f"duration_s={LOOP_SECONDS}", f"min_new_versions={MIN_NEW_VERSIONS}", f"max_duration_s={MAX_LOOP_SECONDS}",
         "progress_every_s=5",
-        "task.heldout_numbers=8", "task.eval_samples=2",
-        "warm_start.steps=5",
-        "traffic.tasks_per_batch=8", "traffic.repeat=4", "traffic.concurrency=16",
+        "parity.heldout_numbers=8", "parity.eval_samples=2",
+        "parity.warm_start.steps=5",
+        "parity.traffic.tasks_per_batch=8", "parity.traffic.repeat=4", "parity.traffic.concurrency=16",
         f"trainer.ray.address={ray_address}",
         "explorer.server.log_level=info",  # so explorer.log names every version it hot-loads
     ]

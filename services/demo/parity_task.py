@@ -1,4 +1,4 @@
-"""The demo's task: "Is N even or odd?", rewarded 1 when the first word of the answer is right.
+"""The parity demo's task: "Is N even or odd?", rewarded 1 when the first word of the answer is right.
 
 A verifiable reward that a random tiny model cannot hit by chance (it has to say exactly "even" or
 "odd"), that a format-only warm start brings to about one half (the right words, chosen by a code of the

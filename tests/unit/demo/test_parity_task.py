@@ -1,10 +1,10 @@
-"""The demo task's warm start teaches the format and where to look, and nothing about parity."""
+"""The parity task's warm start teaches the format and where to look, and nothing about parity."""
 
 from __future__ import annotations
 
 from collections import Counter
 
-from services.demo import task
+from services.demo import parity_task as task
 
 
 def test_warm_start_code_is_right_for_exactly_half_the_digits():

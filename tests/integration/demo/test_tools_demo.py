@@ -1,0 +1,119 @@
+"""`kaizen demo` (task=tools), scaled down: SmolLM2 with a calculator tool, end to end.
+
+The default demo runs as a user runs it (a subprocess of ``python -m services.cli demo``) with a
+handful of held-out problems, a short cold start and a loop that stops once traffic was served by
+a version newer than the cold start's. Checked from what the run left behind: summary.json, the
+run's SQLite buffer and the Trainer's metrics. What it shows is the plumbing of the real demo
+(demonstrations posted and trained on, multi-call episodes recorded, rewarded per episode,
+committed and trained on), not learning: the full demo measures that.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from collections import defaultdict
+from pathlib import Path
+
+import pytest
+import yaml
+from sqlalchemy import select
+
+from services.common import buffer
+from services.demo import tools_task
+from tests.helpers import REPO
+
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
+
+AGENT = "calculator"
+COLD_START_STEPS = 8  # enough for most episodes to call the calculator (4, the demo's, gets about half)
+
+
+@pytest.fixture(scope="module")
+def demo_run(smollm2_model, ray_address, tmp_path_factory) -> Path:
+    base = tmp_path_factory.mktemp("tools-demo")
+    args = [
+        sys.executable, "-m", "services.cli", "demo", "--config", "configs/demo.yaml",
+        f"run_dir={base / 'runs'}", f"model_path={smollm2_model}",
+        "duration_s=10", "min_new_versions=1", "max_duration_s=400", "progress_every_s=10",
+        "tools.heldout=4", "tools.traffic.tasks_per_batch=2", "tools.traffic.repeat=2", "tools.traffic.concurrency=4",
+        f"trainer.algorithm.cold_start_steps={COLD_START_STEPS}", f"trainer.ray.address={ray_address}",
+    ]
+    out = base / "demo.out"
+    with open(out, "wb") as f:
+        proc = subprocess.run(args, cwd=REPO, stdout=f, stderr=subprocess.STDOUT, timeout=840,
+                              env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    runs = sorted(p for p in (base / "runs").glob("*") if p.is_dir()) if (base / "runs").exists() else []
+    tails = [out, *(r / n for r in runs for n in ("explorer.log", "trainer.log"))]
+    logs = "\n".join(f"--- {p.name}\n" + "\n".join(p.read_text(errors="replace").splitlines()[-60:]) for p in tails if p.exists())
+    assert proc.returncode == 0, f"kaizen demo exited with {proc.returncode}\n{logs}"
+    assert len(runs) == 1 and (runs[0] / "summary.json").exists(), logs
+    return runs[0]
+
+
+@pytest.fixture(scope="module")
+def rows(demo_run) -> list[dict]:
+    engine = buffer.create_buffer_engine(f"sqlite:///{demo_run / 'buffer.db'}", create_tables=False)
+    e = buffer.experiences.c
+    q = select(e.seq, e.experience_id, e.completion_id, e.agent, e.model_version, e.task_id, e.run_id, e.reward, e.status,
+               e.feedback, e.prompt_token_ids, e.response_token_ids, e.response).order_by(e.seq)
+    try:
+        with engine.connect() as conn:
+            return [dict(r._mapping) for r in conn.execute(q)]
+    finally:
+        engine.dispose()
+
+
+def test_three_held_out_measurements_and_the_report(demo_run):
+    summary = json.loads((demo_run / "summary.json").read_text())
+    labels = [e["label"] for e in summary["evals"]]
+    assert labels == ["base model", "after cold start", "after online loop"]
+    versions = [e["version"] for e in summary["evals"]]
+    assert versions[0] == 0 and versions[1] == COLD_START_STEPS and versions[2] > COLD_START_STEPS
+    for e in summary["evals"]:
+        assert 0.0 <= e["low"] <= e["mean"] <= e["high"] <= 1.0
+    assert set(summary["gains"]) == {"cold start", "online loop"}
+    assert summary["failed_requests"] == 0
+    assert (demo_run / "reward.png").stat().st_size > 10_000
+
+
+def test_the_demonstrations_were_stored_and_trained_on_first(demo_run, rows):
+    demos = [r for r in rows if "demonstration" in ((r["feedback"] or {}).get("labels") or [])]
+    assert len(demos) == len(tools_task.demonstrations()) and {r["status"] for r in demos} == {"committed"}
+    metrics = [json.loads(line) for line in (demo_run / "trainer" / "metrics.jsonl").read_text().splitlines()]
+    per_step = yaml.safe_load((demo_run / "trainer.yaml").read_text())["algorithm"]["demo_batch_size"]
+    cold, online = metrics[:COLD_START_STEPS], metrics[COLD_START_STEPS:]
+    assert all(m["batch_size"] == 0 and m["demonstrations"] == min(per_step, len(demos)) for m in cold), cold
+    assert cold[-1]["demo_nll"] < cold[0]["demo_nll"]
+    assert online and all(m["batch_size"] > 0 and m["demonstrations"] == per_step for m in online), online  # GRPO on traffic, demonstrations replayed
+
+
+def test_every_episode_was_rewarded_as_a_whole_and_committed(rows):
+    traffic = [r for r in rows if r["task_id"] is not None]
+    episodes: dict[tuple, list[dict]] = defaultdict(list)
+    for r in traffic:
+        episodes[(r["task_id"], r["run_id"])].append(r)
+    assert episodes and all(r["agent"] == AGENT for r in traffic)
+    assert any(len(calls) >= 2 for calls in episodes.values()), "no episode went past the calculator call"
+    for key, calls in episodes.items():
+        assert len({c["reward"] for c in calls}) == 1 and calls[0]["reward"] in (0.0, 1.0), (key, calls)
+        assert all(c["status"] in ("committed", "consumed", "discarded") for c in calls), (key, [c["status"] for c in calls])
+    groups = defaultdict(set)
+    for task_id, run_id in episodes:
+        groups[task_id].add(run_id)
+    assert all(runs == {"0", "1"} for runs in groups.values()), groups  # GRPO groups of tools.traffic.repeat episodes
+
+
+def test_a_call_after_a_tool_result_was_prompted_with_the_whole_conversation(rows):
+    traffic = [r for r in rows if r["task_id"] is not None]
+    by_episode: dict[tuple, list[dict]] = defaultdict(list)
+    for r in traffic:
+        by_episode[(r["task_id"], r["run_id"])].append(r)
+    followed = [calls for calls in by_episode.values() if len(calls) >= 2 and calls[0]["response"].get("tool_calls")]
+    assert followed
+    for first, second, *_ in followed:
+        # the second prompt holds the first, then the model's call, then the tool's result
+        assert second["prompt_token_ids"][: len(first["prompt_token_ids"])] == first["prompt_token_ids"]
+        assert len(second["prompt_token_ids"]) > len(first["prompt_token_ids"]) + len(first["response_token_ids"])

@@ -1,0 +1,150 @@
+"""Shared-prefix prefill of the hf engine: computing a common prompt prefix once changes no output.
+
+The engine is driven step by step on this thread (what its own thread does, one step at a time),
+so which requests are admitted together, and when, is fixed by the test rather than by timing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+
+import pytest
+import torch
+
+from services.explorer.engines.base import AdapterRef, GenerateRequest, SamplingParams
+from services.explorer.engines.hf import HFEngine, _Request
+
+PREFIX_LEN = 60
+
+
+@pytest.fixture(scope="module")
+def engines(tiny_model):
+    """(sharing engine, non-sharing engine), both loaded from the tiny model, float32 on CPU."""
+    out = []
+    for min_tokens in (32, 0):
+        e = HFEngine(model_path=str(tiny_model), dtype="float32", device="cpu", max_batch_size=32,
+                     shared_prefix_min_tokens=min_tokens)
+        e._load()
+        assert len(e.tokenizer) > 500  # _ids draws from the first 500 ids
+        out.append(e)
+    return out
+
+
+def _ids(rng: random.Random, n: int, eos: set[int], vocab: int = 500) -> list[int]:
+    ids = []
+    while len(ids) < n:
+        t = rng.randrange(3, vocab)
+        if t not in eos:
+            ids.append(t)
+    return ids
+
+
+def _request(rid: str, prompt: list[int], n: int = 1, max_tokens: int = 8) -> GenerateRequest:
+    return GenerateRequest(request_id=rid, prompt_token_ids=prompt, n=n,
+                           params=SamplingParams(temperature=0.0, max_tokens=max_tokens))
+
+
+def _drive(engine: HFEngine, schedule: dict[int, list[GenerateRequest]]) -> dict[tuple[str, int], tuple[list, list]]:
+    """Run the engine's steps here, admitting schedule[step]'s requests (together) at that step.
+
+    Returns (token ids, logprobs) per (request id, choice index).
+    """
+    engine._reset_batch()
+    loop = asyncio.new_event_loop()
+    states: list[_Request] = []
+    step, last = 0, max(schedule)
+    try:
+        while True:
+            for req in schedule.get(step, []):
+                st = _Request(req=req, loop=loop, out=asyncio.Queue())
+                states.append(st)
+                engine._waiting.append(st)
+            if engine._waiting and len(engine._rows) < engine.max_batch_size:
+                engine._admit()
+                assert not engine._waiting, "the test expects each scheduled group to be admitted at once"
+            if not engine._rows and step >= last:
+                break
+            if engine._rows:
+                engine._sample_and_emit()
+                engine._prune()
+                if engine._rows:
+                    engine._decode()
+            step += 1
+        loop.run_until_complete(asyncio.sleep(0))  # deliver what the engine sent
+        results: dict[tuple[str, int], tuple[list, list]] = {}
+        for st in states:
+            while not st.out.empty():
+                item = st.out.get_nowait()
+                if isinstance(item, BaseException):
+                    raise item
+                for u in item:
+                    ids, lps = results.setdefault((st.req.request_id, u.index), ([], []))
+                    ids.extend(u.token_ids)
+                    lps.extend(u.logprobs)
+        assert len(results) == sum(st.req.n for st in states)
+        return results
+    finally:
+        loop.close()
+
+
+def _assert_same(shared: dict, full: dict) -> None:
+    assert shared.keys() == full.keys()
+    for key in full:
+        assert shared[key][0] == full[key][0], key
+        assert torch.allclose(torch.tensor(shared[key][1]), torch.tensor(full[key][1]), atol=1e-4), key
+
+
+def test_shared_prefix_prefill_matches_full_prefill(engines):
+    sharing, plain = engines
+    rng = random.Random(0)
+    prefix = _ids(rng, PREFIX_LEN, sharing._eos)
+    group = [
+        _request("exact", list(prefix)),  # the prompt is the prefix: the shared part stops one token short
+        _request("s3", prefix + _ids(rng, 3, sharing._eos), n=2),
+        _request("s10", prefix + _ids(rng, 10, sharing._eos)),
+        _request("s25", prefix + _ids(rng, 25, sharing._eos)),
+    ]
+    before = sharing.shared_prefix_tokens_saved
+    got = _drive(sharing, {0: group})
+    assert sharing.shared_prefix_tokens_saved - before == (PREFIX_LEN - 1) * 3
+    want = _drive(plain, {0: group})
+    assert plain.shared_prefix_tokens_saved == 0
+    _assert_same(got, want)
+    _assert_same({"s3": got[("s3", 0)]}, {"s3": got[("s3", 1)]})  # greedy: both choices of one request agree
+
+
+def test_shared_prefix_prefill_merges_into_a_running_batch(engines):
+    sharing, plain = engines
+    rng = random.Random(1)
+    eos = sharing._eos
+    p1, p2 = _ids(rng, PREFIX_LEN, eos), _ids(rng, 40, eos)
+    schedule = {
+        # running already: one long prompt (wider than the next group) and one short one
+        0: [_request("long", _ids(rng, 120, eos), max_tokens=14), _request("short", _ids(rng, 5, eos), max_tokens=14)],
+        # joins a batch wider than itself
+        2: [_request("a1", p1 + _ids(rng, 2, eos)), _request("a2", p1 + _ids(rng, 9, eos), n=2),
+            _request("a3", list(p1))],
+        # joins a batch narrower than itself (long suffixes), with another prefix
+        4: [_request("b1", p2 + _ids(rng, 100, eos)), _request("b2", p2 + _ids(rng, 7, eos))],
+    }
+    before = sharing.shared_prefix_tokens_saved
+    got = _drive(sharing, schedule)
+    assert sharing.shared_prefix_tokens_saved - before == (PREFIX_LEN - 1) * 2 + 40 * 1
+    want = _drive(plain, schedule)
+    _assert_same(got, want)
+
+
+def test_shared_prefix_len_rules():
+    e = HFEngine(model_path="unused", device="cpu", shared_prefix_min_tokens=4)
+    base = list(range(10, 20))
+    assert e._shared_prefix_len([base + [1], base + [2, 3]], [None, None]) == 10
+    assert e._shared_prefix_len([base, base + [2]], [None, None]) == 9  # every prompt keeps a token
+    assert e._shared_prefix_len([base + [1]], [None]) == 0  # one request: nothing to share
+    assert e._shared_prefix_len([base[:3] + [1], base[:3] + [2]], [None, None]) == 0  # below the minimum
+    assert e._shared_prefix_len([base + [1], base + [2], [7] + base], [None] * 3) == 0
+    a = AdapterRef(agent="x", version=1, name="x-v1", int_id=1, path="/nowhere")
+    assert e._shared_prefix_len([base + [1], base + [2]], [a.name, a.name]) == 10
+    assert e._shared_prefix_len([base + [1], base + [2]], [a.name, None]) == 0  # KV depends on the adapter
+    e.shared_prefix_min_tokens = 0
+    assert e._shared_prefix_len([base + [1], base + [2]], [None, None]) == 0

@@ -1,0 +1,50 @@
+"""The demo's statistics (Wilson interval, paired bootstrap of a gain) and its config defaults per task."""
+
+from __future__ import annotations
+
+import pytest
+
+from services.common.config import load_config
+from services.demo.config import DemoConfig
+from services.demo.report import paired_gain_ci
+from services.demo.tools_demo import wilson
+
+
+def test_wilson_interval_worked_by_hand():
+    # 0 of 64: centre z^2/2n / (1 + z^2/n) = 0.0300/1.0600 = 0.0283, half-width the same, so [0, 0.0566]
+    low, high = wilson(0, 64)
+    assert low == 0.0 and high == pytest.approx(0.0566, abs=1e-4)
+    # 32 of 64: symmetric around 0.5, half-width 1.96 * sqrt(0.25/64 + 3.8416/16384) / 1.06 = 0.1190
+    low, high = wilson(32, 64)
+    assert (low + high) / 2 == pytest.approx(0.5) and high - 0.5 == pytest.approx(0.1190, abs=1e-4)
+    assert wilson(64, 64)[1] == 1.0 and wilson(0, 0) == (0.0, 1.0)
+
+
+def test_paired_bootstrap_of_a_gain():
+    assert paired_gain_ci([0, 1, 0, 1], [0, 1, 0, 1]) == (0.0, 0.0)  # no question changed
+    assert paired_gain_ci([0, 0, 0, 0], [1, 1, 1, 1]) == (1.0, 1.0)  # every question gained 1
+    before, after = [0.0] * 50 + [1.0] * 50, [1.0] * 50 + [1.0] * 50  # half the questions gained 1: +0.5
+    low, high = paired_gain_ci(before, after)
+    assert 0.35 < low < 0.5 < high < 0.65
+
+
+def test_each_task_has_its_own_defaults():
+    tools = load_config(DemoConfig, None, [])
+    assert (tools.task, tools.model_path, tools.agent, tools.duration_s) == ("tools", ".cache/smollm2-135m-instruct", "calculator", 420.0)
+    parity = load_config(DemoConfig, None, ["task=parity", "duration_s=30"])
+    assert (parity.model_path, parity.agent, parity.duration_s) == (".cache/tiny-model", "parity", 30.0)
+
+
+def test_a_partial_traffic_section_keeps_the_task_defaults_for_the_rest():
+    cfg = load_config(DemoConfig, None, ["tools.traffic.repeat=8", "parity.traffic.concurrency=3"])
+    assert (cfg.tools.traffic.tasks_per_batch, cfg.tools.traffic.repeat, cfg.tools.traffic.max_backlog) == (2, 8, 32)
+    assert (cfg.parity.traffic.tasks_per_batch, cfg.parity.traffic.concurrency) == (16, 3)
+
+
+def test_unknown_keys_are_refused():
+    from services.common.config import ConfigError
+
+    with pytest.raises(ConfigError, match="tools.nope"):
+        load_config(DemoConfig, None, ["tools.nope=1"])
+    with pytest.raises(ConfigError):
+        load_config(DemoConfig, None, ["task=chess"])
