@@ -71,10 +71,12 @@ class ToolsSection(ConfigModel):
     max_tokens: int = Field(default=40, ge=8, description="Tokens per call at most (a calculator call takes about 25).")
     temperature: float = Field(default=1.0, ge=0, description="Sampling temperature of traffic and of the evaluations.")
     eval_concurrency: int = Field(default=16, ge=1, description="Held-out episodes in flight at once.")
-    cold_start_in_process: bool = Field(
-        default=False,
-        description="Train the cold start (trainer.algorithm.cold_start_steps supervised steps on the demonstrations) in "
-        "the demo process and publish it, instead of letting the Trainer do it.")
+    control: bool = Field(
+        default=True,
+        description="A supervised-only control arm, measured beside the online loop: the cold-start adapter trained, in "
+        "the demo process, for as many more steps as the online loop's Trainer took, on the same replayed "
+        "demonstrations and nothing else; so the report can say which part of the online gain GRPO on the traffic "
+        "gave, and which the replayed demonstrations would have given alone.")
     traffic: TrafficSection = Field(default_factory=lambda: TrafficSection(**_TOOLS_TRAFFIC))
 
     fill_traffic = _traffic_over(_TOOLS_TRAFFIC)

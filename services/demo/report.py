@@ -43,21 +43,23 @@ def _traffic_rows(stack) -> tuple[list[dict], dict, object]:
     return rows, counts, last
 
 
-def plot(stages: list[Stage], loop, rows: list[dict], path: Path, *, metric: str, title: str) -> None:
+def plot(stages: list[Stage], loop, rows: list[dict], path: Path, *, metric: str, title: str, control: Stage | None = None) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fig, (ax0, ax1, ax2) = plt.subplots(1, 3, figsize=(16, 4.5), gridspec_kw={"width_ratios": [0.8, 1.2, 1.0]})
-    names = [s.result.label.replace("after ", "after\n") for s in stages]
-    means = [s.result.mean for s in stages]
-    errs = [[s.result.mean - s.result.low for s in stages], [s.result.high - s.result.mean for s in stages]]
-    ax0.bar(range(len(stages)), means, yerr=errs, capsize=6, color=["tab:gray", "tab:orange", "tab:green"][-len(stages):])
-    for i, s in enumerate(stages):
+    bars = stages + ([control] if control else [])
+    names = [s.result.label.replace("after ", "after\n").replace(": ", ":\n") for s in bars]
+    means = [s.result.mean for s in bars]
+    errs = [[s.result.mean - s.result.low for s in bars], [s.result.high - s.result.mean for s in bars]]
+    colors = ["tab:gray", "tab:orange", "tab:green"][-len(stages):] + (["tab:brown"] if control else [])
+    ax0.bar(range(len(bars)), means, yerr=errs, capsize=6, color=colors)
+    for i, s in enumerate(bars):
         ax0.text(i, min(s.result.high + 0.03, 0.97), f"{s.result.mean:.2f}\nv{s.result.version}", ha="center", fontsize=8)
-    ax0.set(xticks=range(len(stages)), xticklabels=names, ylim=(0, 1.05), ylabel=f"held-out {metric}",
-            title="Held-out questions (95% CI)")
+    ax0.set(xticks=range(len(bars)), ylim=(0, 1.05), ylabel=f"held-out {metric}", title="Held-out questions (95% CI)")
+    ax0.set_xticklabels(names, fontsize=8 if control else None)
     ts = [r.t for r in loop.rounds]
     rs = [r.reward for r in loop.rounds]
     if ts:
@@ -86,23 +88,28 @@ def plot(stages: list[Stage], loop, rows: list[dict], path: Path, *, metric: str
 
 
 def report(cfg, stack, loop, stages: list[Stage], *, serving: dict, explorer_requests: dict, seconds: float,
-           metric: str, interval: str, title: str) -> int:
+           metric: str, interval: str, title: str, control: Stage | None = None) -> int:
+    """``control``: a control arm measured on the same questions, compared with the last stage (its
+    gain_name names what the last stage had and the control arm lacked)."""
     rows, counts, last = _traffic_rows(stack)
     versions = checkpoints.list_versions(stack.root, stack.agent)
     png = stack.run / "reward.png"
-    plot(stages, loop, rows, png, metric=metric, title=title)
+    plot(stages, loop, rows, png, metric=metric, title=title, control=control)
     lines = ["", f"Held-out {metric} (questions never asked in traffic; {interval})", ""]
-    width = max(len(s.result.label) for s in stages) + 8
-    for s in stages:
+    shown = stages + ([control] if control else [])
+    width = max(len(s.result.label) for s in shown) + 8
+    for s in shown:
         e = s.result
         lines.append(f"  {e.label + f' (v{e.version})':<{width}} {e.mean:5.2f}  [{e.low:.2f}, {e.high:.2f}]")
     lines.append("")
     gains = {}
-    for before, s in zip(stages, stages[1:]):
+    pairs = list(zip(stages, stages[1:])) + ([(control, stages[-1])] if control else [])
+    for before, s in pairs:
+        name, note = (control.gain_name, control.note) if before is control else (s.gain_name, s.note)
         gain = s.result.mean - before.result.mean
         low, high = paired_gain_ci(before.result.per_prompt, s.result.per_prompt)
-        gains[s.gain_name] = {"gain": gain, "low": low, "high": high}
-        lines.append(f"  {s.gain_name + ' gave':<20} {gain:+.2f}  [{low:+.2f}, {high:+.2f}]  ({s.note})")
+        gains[name] = {"gain": gain, "low": low, "high": high}
+        lines.append(f"  {name + ' gave':<20} {gain:+.2f}  [{low:+.2f}, {high:+.2f}]  ({note})")
     lines.append("  (gains: 95% CI by a paired bootstrap over the held-out questions)")
     total = sum(counts.values())
     lines += [
@@ -117,7 +124,7 @@ def report(cfg, stack, loop, stages: list[Stage], *, serving: dict, explorer_req
     (stack.run / "summary.json").write_text(json.dumps({
         "task": cfg.task,
         "evals": [{"label": s.result.label, "version": s.result.version, "mean": s.result.mean, "low": s.result.low,
-                   "high": s.result.high, "ci95": s.result.ci95, "seconds": s.result.seconds} for s in stages],
+                   "high": s.result.high, "ci95": s.result.ci95, "seconds": s.result.seconds} for s in shown],
         "gains": gains,
         "experiences": counts, "rewarded": len(rows), "trainer_steps": last.step if last else 0,
         "versions_published": len(versions), "reloads": serving["reloads"], "failed_requests": loop.failed_requests,

@@ -86,7 +86,7 @@ class Stack:
             s.bind(("127.0.0.1", 0))
             self.port = s.getsockname()[1]
         self.url = f"http://127.0.0.1:{self.port}"
-        self.procs: list[subprocess.Popen] = []
+        self.procs: dict[str, subprocess.Popen] = {}
 
     def explorer_config(self, base: dict, extra: dict) -> dict:
         """``base`` (the task's settings) over what every demo Explorer has, then ``extra``; validated."""
@@ -123,9 +123,9 @@ class Stack:
                 # The demo's Trainer starts its own Ray. Without an address, ray.init() joins whatever
                 # /tmp/ray/ray_current_cluster names, even a cluster that died long ago.
                 env.setdefault("RAY_ADDRESS", "local")
-            self.procs.append(subprocess.Popen(
+            self.procs[name] = subprocess.Popen(
                 [sys.executable, "-m", "services.cli", name, "--config", str(path)],
-                stdout=log, stderr=subprocess.STDOUT, env=env))
+                stdout=log, stderr=subprocess.STDOUT, env=env)
         deadline = time.monotonic() + timeout_s
         while True:
             self.check_alive()
@@ -137,23 +137,27 @@ class Stack:
             time.sleep(0.3)
 
     def check_alive(self) -> None:
-        if any(p.poll() is not None for p in self.procs):
+        if any(p.poll() is not None for p in self.procs.values()):
             raise RuntimeError(f"a service exited; see {self.run}/explorer.log and trainer.log")
 
-    def stop(self) -> None:
-        for p in reversed(self.procs):
-            if p.poll() is None:
-                p.send_signal(signal.SIGTERM)
-        for p in self.procs:
+    def stop(self, *names: str) -> None:
+        """Stop these services (all when none is named: the Trainer first); a stopped one is forgotten."""
+        chosen = [n for n in (names or reversed(list(self.procs))) if n in self.procs]
+        for n in chosen:
+            if self.procs[n].poll() is None:
+                self.procs[n].send_signal(signal.SIGTERM)
+        for n in chosen:
             try:
-                p.wait(60)
+                self.procs[n].wait(60)
             except subprocess.TimeoutExpired:
-                p.kill()
+                self.procs[n].kill()
+            del self.procs[n]
 
-    def serving(self) -> dict:
-        """This agent's entry in /v1/models: the version it serves and how many it has loaded."""
+    def serving(self, agent: str | None = None) -> dict:
+        """An agent's entry in /v1/models (this stack's agent by default): the version it serves and how
+        many it has loaded."""
         data = httpx.get(f"{self.url}/v1/models", timeout=10).json()["data"]
-        return next(m for m in data if m["id"] == self.agent)
+        return next(m for m in data if m["id"] == (agent or self.agent))
 
     def http_statuses(self) -> dict[str, dict[str, int]]:
         """The Explorer's own count of the answers it gave, by route and HTTP status (from /metrics)."""

@@ -8,9 +8,11 @@ steps) runs while the base model is measured on the held-out problems; 4. measur
 version; 5. the online loop: the agent app (services/demo/agent_app.py, the official `openai`
 client with ``tools=[calculator]``) answers traffic problems, a group of runs per task_id, sends each
 episode's reward with ``/feedback`` and commits; the Trainer trains GRPO on episodes (plus the
-supervised term on the demonstrations) and the Explorer hot-loads every version; 6. measures the
-last version and prints the three held-out scores with their 95% intervals, the gain of each stage
-and a plot.
+supervised term on the demonstrations) and the Explorer hot-loads every version; 6. stops the
+Trainer and measures the last version while, in this process, a control arm trains the cold-start
+version for as many steps on the replayed demonstrations alone (``tools.control``); 7. measures the
+control arm and prints the held-out scores with their 95% intervals, the gain of each stage, the
+part GRPO on the traffic gave (the online loop against its control arm) and a plot.
 """
 
 from __future__ import annotations
@@ -57,6 +59,8 @@ class ToolsDemo:
         # bfloat16 as the Trainer (this CPU has AVX-512 BF16); prompts' shared system prompt is prefilled once
         base = {"model": {"path": self.cfg.model_path, "dtype": "bfloat16"},
                 "engine": {"kind": "hf", "max_batch_size": 32, "torch_threads": 1}}
+        if self.t.control:  # the control arm is served beside the agent, from the same checkpoint root
+            base["agents"] = {"names": [self.cfg.agent, self.control_agent], "default": self.cfg.agent}
         return self.stack.explorer_config(base, self.cfg.explorer)
 
     def trainer_config(self) -> dict:
@@ -94,16 +98,17 @@ class ToolsDemo:
         finally:
             await client.aclose()
 
-    async def evaluate(self, label: str, version: int) -> EvalResult:
-        """Each held-out problem once through the Explorer, pinned to ``version``; success rate with
-        its Wilson 95% interval."""
+    async def evaluate(self, label: str, version: int, agent: str | None = None) -> EvalResult:
+        """Each held-out problem once through the Explorer, pinned to ``agent@v<version>`` (this demo's
+        agent by default); success rate with its Wilson 95% interval."""
+        agent = agent or self.cfg.agent
         t0 = time.monotonic()
         client = self.openai_client()
         sem = asyncio.Semaphore(self.t.eval_concurrency)
 
         async def one(p: tools_task.Problem) -> agent_app.Episode:
             async with sem:
-                return await agent_app.run_episode(client, p, model=f"{self.cfg.agent}@v{version}", max_turns=self.t.max_turns,
+                return await agent_app.run_episode(client, p, model=f"{agent}@v{version}", max_turns=self.t.max_turns,
                                                    max_tokens=self.t.max_tokens, temperature=self.t.temperature)
 
         try:
@@ -126,34 +131,47 @@ class ToolsDemo:
             f" | {len(episodes) / seconds:.2f} episodes/s")
         return EvalResult(label, version, statistics.fmean(scores), low, high, scores, seconds)
 
-    def cold_start_in_process(self, trainer_cfg: dict, steps: int) -> None:
-        """The Trainer's cold start done in this process instead (``tools.cold_start_in_process``): the
-        same supervised steps on the same demonstrations, rendered as ``POST /demonstrations`` renders
-        them, published as ``v<steps>`` through the checkpoint layout; the Trainer then goes on from it."""
-        from services.trainer.batches import Norms, TrainItem
+    @property
+    def control_agent(self) -> str:
+        return f"{self.cfg.agent}-sft-only"
+
+    def supervised_only(self, trainer_cfg: dict, *, start_version: int, steps: int) -> int:
+        """The control arm (``tools.control``): the cold-start version ``v<start_version>`` trained ``steps``
+        more steps on the demonstrations alone, each step replaying the same ones the Trainer's step of
+        that number did (``demo_batch_size`` of the stored rows, in turn); no rollouts. Published as
+        agent ``<agent>-sft-only``, ``v<start_version + steps>``."""
+        from services.common import checkpoints
+        from services.trainer.batches import Norms, demonstration_item, in_turn
         from services.trainer.learner import LearnerWorker
 
-        cfg = merge(trainer_cfg, {"algorithm": {"name": "sft", "sft_min_reward": 0.0, "cold_start_steps": 0},
-                                  "log_level": "warning"})
-        worker = LearnerWorker(cfg)
+        a = trainer_cfg["algorithm"]
+        db = buffer.create_buffer_engine(self.stack.db_url, create_tables=False)
+        try:  # the very rows the Trainer replays, in its order
+            demos = buffer.fetch_committed(engine=db, agent=self.cfg.agent, limit=10_000, demonstrations=True)
+        finally:
+            db.dispose()
+        items = [demonstration_item(d) for d in demos]
+        worker = LearnerWorker(merge(trainer_cfg, {"log_level": "warning"}))
         worker.setup()
-        worker.ensure_agent(self.cfg.agent)
-        tok = worker.policy.tokenizer
-        items = []
-        for i, d in enumerate(self.demos):
-            prompt = tok.apply_chat_template(d["messages"], tools=d["tools"], add_generation_prompt=True, tokenize=False)
-            full = tok.apply_chat_template([*d["messages"], d["response"]], tools=d["tools"], tokenize=False)
-            reply = tok.encode(full[len(prompt):], add_special_tokens=False)
-            reply = reply[: len(reply) - reply[::-1].index(tok.eos_token_id)]  # up to the turn's end, as the Explorer stores it
-            items.append(TrainItem(experience_id=f"demo-{i}", task_id=None, model_version=0,
-                                   prompt_ids=tok.encode(prompt, add_special_tokens=False), response_ids=reply,
-                                   old_logprobs=[0.0] * len(reply), reward=1.0, temperature=1.0))
-        norms = Norms.of(items)
-        for step in range(steps):
-            worker.train_step(self.cfg.agent, items, norms, step, 0)
-        worker.publish(self.cfg.agent, str(self.stack.root), steps, {
-            "step": steps, "algorithm": "cold start (sft on the demonstrations, in the demo process)",
-            "base_model": self.cfg.model_path, "demonstrations": len(items)})
+        agent = self.control_agent
+        worker.ensure_agent(agent, adapter_dir=str(checkpoints.version_dir(self.stack.root, self.cfg.agent, start_version)))
+        for k in range(steps):
+            step = start_version + k  # the Trainer's step numbers (one version per step), so the same slices
+            batch = in_turn(items, a["demo_batch_size"], step)  # what the Trainer's step replays: the same code path
+            worker.train_step(agent, batch, Norms.of(batch), step, step)
+        version = start_version + steps
+        worker.publish(agent, str(self.stack.root), version, {
+            "step": version, "algorithm": "supervised on the demonstrations only (the demo's control arm)",
+            "base_model": self.cfg.model_path, "parent": f"{self.cfg.agent}/v{start_version}", "demonstrations": len(items)})
+        return version
+
+    def wait_for_agent_version(self, agent: str, version: int, timeout_s: float = 300) -> None:
+        deadline = time.monotonic() + timeout_s
+        while self.stack.serving(agent)["version"] < version:
+            self.stack.check_alive()
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{agent} v{version} not served after {timeout_s:.0f} s")
+            time.sleep(0.5)
 
     def wait_for_version(self, version: int, timeout_s: float = 1800) -> None:
         """Until the Trainer has published ``version`` and the Explorer serves it."""
@@ -210,18 +228,22 @@ class ToolsDemo:
         return loop
 
 
-async def _base_and_cold_start(demo: ToolsDemo, trainer_cfg: dict, steps: int) -> EvalResult:
+async def _base_and_cold_start(demo: ToolsDemo) -> EvalResult:
     """Post the demonstrations (the Trainer starts its cold start at once) and measure the base model meanwhile."""
-    if not demo.t.cold_start_in_process:
-        await demo.post_demonstrations()
-        return await demo.evaluate("base model", 0)
-    cold = asyncio.create_task(asyncio.to_thread(demo.cold_start_in_process, trainer_cfg, steps))
-    base = await demo.evaluate("base model", 0)
-    await cold
-    # Only now: the Trainer takes up an agent when its first committed rows appear, from the newest
-    # published version, which must be the cold start's. It replays them in every later step.
     await demo.post_demonstrations()
-    return base
+    return await demo.evaluate("base model", 0)
+
+
+async def _final_and_control(demo: ToolsDemo, trainer_cfg: dict, cold_steps: int, final_version: int) -> list[EvalResult]:
+    """The last version on the held-out problems while the control arm trains (one core each), then the control arm."""
+    if not demo.t.control:
+        return [await demo.evaluate("after online loop", final_version)]
+    control = asyncio.create_task(asyncio.to_thread(demo.supervised_only, trainer_cfg, start_version=cold_steps,
+                                                    steps=final_version - cold_steps))
+    final = await demo.evaluate("after online loop", final_version)
+    version = await control
+    await asyncio.to_thread(demo.wait_for_agent_version, demo.control_agent, version)
+    return [final, await demo.evaluate("control: demonstrations only", version, agent=demo.control_agent)]
 
 
 def run_tools(cfg: DemoConfig) -> int:
@@ -238,8 +260,6 @@ def run_tools(cfg: DemoConfig) -> int:
     demo = ToolsDemo(cfg, stack)
     explorer_cfg, trainer_cfg = demo.explorer_config(), demo.trainer_config()
     cold_steps = trainer_cfg["algorithm"]["cold_start_steps"]
-    if cfg.tools.cold_start_in_process:
-        trainer_cfg = merge(trainer_cfg, {"algorithm": {"cold_start_steps": 0}})
     say(f"- run folder: {run}")
     say("- starting the Explorer and the Trainer (separate processes, shared SQLite buffer and checkpoints)")
     try:
@@ -247,7 +267,7 @@ def run_tools(cfg: DemoConfig) -> int:
         say(f"- cold start: {len(demo.demos)} hand-written demonstrations ({len(demo.demos) // 2} episodes: the calculator call, "
             f"then the answer) posted to /demonstrations; the Trainer trains {cold_steps} supervised steps on them -> v{cold_steps}")
         say(f"- meanwhile, the base model on {len(demo.split.heldout)} held-out problems (never asked in traffic), one episode each")
-        evals = [asyncio.run(_base_and_cold_start(demo, trainer_cfg, cold_steps))]
+        evals = [asyncio.run(_base_and_cold_start(demo))]
         demo.wait_for_version(cold_steps)
         say(f"  [{time.monotonic() - t_start:5.0f}s] cold start done")
         evals.append(asyncio.run(demo.evaluate("after cold start", cold_steps)))
@@ -255,8 +275,12 @@ def run_tools(cfg: DemoConfig) -> int:
         say(f"- online loop for {cfg.duration_s:.0f}s: the agent app answers traffic problems ({tr.tasks_per_batch} per round, "
             f"{tr.repeat} runs each), rewards each episode and commits; the Trainer trains GRPO on episodes, the Explorer hot-loads")
         loop = asyncio.run(demo.online_loop(cold_steps))
+        stack.stop("trainer")  # the loop is over: its last version is measured, and the control arm needs the core
         final_version = stack.serving()["version"]
-        evals.append(asyncio.run(demo.evaluate("after online loop", final_version)))
+        if cfg.tools.control:
+            say(f"- control arm, beside the last version's measurement: v{cold_steps} trained {final_version - cold_steps} more "
+                f"steps on the replayed demonstrations alone (no traffic), in this process -> {demo.control_agent}")
+        evals += asyncio.run(_final_and_control(demo, trainer_cfg, cold_steps, final_version))
         serving = stack.serving()
         explorer_requests = stack.http_statuses()
     finally:
@@ -269,7 +293,11 @@ def run_tools(cfg: DemoConfig) -> int:
         Stage(evals[2], "online loop", f"v{cold_steps} -> v{final_version}: GRPO on its own traffic plus the demonstrations "
               "replayed in every step (the mixed objective), same run, through the Explorer"),
     ]
-    return report(cfg, stack, loop, stages, serving=serving, explorer_requests=explorer_requests,
+    control = None
+    if cfg.tools.control:
+        control = Stage(evals[3], "GRPO on traffic", f"the online loop against its control arm: the same {final_version - cold_steps} "
+                        "steps of replayed demonstrations without the traffic")
+    return report(cfg, stack, loop, stages, control=control, serving=serving, explorer_requests=explorer_requests,
                   seconds=time.monotonic() - t_start, metric="success",
                   interval="share of problems whose final answer is right, Wilson 95% interval",
                   title="SmolLM2-135M-Instruct with a calculator tool, on CPU")

@@ -11,9 +11,11 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Sequence, TypeVar
 
 from services.common.records import CommittedExperience
+
+T = TypeVar("T")
 
 if TYPE_CHECKING:
     from services.trainer.config import TrainerConfig
@@ -169,16 +171,17 @@ def select_batch(
     recipe.select(usable, cfg=cfg, now=aware(now), sel=sel)
     a = cfg.algorithm
     if demonstrations and a.sft_coef > 0 and (sel.items or step < a.cold_start_steps):
-        sel.demonstrations = _in_turn(demonstrations, a.demo_batch_size, step)
+        sel.demonstrations = [demonstration_item(d) for d in in_turn(demonstrations, a.demo_batch_size, step)]
     return sel
 
 
-def _in_turn(demos: list[CommittedExperience], size: int, step: int) -> list[TrainItem]:
-    """``size`` demonstrations, a different slice each step, all of them when they fit."""
+def in_turn(demos: Sequence[T], size: int, step: int) -> list[T]:
+    """The demonstrations step ``step`` replays: ``size`` of them, a different slice each step, all of
+    them when they fit."""
     if len(demos) <= size:
-        return [demonstration_item(d) for d in demos]
+        return list(demos)
     start = (step * size) % len(demos)
-    return [demonstration_item(demos[(start + k) % len(demos)]) for k in range(size)]
+    return [demos[(start + k) % len(demos)] for k in range(size)]
 
 
 def take_oldest(usable: list[Usable], *, cfg: "TrainerConfig", sel: Selection) -> None:

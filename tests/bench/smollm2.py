@@ -570,6 +570,9 @@ def run_trainer(cfg: dict, limits: list[Limits]) -> tuple[dict, dict, dict]:
 
 
 def trainer_report(seconds: dict, losses: dict, info: dict, ml: ModelLimits, cfg: dict) -> str:
+    from services.common.models import shared_prefix_len
+    from services.trainer.config import TrainerLoopSection
+
     batch = info["batch"]
     total, compl = batch.total_tokens, batch.completion_tokens
     rows, ratios_txt = [], []
@@ -597,6 +600,11 @@ def trainer_report(seconds: dict, losses: dict, info: dict, ml: ModelLimits, cfg
     plens = [len(p) for p in batch.prompts]
     rlens = [len(c) for c in batch.completions]
     out += "\nours/trl tokens/s, paired by round: " + "; ".join(ratios_txt)
+    shared = shared_prefix_len(batch.prompts)
+    if shared >= TrainerLoopSection().shared_prefix_min_tokens:
+        out += (f"\n(ours computes the {shared}-token prompt prefix all {len(batch.prompts)} sequences share once "
+                f"(trainer.shared_prefix_min_tokens), so it runs {total - (len(batch.prompts) - 1) * shared} of the {total} "
+                f"tokens TRL runs; that is why its share of the limit, which counts every token, can pass 1)")
     dts = "; ".join(f"{SHORT[d]}: ours {o}, trl {t}" for d, (o, t) in info["dtypes"].items())
     out += (
         f"\n(batch: {len(batch.prompts)} seqs, prompts {min(plens)}-{max(plens)} tokens (mean {statistics.fmean(plens):.0f}), "

@@ -69,12 +69,15 @@ def rows(demo_run) -> list[dict]:
 def test_three_held_out_measurements_and_the_report(demo_run):
     summary = json.loads((demo_run / "summary.json").read_text())
     labels = [e["label"] for e in summary["evals"]]
-    assert labels == ["base model", "after cold start", "after online loop"]
+    assert labels == ["base model", "after cold start", "after online loop", "control: demonstrations only"]
     versions = [e["version"] for e in summary["evals"]]
     assert versions[0] == 0 and versions[1] == COLD_START_STEPS and versions[2] > COLD_START_STEPS
+    assert versions[3] == versions[2]  # the control arm: as many steps as the online loop, demonstrations only
+    manifest = json.loads((demo_run / "checkpoints" / f"{AGENT}-sft-only" / f"v{versions[3]}" / "manifest.json").read_text())
+    assert manifest["parent"] == f"{AGENT}/v{COLD_START_STEPS}"
     for e in summary["evals"]:
         assert 0.0 <= e["low"] <= e["mean"] <= e["high"] <= 1.0
-    assert set(summary["gains"]) == {"cold start", "online loop"}
+    assert set(summary["gains"]) == {"cold start", "online loop", "GRPO on traffic"}
     assert summary["failed_requests"] == 0
     assert (demo_run / "reward.png").stat().st_size > 10_000
 
