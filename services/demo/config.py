@@ -67,6 +67,10 @@ class ToolsSection(ConfigModel):
     demonstrations: int = Field(
         default=16, ge=2, le=16,
         description="Hand-written demonstrations posted for the cold start (two per episode: the call, then the answer).")
+    demonstrated_operations: str = Field(
+        default="*+-/",
+        description="Which operations the demonstrations show (some of * + - /; 8 problems, as many of each): the "
+        "others are learnt from traffic alone, and the report splits held-out success by them.")
     max_turns: int = Field(default=3, ge=2, description="Calls per episode at most; an episode without a final answer scores 0.")
     max_tokens: int = Field(default=40, ge=8, description="Tokens per call at most (a calculator call takes about 25).")
     temperature: float = Field(default=1.0, ge=0, description="Sampling temperature of traffic and of the evaluations.")

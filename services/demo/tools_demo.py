@@ -49,7 +49,8 @@ class ToolsDemo:
         self.t = cfg.tools
         self.stack = stack
         self.split = tools_task.split(cfg.seed, self.t.traffic_problems, self.t.heldout)
-        self.demos = tools_task.demonstrations(self.t.demonstrations)
+        self.demos = tools_task.demonstrations(self.t.demonstrations, self.t.demonstrated_operations)
+        self.shown = {p.template for p in tools_task.demonstration_problems(self.t.demonstrated_operations)}
         self.rng = random.Random(cfg.seed + 1)
         self.rounds = 0
 
@@ -123,12 +124,18 @@ class ToolsDemo:
         seconds = time.monotonic() - t0
         tool = statistics.fmean(e.tool_calls > 0 for e in episodes)
         right = statistics.fmean(e.called_tool_right for e in episodes)
-        shown = [e.reward for e in episodes if e.problem.template in tools_task.SHOWN_TEMPLATES]
-        unseen = [e.reward for e in episodes if e.problem.template not in tools_task.SHOWN_TEMPLATES]
+        ops = self.t.demonstrated_operations
+        shown = [e.reward for e in episodes if e.problem.template in self.shown]
+        unseen = [e.reward for e in episodes if e.problem.template not in self.shown]
+        op_in = [e.reward for e in episodes if tools_task.operation(e.problem) in ops]
+        op_out = [e.reward for e in episodes if tools_task.operation(e.problem) not in ops]
+        nan = float("nan")
         say(f"  {label} (v{version}): success {statistics.fmean(scores):.2f} [{low:.2f}, {high:.2f}] | called the calculator "
             f"{tool:.0%}, with the right expression {right:.0%} | phrasings shown in demonstrations "
-            f"{statistics.fmean(shown) if shown else float('nan'):.2f}, never shown {statistics.fmean(unseen) if unseen else float('nan'):.2f}"
-            f" | {len(episodes) / seconds:.2f} episodes/s")
+            f"{statistics.fmean(shown) if shown else nan:.2f}, never shown {statistics.fmean(unseen) if unseen else nan:.2f}"
+            + (f" | operations {ops} {statistics.fmean(op_in) if op_in else nan:.2f}, never shown "
+               f"{statistics.fmean(op_out) if op_out else nan:.2f}" if op_out else "")
+            + f" | {len(episodes) / seconds:.2f} episodes/s")
         return EvalResult(label, version, statistics.fmean(scores), low, high, scores, seconds)
 
     @property

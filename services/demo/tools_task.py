@@ -177,7 +177,7 @@ class Split:
 def split(seed: int, n_traffic: int, n_heldout: int) -> Split:
     """Distinct problems from a seeded generator; held-out ones never appear in traffic or demonstrations."""
     rng = random.Random(seed)
-    taken = {d.question for d in DEMONSTRATIONS}
+    taken = {d.question for d in DEMONSTRATION_POOL}
     problems: list[Problem] = []
     while len(problems) < n_traffic + n_heldout:
         p = make_problem(rng)
@@ -189,9 +189,10 @@ def split(seed: int, n_traffic: int, n_heldout: int) -> Split:
 
 # ---------------------------------------------------------------------------------------- demonstrations
 
-# Hand-written, one per template family: each becomes two demonstrations (the call, then the
+# Hand-written, two per operation first (a word problem, then the plain phrasing), then two more
+# word problems for multiplication and addition. Each becomes two demonstrations (the call, then the
 # answer after the tool result), so 8 episodes give the 16 demonstrations of the cold start.
-DEMONSTRATIONS: list[Problem] = [
+DEMONSTRATION_POOL: list[Problem] = [
     Problem("A crate holds 36 bottles. How many bottles are in 24 crates?", "36 * 24", 864, template=0),
     Problem("What is 57 times 43?", "57 * 43", 2451, template=4),
     Problem("Lena has 418 stamps and gets 275 more. How many stamps does Lena have now?", "418 + 275", 693, template=5),
@@ -200,8 +201,30 @@ DEMONSTRATIONS: list[Problem] = [
     Problem("What is 915 minus 367?", "915 - 367", 548, template=14),
     Problem("384 cards are shared equally by 8 friends. How many cards does each friend get?", "384 / 8", 48, template=15),
     Problem("What is 1071 divided by 17?", "1071 / 17", 63, template=19),
+    Problem("Ravi buys 14 packs of pens with 26 in each pack. How many pens is that?", "26 * 14", 364, template=1),
+    Problem("Uma stacks 17 rows of 32 bricks. How many bricks are stacked?", "17 * 32", 544, template=3),
+    Problem("A farm sold 356 eggs on Monday and 478 on Tuesday. How many eggs did it sell in total?", "356 + 478", 834, template=6),
+    Problem("A library had 627 books and bought 145 new ones. How many books does it have now?", "627 + 145", 772, template=8),
 ]
-SHOWN_TEMPLATES = frozenset(p.template for p in DEMONSTRATIONS)  # phrasings a demonstration shows
+OPERATIONS = "*+-/"
+
+
+def operation(p: Problem) -> str:
+    return _TEMPLATES[p.template][0]
+
+
+def demonstration_problems(operations: str = OPERATIONS, episodes: int = 8) -> list[Problem]:
+    """``episodes`` problems of the pool whose operation is one of ``operations``, as many of each."""
+    if not operations or set(operations) - set(OPERATIONS):
+        raise ValueError(f"operations must be some of {OPERATIONS!r}, got {operations!r}")
+    per = episodes // len(operations)
+    out = []
+    for op in operations:
+        mine = [p for p in DEMONSTRATION_POOL if operation(p) == op][:per]
+        if len(mine) < per:
+            raise ValueError(f"the demonstration pool has {len(mine)} {op!r} problems, {per} asked for")
+        out += mine
+    return out
 
 
 _DEMO_CALL_ID = "call_demo"
@@ -227,7 +250,8 @@ def demonstration_turns(p: Problem) -> list[dict[str, Any]]:
     ]
 
 
-def demonstrations(limit: int = 16) -> list[dict[str, Any]]:
-    """At most ``limit`` demonstrations, whole episodes first (call + answer)."""
-    out = [turn for p in DEMONSTRATIONS for turn in demonstration_turns(p)]
+def demonstrations(limit: int = 16, operations: str = OPERATIONS) -> list[dict[str, Any]]:
+    """At most ``limit`` demonstrations of problems with these ``operations``, whole episodes first
+    (call + answer)."""
+    out = [turn for p in demonstration_problems(operations) for turn in demonstration_turns(p)]
     return out[:limit]

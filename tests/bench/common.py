@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import statistics
 import time
 from dataclasses import dataclass
@@ -67,3 +68,14 @@ def table(title: str, header: list[str], rows: list[list]) -> str:
     out = [f"\n== {title}", line(header), line(["-" * w for w in widths])]
     out += [line(r) for r in rows]
     return "\n".join(out)
+
+
+def clock_ticks_per_s() -> int:
+    return os.sysconf("SC_CLK_TCK")
+
+
+def machine_busy_ticks() -> int:
+    """Busy clock ticks of the whole machine (all CPUs, everything but idle and iowait)."""
+    with open("/proc/stat") as f:
+        v = [int(x) for x in f.readline().split()[1:]]
+    return sum(v) - v[3] - v[4]

@@ -60,7 +60,7 @@ from typing import Callable
 
 import torch
 
-from tests.bench.common import LoadResult, run_load, table
+from tests.bench.common import LoadResult, clock_ticks_per_s, machine_busy_ticks, run_load, table
 
 NAME = "smollm2-135m-instruct"
 MODEL = f".cache/{NAME}"
@@ -121,16 +121,6 @@ def spread(xs: list[float], fmt: str = "{:.0f}") -> str:
 # ---------------------------------------------------------------------- the machine
 
 
-def _clk() -> int:
-    return os.sysconf("SC_CLK_TCK")
-
-
-def _machine_ticks() -> int:
-    with open("/proc/stat") as f:
-        v = [int(x) for x in f.readline().split()[1:]]
-    return sum(v) - v[3] - v[4]
-
-
 def _tree_ticks() -> int:
     """User + system ticks of this process and its live descendants (vLLM's engine core and worker)."""
     parent, ticks = {}, {}
@@ -158,11 +148,11 @@ class OthersMeter:
     """Cores that processes outside this benchmark kept busy between start() and stop()."""
 
     def start(self) -> None:
-        self.t0, self.m0, self.o0 = time.monotonic(), _machine_ticks(), _tree_ticks()
+        self.t0, self.m0, self.o0 = time.monotonic(), machine_busy_ticks(), _tree_ticks()
 
     def stop(self) -> float:
         dt = time.monotonic() - self.t0
-        return ((_machine_ticks() - self.m0) - (_tree_ticks() - self.o0)) / _clk() / max(dt, 1e-9)
+        return ((machine_busy_ticks() - self.m0) - (_tree_ticks() - self.o0)) / clock_ticks_per_s() / max(dt, 1e-9)
 
 
 def _cores(xs: list[float]) -> str:

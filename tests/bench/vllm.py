@@ -40,7 +40,7 @@ from pathlib import Path
 
 import httpx
 
-from tests.bench.common import TINY, LoadResult, run_load, table
+from tests.bench.common import TINY, LoadResult, clock_ticks_per_s, machine_busy_ticks, run_load, table
 from tests.helpers import REPO, free_port, wait_http
 
 MAX_TOKENS = 64
@@ -58,20 +58,9 @@ def _messages(i: int) -> list[dict]:
     return [{"role": "user", "content": f"Request number {i}: tell me about the weather in paris."}]
 
 
-def _clk() -> int:
-    return os.sysconf("SC_CLK_TCK")
-
-
-def _machine_ticks() -> int:
-    """Busy clock ticks of the whole machine (all CPUs, everything but idle and iowait)."""
-    with open("/proc/stat") as f:
-        v = [int(x) for x in f.readline().split()[1:]]
-    return sum(v) - v[3] - v[4]
-
-
 def _own_ticks() -> int:
     t = os.times()
-    return round((t.user + t.system) * _clk())
+    return round((t.user + t.system) * clock_ticks_per_s())
 
 
 class Server:
@@ -195,7 +184,7 @@ async def _measure(servers: dict[str, Server], rounds: int, budget_s: float) -> 
     cpu = {(n, c): [] for n in NAMES for c in CONCURRENCIES}
     idle = {(n, c): [] for n in NAMES for c in CONCURRENCIES}
     t0 = time.monotonic()
-    m0, o0, s0 = _machine_ticks(), _own_ticks(), sum(sum(s.cpu_ticks().values()) for s in servers.values())
+    m0, o0, s0 = machine_busy_ticks(), _own_ticks(), sum(sum(s.cpu_ticks().values()) for s in servers.values())
     done = 0
     for r in range(rounds):
         if done >= 2 and time.monotonic() - t0 > budget_s:
@@ -211,8 +200,8 @@ async def _measure(servers: dict[str, Server], rounds: int, budget_s: float) -> 
                 cpu[(name, c)].append({k: b[k] - a[k] for k in b})
                 idle[(name, c)].append((sum(ib.values()) - sum(ia.values()), res.seconds))
         done += 1
-    m1, o1, s1 = _machine_ticks(), _own_ticks(), sum(sum(s.cpu_ticks().values()) for s in servers.values())
-    others = ((m1 - m0) - (o1 - o0) - (s1 - s0)) / _clk() / (time.monotonic() - t0)
+    m1, o1, s1 = machine_busy_ticks(), _own_ticks(), sum(sum(s.cpu_ticks().values()) for s in servers.values())
+    others = ((m1 - m0) - (o1 - o0) - (s1 - s0)) / clock_ticks_per_s() / (time.monotonic() - t0)
     for c in clients.values():
         await c.close()
     errors = {name: c.errors for name, c in clients.items() if c.errors}
@@ -243,7 +232,7 @@ def main() -> str:
         t_ready = time.monotonic()
         idle_a = {n: sum(s.cpu_ticks().values()) for n, s in servers.items()}
         time.sleep(3)
-        idle_rest = {n: (sum(s.cpu_ticks().values()) - idle_a[n]) / _clk() / 3 for n, s in servers.items()}
+        idle_rest = {n: (sum(s.cpu_ticks().values()) - idle_a[n]) / clock_ticks_per_s() / 3 for n, s in servers.items()}
         res, cpu, idle, done, others, errors = asyncio.run(_measure(servers, rounds, budget_s))
         metrics = httpx.get(f"{servers['explorer'].url}/metrics", timeout=30).text
         log_tails = {n: servers[n].log_path.read_text(errors="replace")[-2500:] for n in errors}
@@ -253,7 +242,7 @@ def main() -> str:
         return statistics.median(f(r) for r in res[(name, c)])
 
     def cpu_per_ktok(name, c, role):
-        return statistics.median(1000 * t[role] / _clk() / r.tokens for t, r in zip(cpu[(name, c)], res[(name, c)]))
+        return statistics.median(1000 * t[role] / clock_ticks_per_s() / r.tokens for t, r in zip(cpu[(name, c)], res[(name, c)]))
 
     rows, verdicts = [], []
     for c in CONCURRENCIES:
@@ -281,7 +270,7 @@ def main() -> str:
         rows,
     )
     recorded_n = next((ln.split()[-1] for ln in metrics.splitlines() if ln.startswith("kaizen_experiences_recorded_total")), "?")
-    steal = max(ticks / _clk() / secs for v in idle.values() for ticks, secs in v)
+    steal = max(ticks / clock_ticks_per_s() / secs for v in idle.values() for ticks, secs in v)
     out += (
         f"\nGoal: explorer/vllm completion tokens/s (ratio of the medians) >= 0.95. "
         + "; ".join(verdicts)

@@ -63,7 +63,7 @@ def test_split_is_seeded_and_keeps_held_out_problems_out_of_traffic_and_demonstr
     assert len(s.traffic) == 500 and len(s.heldout) == 64
     assert t.split(3, 500, 64) == s and t.split(4, 500, 64) != s
     traffic, heldout = {p.question for p in s.traffic}, {p.question for p in s.heldout}
-    demos = {p.question for p in t.DEMONSTRATIONS}
+    demos = {p.question for p in t.DEMONSTRATION_POOL}
     assert len(traffic) == 500 and len(heldout) == 64
     assert not traffic & heldout and not demos & (traffic | heldout)
 
@@ -73,7 +73,7 @@ def test_at_most_16_demonstrations_each_a_whole_episode():
     assert len(demos) == 16 and len(t.demonstrations(6)) == 6
     for call, answer in zip(demos[::2], demos[1::2]):
         (user,) = call["messages"]
-        problem = next(p for p in t.DEMONSTRATIONS if p.question == user["content"])
+        problem = next(p for p in t.DEMONSTRATION_POOL if p.question == user["content"])
         assert call["tools"] == t.TOOLS == answer["tools"]
         (tool_call,) = call["response"]["tool_calls"]
         assert call["response"]["content"] is None and tool_call["function"]["name"] == "calculator"
@@ -85,16 +85,24 @@ def test_at_most_16_demonstrations_each_a_whole_episode():
         assert t.reward(problem.answer, answer["response"]["content"]) == 1.0
 
 
-def test_demonstrations_show_every_operation_but_leave_most_phrasings_to_traffic():
+def test_demonstrations_show_the_chosen_operations_and_leave_most_phrasings_to_traffic():
     import random
 
     import re
 
-    for p in t.DEMONSTRATIONS:  # each is an instance of the phrasing it names
+    for p in t.DEMONSTRATION_POOL:  # each is an instance of the phrasing it names
         op, text = t._TEMPLATES[p.template]
         pattern = re.sub(r"\\\{[a-z]+\\\}", ".+", re.escape(text))
-        assert p.expression.split()[1] == op and re.fullmatch(pattern, p.question), (p, pattern)
-    assert {t._TEMPLATES[i][0] for i in t.SHOWN_TEMPLATES} == {"+", "-", "*", "/"}
-    assert len(t.SHOWN_TEMPLATES) <= len(t._TEMPLATES) // 2
+        assert p.expression.split()[1] == op == t.operation(p) and re.fullmatch(pattern, p.question), (p, pattern)
+        assert t.calculate(p.expression) == str(p.answer)
+    every = t.demonstration_problems()
+    assert len(every) == 8 and {t.operation(p) for p in every} == {"+", "-", "*", "/"}
+    assert len({p.template for p in every}) <= len(t._TEMPLATES) // 2
+    two = t.demonstration_problems("*+")
+    assert len(two) == 8 and [t.operation(p) for p in two] == ["*"] * 4 + ["+"] * 4
+    assert len(t.demonstrations(16, "*+")) == 16
+    for bad in ("", "*x", "%"):
+        with pytest.raises(ValueError, match="operations must be"):
+            t.demonstration_problems(bad)
     rng = random.Random(0)
     assert {t.make_problem(rng).template for _ in range(500)} == set(range(len(t._TEMPLATES)))  # traffic asks them all
