@@ -26,7 +26,7 @@ class TrafficSection(ConfigModel):
 
 
 _PARITY_TRAFFIC = {"tasks_per_batch": 16, "repeat": 4, "concurrency": 16, "max_backlog": 128}
-_TOOLS_TRAFFIC = {"tasks_per_batch": 2, "repeat": 4, "concurrency": 16, "max_backlog": 32}
+_TOOLS_TRAFFIC = {"tasks_per_batch": 2, "repeat": 8, "concurrency": 16, "max_backlog": 32}
 
 
 def _traffic_over(defaults: dict[str, int]):
@@ -62,7 +62,7 @@ class ParitySection(ConfigModel):
 
 
 class ToolsSection(ConfigModel):
-    heldout: int = Field(default=64, ge=4, description="Held-out problems (never asked in traffic), one episode each per evaluation.")
+    heldout: int = Field(default=80, ge=4, description="Held-out problems (never asked in traffic), one episode each per evaluation.")
     traffic_problems: int = Field(default=2000, ge=16, description="Problems the simulated users draw from.")
     demonstrations: int = Field(
         default=16, ge=2, le=16,
