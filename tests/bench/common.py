@@ -79,3 +79,16 @@ def machine_busy_ticks() -> int:
     with open("/proc/stat") as f:
         v = [int(x) for x in f.readline().split()[1:]]
     return sum(v) - v[3] - v[4]
+
+
+def proc_stats():
+    """(pid, command name, the fields after it) of every live process, from /proc/<pid>/stat."""
+    for p in os.listdir("/proc"):
+        if not p.isdigit():
+            continue
+        try:
+            with open(f"/proc/{p}/stat") as f:
+                s = f.read()
+        except OSError:
+            continue
+        yield int(p), s[s.index("(") + 1 : s.rindex(")")], s[s.rindex(")") + 2 :].split()

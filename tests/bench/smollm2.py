@@ -60,7 +60,7 @@ from typing import Callable
 
 import torch
 
-from tests.bench.common import LoadResult, clock_ticks_per_s, machine_busy_ticks, run_load, table
+from tests.bench.common import LoadResult, clock_ticks_per_s, machine_busy_ticks, proc_stats, run_load, table
 
 NAME = "smollm2-135m-instruct"
 MODEL = f".cache/{NAME}"
@@ -124,16 +124,8 @@ def spread(xs: list[float], fmt: str = "{:.0f}") -> str:
 def _tree_ticks() -> int:
     """User + system ticks of this process and its live descendants (vLLM's engine core and worker)."""
     parent, ticks = {}, {}
-    for p in os.listdir("/proc"):
-        if not p.isdigit():
-            continue
-        try:
-            with open(f"/proc/{p}/stat") as f:
-                s = f.read()
-        except OSError:
-            continue
-        rest = s[s.rindex(")") + 2 :].split()
-        parent[int(p)], ticks[int(p)] = int(rest[1]), int(rest[11]) + int(rest[12])
+    for pid, _, rest in proc_stats():
+        parent[pid], ticks[pid] = int(rest[1]), int(rest[11]) + int(rest[12])
     mine, frontier = {os.getpid()}, [os.getpid()]
     while frontier:
         pid = frontier.pop()

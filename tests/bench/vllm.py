@@ -40,7 +40,7 @@ from pathlib import Path
 
 import httpx
 
-from tests.bench.common import TINY, LoadResult, clock_ticks_per_s, machine_busy_ticks, run_load, table
+from tests.bench.common import TINY, LoadResult, clock_ticks_per_s, machine_busy_ticks, proc_stats, run_load, table
 from tests.helpers import REPO, free_port, wait_http
 
 MAX_TOKENS = 64
@@ -103,20 +103,11 @@ class Server:
         if self.proc is None:
             return out
         pgid = self.proc.pid
-        for p in os.listdir("/proc"):
-            if not p.isdigit():
-                continue
-            try:
-                with open(f"/proc/{p}/stat") as f:
-                    s = f.read()
-            except OSError:
-                continue
-            comm = s[s.index("(") + 1 : s.rindex(")")]
-            rest = s[s.rindex(")") + 2 :].split()
+        for pid, comm, rest in proc_stats():
             if int(rest[2]) != pgid:
                 continue
             ticks = int(rest[11]) + int(rest[12])
-            role = "front" if int(p) == pgid else "engine" if comm.startswith("VLLM::") else "other"
+            role = "front" if pid == pgid else "engine" if comm.startswith("VLLM::") else "other"
             out[role] += ticks
         return out
 
