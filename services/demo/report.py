@@ -125,7 +125,8 @@ def report(cfg, stack, loop, stages: list[Stage], *, serving: dict, explorer_req
     (stack.run / "summary.json").write_text(json.dumps({
         "task": cfg.task,
         "evals": [{"label": s.result.label, "version": s.result.version, "mean": s.result.mean, "low": s.result.low,
-                   "high": s.result.high, "ci95": s.result.ci95, "seconds": s.result.seconds} for s in shown],
+                   "high": s.result.high, "ci95": s.result.ci95, "seconds": s.result.seconds,
+                   "per_prompt": s.result.per_prompt} for s in shown],  # for pooling runs (several seeds)
         "gains": gains,
         "experiences": counts, "rewarded": len(rows), "trainer_steps": last.step if last else 0,
         "versions_published": len(versions), "reloads": serving["reloads"], "failed_requests": loop.failed_requests,
