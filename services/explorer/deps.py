@@ -8,7 +8,10 @@ from typing import TYPE_CHECKING, Annotated
 from fastapi import Depends, Request
 
 from services.explorer.errors import APIError
+from services.explorer.completions import CompletionsService
 from services.explorer.feedback import FeedbackService
+from services.explorer.messages import MessagesService
+from services.explorer.responses import ResponsesService
 from services.explorer.service import ChatService
 
 if TYPE_CHECKING:  # app.py imports the routes, which import this module
@@ -23,6 +26,18 @@ def get_chat(request: Request) -> ChatService:
     return request.app.state.kaizen.chat
 
 
+def get_responses(request: Request) -> ResponsesService:
+    return request.app.state.kaizen.responses
+
+
+def get_messages(request: Request) -> MessagesService:
+    return request.app.state.kaizen.messages
+
+
+def get_completions(request: Request) -> CompletionsService:
+    return request.app.state.kaizen.completions
+
+
 def get_feedback(request: Request) -> FeedbackService:
     return request.app.state.kaizen.feedback
 
@@ -34,7 +49,10 @@ def require_api_key(request: Request) -> None:
     header = request.headers.get("authorization", "")
     scheme, _, token = header.partition(" ")
     if scheme.lower() != "bearer" or not token:
-        raise APIError(401, "missing API key: send Authorization: Bearer <key>", code="invalid_api_key")
+        token = request.headers.get("x-api-key", "")  # Anthropic's clients send their key so
+    if not token:
+        raise APIError(401, "missing API key: send Authorization: Bearer <key> (or X-Api-Key: <key>)",
+                       code="invalid_api_key")
     presented = token.strip().encode()
     ok = False
     for key in keys:  # compare with every key, in constant time each, so timing reveals nothing
@@ -46,3 +64,6 @@ def require_api_key(request: Request) -> None:
 StateDep = Annotated["ExplorerState", Depends(get_state)]
 ChatDep = Annotated[ChatService, Depends(get_chat)]
 FeedbackDep = Annotated[FeedbackService, Depends(get_feedback)]
+ResponsesDep = Annotated[ResponsesService, Depends(get_responses)]
+MessagesDep = Annotated[MessagesService, Depends(get_messages)]
+CompletionsDep = Annotated[CompletionsService, Depends(get_completions)]

@@ -46,6 +46,10 @@ class ExplorerMetrics:
         self.adapter_reload_failures = Gauge(
             "kaizen_adapter_reload_failures", "Published versions refused (broken or unloadable)", registry=r
         )
+        self.episode_pins = Gauge("kaizen_episode_pins", "Episodes held on the version their first call used", registry=r)
+        self.episode_pin_misses = Gauge(
+            "kaizen_episode_pin_misses", "Episodes whose version was deleted before they ended (they moved on)", registry=r
+        )
         self.adapter_reload_seconds = Histogram(
             "kaizen_adapter_reload_seconds", "Time to load a new adapter version", buckets=_LATENCY_BUCKETS, registry=r
         )

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field, Strict, field_validator, model_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, Strict, field_validator, model_validator
 
 from services.common.storable import RUN_ID_MAX, TASK_ID_MAX, find_unstorable
 from services.explorer.errors import APIError
@@ -22,6 +22,25 @@ from services.explorer.errors import APIError
 Float = Annotated[float, Strict()]
 Int = Annotated[int, Strict()]
 Bool = Annotated[bool, Strict()]
+
+
+def _grouping_id(value: Any) -> Any:
+    # Integers are ids too (Trinity's clients send an integer run_id, some an integer task_id);
+    # stored as their decimal string, as chat requests store them. A boolean is a client bug.
+    if isinstance(value, int) and not isinstance(value, bool):
+        return str(value)
+    if value is not None and not isinstance(value, str):
+        raise ValueError("must be a string or an integer")
+    return value
+
+
+def _reward(value: Any) -> Any:
+    # A pass/fail verdict is a reward too: true is 1.0, false 0.0.
+    return float(value) if isinstance(value, bool) else value
+
+
+# task_id / run_id: a string or an integer (kept as its decimal string).
+GroupingId = Annotated[Annotated[str, Strict()], BeforeValidator(_grouping_id)]
 
 
 class _Lenient(BaseModel):
@@ -164,7 +183,7 @@ class DemonstrationRequest(_Recorded):
     messages: list[Message] = Field(min_length=1)
     tools: list[Tool] | None = None
     response: Message
-    task_id: str | None = None
+    task_id: GroupingId | None = None
     comment: str | None = Field(default=None, max_length=10_000)
 
     @model_validator(mode="after")
@@ -183,9 +202,9 @@ class FeedbackRequest(_Recorded):
     name an episode and the reward reaches every call of it (an extension)."""
 
     msg_ids: list[str] | None = Field(default=None, min_length=1, max_length=10_000)
-    reward: Float
-    task_id: str | None = None
-    run_id: Int | str | None = None
+    reward: Annotated[Float, BeforeValidator(_reward)]
+    task_id: GroupingId | None = None
+    run_id: GroupingId | None = None
     labels: list[str] | None = None
     comment: str | None = Field(default=None, max_length=10_000)
     source: str | None = None
@@ -221,7 +240,7 @@ class FeedbackRequest(_Recorded):
 class CommitRequest(_Recorded):
     """Trinity's extra keys (run_id, time_threshold) are accepted and ignored."""
 
-    task_id: str | None = None
+    task_id: GroupingId | None = None
     msg_ids: list[str] | None = Field(default=None, max_length=10_000)
 
     @field_validator("msg_ids")
@@ -347,3 +366,86 @@ class Demonstration(BaseModel):
     agent: str
     prompt_tokens: int
     response_tokens: int
+
+
+# ---------------------------------------------------------------------------------------------
+# The Responses API (POST /v1/responses), served by translating to a chat request:
+# services/explorer/responses.py. Field order as in OpenAI's spec; input items are checked there.
+
+
+class ResponsesRequest(_Recorded):
+    model: str = Field(min_length=1)
+    input: str | list[dict[str, Any]]
+    instructions: str | None = None
+    previous_response_id: str | None = Field(default=None, min_length=1, max_length=128)
+    include: list[str] | None = None
+    max_output_tokens: Int | None = Field(default=None, ge=1)
+    metadata: dict[str, Any] | None = None
+    parallel_tool_calls: Bool | None = None
+    store: Bool | None = None
+    stream: Bool | None = None
+    temperature: Float | None = Field(default=None, ge=0.0, le=2.0)
+    text: dict[str, Any] | None = None
+    tool_choice: Literal["none", "auto", "required"] | dict[str, Any] | None = None
+    tools: list[dict[str, Any]] | None = None
+    top_logprobs: Int | None = Field(default=None, ge=0, le=20)
+    top_p: Float | None = Field(default=None, gt=0.0, le=1.0)
+    truncation: Literal["auto", "disabled"] | None = None
+    user: str | None = None
+
+    # Extensions, not in the OpenAI spec
+    seed: Int | None = None
+    return_token_ids: Bool | None = None
+
+
+# ---------------------------------------------------------------------------------------------
+# Anthropic's Messages API (POST /v1/messages), served by translating to a chat request:
+# services/explorer/messages.py. Content blocks are checked there.
+
+
+class AnthropicMessage(_Lenient):
+    role: Literal["user", "assistant"]
+    content: str | list[dict[str, Any]]
+
+
+class MessagesRequest(_Recorded):
+    model: str = Field(min_length=1)
+    messages: list[AnthropicMessage] = Field(min_length=1)
+    max_tokens: Int = Field(ge=1)
+    system: str | list[dict[str, Any]] | None = None
+    metadata: dict[str, Any] | None = None
+    stop_sequences: list[str] | None = Field(default=None, max_length=16)
+    stream: Bool | None = None
+    temperature: Float | None = Field(default=None, ge=0.0, le=1.0)
+    tool_choice: dict[str, Any] | None = None
+    tools: list[dict[str, Any]] | None = None
+    top_k: Int | None = None
+    top_p: Float | None = Field(default=None, gt=0.0, le=1.0)
+
+
+class CompletionRequest(_Recorded):
+    """POST /v1/completions (legacy text completions): served by services/explorer/completions.py."""
+
+    model: str = Field(min_length=1)
+    prompt: str | list[int] | list[str] | list[list[int]]
+    best_of: Int | None = Field(default=None, ge=1)
+    echo: Bool | None = None
+    frequency_penalty: Float | None = None
+    logit_bias: dict[str, Float] | None = None
+    logprobs: Int | None = Field(default=None, ge=0, le=20)
+    max_tokens: Int | None = Field(default=None, ge=1)
+    n: Int | None = Field(default=None, ge=1, le=128)
+    presence_penalty: Float | None = None
+    seed: Int | None = None
+    stop: str | list[str] | None = None
+    stream: Bool | None = None
+    stream_options: StreamOptions | None = None
+    suffix: str | None = None
+    temperature: Float | None = Field(default=None, ge=0.0, le=2.0)
+    top_p: Float | None = Field(default=None, gt=0.0, le=1.0)
+    user: str | None = None
+
+    # Extensions, not in the OpenAI spec
+    metadata: dict[str, Any] | None = None
+    response_format: dict[str, Any] | None = None
+    return_token_ids: Bool | None = None

@@ -14,15 +14,19 @@ import logging
 import time
 from datetime import datetime, timezone
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator, Mapping
+from typing import Any, AsyncIterator, Callable, Mapping
 
+from pydantic import ValidationError
 from starlette.types import Receive
 
+from services.common import grammar
+from services.common.grammar import GrammarError
 from services.common.ids import experience_id, new_id
 from services.common.records import Experience
 from services.explorer.adapters import AdapterHandle, AdapterRegistry, UnknownModel
 from services.explorer.config import ExplorerConfig
 from services.explorer.engines.base import ChoiceUpdate, Engine, GenerateRequest, SamplingParams
+from services.explorer.episodes import EpisodePins
 from services.explorer.errors import APIError, error_body
 from services.explorer.metrics import ExplorerMetrics
 from services.explorer.protocol import (
@@ -41,7 +45,7 @@ from services.explorer.protocol import (
     check_storable,
 )
 from services.explorer.recorder import Recorder
-from services.explorer.tool_calls import ToolCallStreamFilter, forced_prefix, parse_tool_calls
+from services.explorer.tool_calls import ToolCallStreamFilter, call_grammar, parse_tool_calls
 
 log = logging.getLogger(__name__)
 
@@ -55,12 +59,13 @@ class PreparedChat:
     messages: list[dict[str, Any]]
     tools: list[dict[str, Any]] | None
     parse_tools: bool
-    prefix: str  # forced start of the response (tool_choice required / named)
     prompt_ids: list[int]
     params: SamplingParams
     n: int
     task_id: str | None
     run_id: str | None
+    episode_pin: bool = True  # serve the version this episode's first call used
+    id_prefix: str = "chatcmpl"  # of the completion id (the Responses API's are resp_...)
 
 
 @dataclass
@@ -142,6 +147,50 @@ def _grouping(req: ChatCompletionRequest, headers: Mapping[str, str]) -> tuple[s
     return out[0], out[1]
 
 
+def _response_grammar(req: ChatCompletionRequest, tools: list[dict[str, Any]] | None, tool_choice: Any) -> str | None:
+    """The grammar a response decodes under (services/common/grammar.py), or None for free text:
+    tool_choice required / named: calls only; response_format json_object / json_schema: that JSON
+    (or, with tools on auto, either that JSON or calls)."""
+    rf = req.response_format or {}
+    kind = rf.get("type", "text")
+    try:
+        text = None
+        if kind == "json_object":
+            text = grammar.json_object_grammar()
+        elif kind == "json_schema":
+            spec = rf.get("json_schema")
+            if not isinstance(spec, dict) or not isinstance(spec.get("schema", {}), dict):
+                raise APIError(400, "response_format.json_schema must be an object with a name and a schema object",
+                               param="response_format.json_schema")
+            strict = spec.get("strict")
+            text = grammar.json_schema_grammar(spec.get("schema") or {"type": "object"}, strict=strict is not False)
+        elif kind != "text":
+            raise APIError(400, f"unknown response_format type {kind!r}; use text, json_object or json_schema",
+                           param="response_format.type")
+        calls = call_grammar(tools, tool_choice, parallel=req.parallel_tool_calls is not False) if tools else None
+        if calls is not None or text is None:
+            return calls
+        if tools:
+            return grammar.either(text, call_grammar(tools, "required", parallel=req.parallel_tool_calls is not False))
+        return text
+    except GrammarError as e:
+        raise APIError(400, str(e), param="response_format" if kind != "text" else "tools") from None
+
+
+def _chunk_json(chunk: ChatCompletionChunk) -> str:
+    return chunk.model_dump_json()
+
+
+def _episode_pin(req: ChatCompletionRequest, headers: Mapping[str, str]) -> bool:
+    """metadata.episode_pin / X-Episode-Pin false: this call takes the current version."""
+    value = (req.metadata or {}).get("episode_pin", headers.get("x-episode-pin", True))
+    if isinstance(value, str) and value.lower() in ("true", "false", "1", "0"):
+        value = value.lower() in ("true", "1")
+    if not isinstance(value, bool):
+        raise APIError(400, "metadata.episode_pin must be true or false", param="metadata.episode_pin")
+    return value
+
+
 class ChatService:
     def __init__(
         self,
@@ -157,24 +206,14 @@ class ChatService:
         self.registry = registry
         self.recorder = recorder
         self.metrics = metrics
+        r = config.reload
+        self.episodes = EpisodePins(ttl_s=r.episode_pin_s, max_episodes=r.episode_pin_max)
+        registry.held_versions = self.episodes.held
 
     # ------------------------------------------------------------------ preparation
 
     def prepare(self, req: ChatCompletionRequest, headers: Mapping[str, str]) -> PreparedChat:
-        for name in ("frequency_penalty", "presence_penalty"):
-            if getattr(req, name):
-                raise APIError(400, f"{name} is not supported by this server", param=name, code="unsupported_parameter")
-        if req.logit_bias:
-            raise APIError(400, "logit_bias is not supported by this server", param="logit_bias", code="unsupported_parameter")
-        if req.response_format and req.response_format.get("type") not in (None, "text"):
-            raise APIError(
-                400, "response_format other than text is not supported", param="response_format", code="unsupported_parameter"
-            )
-        if req.top_logprobs and not req.logprobs:
-            raise APIError(400, "top_logprobs requires logprobs to be true", param="top_logprobs")
-        if not self.recorder.has_capacity(req.n or 1):
-            raise APIError(503, "the experience buffer is unreachable and the backlog is full; retry later", code="buffer_unavailable")
-
+        self._check(req)
         messages = normalize_messages(req.messages)
         tool_choice = req.tool_choice.model_dump() if hasattr(req.tool_choice, "model_dump") else req.tool_choice
         tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
@@ -184,20 +223,54 @@ class ChatService:
             raise APIError(400, f"tool_choice names unknown function {tool_choice['function']['name']!r}", param="tool_choice")
         if tool_choice == "none":
             tools = None
-        prefix = forced_prefix(tool_choice) if tools else ""
+        constraint = _response_grammar(req, tools, tool_choice)
         try:
             text = self.engine.tokenizer.apply_chat_template(
                 messages, tools=tools, add_generation_prompt=True, tokenize=False
             )
         except Exception as e:
             raise APIError(400, f"the model's chat template rejected these messages: {e}", param="messages") from None
-        prompt_ids = self.engine.tokenizer.encode(text + prefix, add_special_tokens=False)
+        prompt_ids = self.engine.tokenizer.encode(text, add_special_tokens=False)
+        return self._prepared(req, headers, messages=messages, tools=tools, prompt_ids=prompt_ids, grammar=constraint,
+                              what="messages")
 
+    def prepare_text(self, req: ChatCompletionRequest, headers: Mapping[str, str], *, prompt: str | list[int]) -> PreparedChat:
+        """A text completion (POST /v1/completions): ``prompt`` as it is, no chat template (a list:
+        token ids). Its sampling settings come from ``req``, whose messages are not used; the record
+        keeps the prompt as one message of role ``prompt``."""
+        self._check(req)
+        if isinstance(prompt, str):
+            ids, text = self.engine.tokenizer.encode(prompt, add_special_tokens=False), prompt
+        else:
+            vocab = len(self.engine.tokenizer)
+            if any(not 0 <= t < vocab for t in prompt):
+                raise APIError(400, f"prompt token ids must lie in [0, {vocab})", param="prompt")
+            ids, text = list(prompt), self.engine.tokenizer.decode(prompt)
+        if not ids:
+            raise APIError(400, "prompt is empty", param="prompt")
+        return self._prepared(req, headers, messages=[{"role": "prompt", "content": text}], tools=None, prompt_ids=ids,
+                              grammar=_response_grammar(req, None, None), what="prompt", id_prefix="cmpl")
+
+    def _check(self, req: ChatCompletionRequest) -> None:
+        for name in ("frequency_penalty", "presence_penalty"):
+            if getattr(req, name):
+                raise APIError(400, f"{name} is not supported by this server", param=name, code="unsupported_parameter")
+        if req.logit_bias:
+            raise APIError(400, "logit_bias is not supported by this server", param="logit_bias", code="unsupported_parameter")
+        if req.top_logprobs and not req.logprobs:
+            raise APIError(400, "top_logprobs requires logprobs to be true", param="top_logprobs")
+        if not self.recorder.has_capacity(req.n or 1):
+            raise APIError(503, "the experience buffer is unreachable and the backlog is full; retry later", code="buffer_unavailable")
+
+    def _prepared(self, req: ChatCompletionRequest, headers: Mapping[str, str], *, messages: list[dict[str, Any]],
+                  tools: list[dict[str, Any]] | None, prompt_ids: list[int], grammar: str | None, what: str,
+                  id_prefix: str = "chatcmpl") -> PreparedChat:
+        """The sampling settings, checked against the context length the prompt leaves."""
         limit = self.engine.max_model_len
         if len(prompt_ids) >= limit:
             raise APIError(
-                400, f"this model's maximum context length is {limit} tokens, the messages take {len(prompt_ids)}",
-                param="messages", code="context_length_exceeded",
+                400, f"this model's maximum context length is {limit} tokens, the {what} take {len(prompt_ids)}",
+                param=what, code="context_length_exceeded",
             )
         max_tokens = req.max_completion_tokens or req.max_tokens or self.config.server.default_max_tokens
         if max_tokens is None:
@@ -205,7 +278,7 @@ class ChatService:
         elif len(prompt_ids) + max_tokens > limit:
             raise APIError(
                 400,
-                f"this model's maximum context length is {limit} tokens; the messages take {len(prompt_ids)} "
+                f"this model's maximum context length is {limit} tokens; the {what} take {len(prompt_ids)} "
                 f"and {max_tokens} were asked for the completion",
                 param="max_completion_tokens" if req.max_completion_tokens else "max_tokens",
                 code="context_length_exceeded",
@@ -218,29 +291,62 @@ class ChatService:
             stop=stop,
             seed=req.seed,
             top_logprobs=(req.top_logprobs or 0) if req.logprobs else 0,
+            grammar=grammar,
         )
         task_id, run_id = _grouping(req, headers)
         return PreparedChat(
-            request=req, model=req.model, messages=messages, tools=tools, parse_tools=bool(tools), prefix=prefix,
-            prompt_ids=prompt_ids, params=params, n=req.n or 1, task_id=task_id, run_id=run_id,
+            request=req, model=req.model, messages=messages, tools=tools, parse_tools=bool(tools), prompt_ids=prompt_ids,
+            params=params, n=req.n or 1, task_id=task_id, run_id=run_id, episode_pin=_episode_pin(req, headers),
+            id_prefix=id_prefix,
         )
 
-    async def _acquire(self, model: str) -> AdapterHandle:
+    def prepare_translated(self, body: dict[str, Any], headers: Mapping[str, str], *, id_prefix: str) -> PreparedChat:
+        """A request of another API (Responses, Anthropic Messages), translated into a chat body,
+        checked and prepared as a chat; its ids start with ``id_prefix``."""
         try:
-            return await self.registry.acquire(model)
+            req = ChatCompletionRequest.model_validate({k: v for k, v in body.items() if v is not None})
+        except ValidationError as e:
+            err = e.errors()[0]
+            raise APIError(400, f"{'.'.join(map(str, err['loc']))}: {err['msg']}", param=str(err["loc"][0])) from None
+        p = self.prepare(req, headers)
+        p.id_prefix = id_prefix
+        return p
+
+    async def _acquire(self, p: PreparedChat) -> AdapterHandle:
+        """The handle of the version that serves this request: the agent's current one, or the
+        one its episode started on (see services/explorer/episodes.py)."""
+        agent = self.registry.agent_of(p.model)
+        pinning = self.episodes.enabled and p.episode_pin and agent is not None and p.task_id is not None \
+            and p.run_id is not None
+        if pinning:
+            version = self.episodes.get(agent, p.task_id, p.run_id)
+            if version is not None:
+                try:
+                    handle = await self.registry.acquire(f"{agent}@v{version}")
+                except UnknownModel:  # the Trainer deleted it: the episode goes on with the current version
+                    self.episodes.misses += 1
+                    log.warning("episode %s/%s of %s: v%d is gone; serving the current version", p.task_id, p.run_id,
+                                agent, version)
+                else:
+                    self.episodes.remember(agent, p.task_id, p.run_id, handle.version)
+                    return handle
+        try:
+            handle = await self.registry.acquire(p.model)
         except UnknownModel as e:
             raise APIError(404, f"the model {str(e)!r} does not exist", param="model", code="model_not_found") from None
+        if pinning:
+            self.episodes.remember(agent, p.task_id, p.run_id, handle.version)
+        return handle
 
     # ------------------------------------------------------------------ responses
 
     def _message(self, p: PreparedChat, c: _Choice) -> tuple[ResponseMessage, str]:
-        text = p.prefix + c.text if p.prefix else c.text
         finish = c.finish_reason or "stop"
         if p.parse_tools:
-            content, calls = parse_tool_calls(text)
+            content, calls = parse_tool_calls(c.text)
             if calls:
                 return ResponseMessage(content=content, tool_calls=calls), "tool_calls"
-        return ResponseMessage(content=text), finish
+        return ResponseMessage(content=c.text), finish
 
     def _logprobs(self, c: _Choice) -> ChoiceLogprobs:
         tok = self.engine.tokenizer
@@ -308,7 +414,7 @@ class ChatService:
         """The whole answer at once. With ``receive`` (the ASGI channel), a client that goes away
         aborts its generation in the engine instead of leaving it to run to the end."""
         t0 = time.perf_counter()
-        handle = await self._acquire(p.model)
+        handle = await self._acquire(p)
         answer = _Answer.start(p, handle)
         choices = [_Choice(i) for i in range(p.n)]
         try:
@@ -358,19 +464,37 @@ class ChatService:
     async def stream(self, p: PreparedChat) -> AsyncIterator[bytes]:
         """SSE chunks; the handle is leased before the first byte so errors can still be a 4xx.
         A client that goes away closes this generator, which aborts the engine's generation."""
-        handle = await self._acquire(p.model)
-        return self._stream(p, handle)
+        return self.sse(await self.chunks(p))
 
-    async def _stream(self, p: PreparedChat, handle: AdapterHandle) -> AsyncIterator[bytes]:
+    async def chunks(self, p: PreparedChat) -> AsyncIterator[ChatCompletionChunk]:
+        """The streamed answer as chunk objects (other APIs' streams are built from them)."""
+        handle = await self._acquire(p)
+        return self._chunks(p, handle)
+
+    async def sse(self, chunks, render: Callable[[ChatCompletionChunk], str | None] = _chunk_json) -> AsyncIterator[bytes]:
+        """Server-sent events of ``chunks`` as ``render`` writes each (None: skip it), then [DONE]."""
+        try:
+            async for chunk in chunks:
+                data = render(chunk)
+                if data is not None:
+                    yield b"data: " + data.encode() + b"\n\n"
+        except APIError as e:
+            yield b"data: " + json.dumps(error_body(e.status, e.message, param=e.param, code=e.code)).encode() + b"\n\n"
+        except Exception as e:
+            yield b"data: " + json.dumps(error_body(500, f"stream failed: {e}", code="engine_error")).encode() + b"\n\n"
+        finally:
+            await chunks.aclose()  # a client gone: close the generation now, not when collected
+        yield b"data: [DONE]\n\n"
+
+    async def _chunks(self, p: PreparedChat, handle: AdapterHandle) -> AsyncIterator[ChatCompletionChunk]:
         t0 = time.perf_counter()
         answer = _Answer.start(p, handle)
         include_usage = bool(p.request.stream_options and p.request.stream_options.include_usage)
         want_ids = bool(p.request.return_token_ids)
 
-        def sse(choices: list[ChunkChoice], **extra) -> bytes:
-            body = ChatCompletionChunk(id=answer.completion_id, created=answer.created, model=p.model,
+        def chunk(choices: list[ChunkChoice], **extra) -> ChatCompletionChunk:
+            return ChatCompletionChunk(id=answer.completion_id, created=answer.created, model=p.model,
                                        system_fingerprint=answer.fingerprint, choices=choices, **extra)
-            return b"data: " + body.model_dump_json().encode() + b"\n\n"
 
         def piece(index: int, delta: Delta, finish: str | None = None, **extra) -> ChunkChoice:
             return ChunkChoice(index=index, delta=delta, finish_reason=finish, experience_id=answer.experience_id(index),
@@ -378,13 +502,9 @@ class ChatService:
 
         choices = [_Choice(i) for i in range(p.n)]
         filters = [ToolCallStreamFilter() if p.parse_tools else None for _ in range(p.n)]
-        if p.prefix:
-            for f in filters:
-                f.feed(p.prefix)
-        done = False
         try:
-            yield sse([piece(i, Delta(role="assistant", content="")) for i in range(p.n)],
-                      prompt_token_ids=p.prompt_ids if want_ids else None)
+            yield chunk([piece(i, Delta(role="assistant", content="")) for i in range(p.n)],
+                        prompt_token_ids=p.prompt_ids if want_ids else None)
             async for updates in self.engine.generate(self._engine_request(p, handle, answer.completion_id, stream=True)):
                 out = []
                 for u in updates:
@@ -408,22 +528,21 @@ class ChatService:
                             if p.request.logprobs else None,
                         ))
                 if out:
-                    yield sse(out)
-            done = True
-            messages_out = [self._message(p, c)[0] for c in choices]
-            self._record(p, handle, answer.completion_id, choices, messages_out, answer.leased_at)
-            self._account(handle, p, choices, t0, stream=True)
-            if include_usage:
-                yield sse([], usage=answer.usage(choices))
-        except APIError as e:
-            yield b"data: " + json.dumps(error_body(e.status, e.message, param=e.param, code=e.code)).encode() + b"\n\n"
-        except Exception as e:
-            if not done:
-                log.exception("stream %s failed", answer.completion_id)
-            yield b"data: " + json.dumps(error_body(500, f"stream failed: {e}", code="engine_error")).encode() + b"\n\n"
+                    yield chunk(out)
+        except APIError:
+            raise
+        except Exception:
+            log.exception("stream %s failed", answer.completion_id)
+            raise
         finally:
             self.registry.release(handle)
-        yield b"data: [DONE]\n\n"
+        if any(c.finish_reason == "abort" for c in choices):
+            return  # aborted in the engine: nobody got a whole answer, nothing to record
+        messages_out = [self._message(p, c)[0] for c in choices]
+        self._record(p, handle, answer.completion_id, choices, messages_out, answer.leased_at)
+        self._account(handle, p, choices, t0, stream=True)
+        if include_usage:
+            yield chunk([], usage=answer.usage(choices))
 
 
 @dataclass
@@ -438,7 +557,7 @@ class _Answer:
 
     @classmethod
     def start(cls, p: PreparedChat, handle: AdapterHandle) -> "_Answer":
-        return cls(completion_id=new_id("chatcmpl"), created=int(time.time()),
+        return cls(completion_id=new_id(p.id_prefix), created=int(time.time()),
                    fingerprint=f"kaizen-{handle.agent}-v{handle.version}", prompt_tokens=len(p.prompt_ids),
                    leased_at=datetime.now(timezone.utc))
 

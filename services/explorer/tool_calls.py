@@ -1,7 +1,8 @@
 """Hermes-format tool calls: ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>`` in the text.
 
 ``parse_tool_calls`` turns a finished response into OpenAI ``tool_calls``; ``ToolCallStreamFilter``
-lets a streamed response show its plain content while holding back anything that may be a call.
+lets a streamed response show its plain content while holding back anything that may be a call;
+``call_grammar`` is what ``tool_choice`` required / named decode under.
 """
 
 from __future__ import annotations
@@ -10,6 +11,8 @@ import json
 import re
 import secrets
 from typing import Any
+
+from services.common import grammar
 
 START = "<tool_call>"
 END = "</tool_call>"
@@ -45,13 +48,23 @@ def parse_tool_calls(text: str) -> tuple[str | None, list[dict[str, Any]]]:
     return (content or None), calls
 
 
-def forced_prefix(tool_choice: Any) -> str:
-    """Text the response is made to start with so that it is a call (tool_choice required/named)."""
+def call_grammar(tools: list[dict[str, Any]], tool_choice: Any, *, parallel: bool) -> str | None:
+    """The grammar a response must match under ``tool_choice`` required (a call of any offered
+    tool) or named (a call of that one), in exactly the form the Hermes template renders and
+    ``parse_tool_calls`` reads, each call's arguments matching its tool's parameters schema;
+    several calls, one per line, when ``parallel``. None for auto and none: free text."""
     if tool_choice == "required":
-        return START + '\n{"name": "'
-    if isinstance(tool_choice, dict):
-        return START + '\n{"name": ' + json.dumps(tool_choice["function"]["name"]) + ', "arguments": '
-    return ""
+        chosen = tools
+    elif isinstance(tool_choice, dict):
+        chosen = [t for t in tools if t["function"]["name"] == tool_choice["function"]["name"]]
+    else:
+        return None
+    tags = [
+        (f'{START}\n{{"name": {json.dumps(t["function"]["name"])}, "arguments": ',
+         t["function"].get("parameters") or {"type": "object"}, f"}}\n{END}")
+        for t in chosen
+    ]
+    return grammar.tagged_json(tags, separator="\n", first_only=not parallel)
 
 
 class ToolCallStreamFilter:

@@ -40,6 +40,7 @@ class TrainItem:
     run_id: str | None = None
     seq: int = 0  # arrival order in the buffer: the order of an episode's calls
     demonstration: bool = False  # trained by the supervised term only (POST /demonstrations)
+    grammar: str | None = None  # sampled under this grammar: scored over the tokens it allowed
 
     @property
     def episode(self) -> tuple[str | None, str]:
@@ -122,6 +123,7 @@ def to_item(row: CommittedExperience, weight: float) -> TrainItem:
         temperature=temperature if temperature > 0 else 1.0,  # greedy samples were scored at T=1
         weight=weight,
         seq=int(row.seq),
+        grammar=(row.sampling or {}).get("grammar"),
     )
 
 

@@ -167,7 +167,8 @@ class LearnerWorker:
         old_lp = torch.zeros_like(mask)
         for row, it in enumerate(micro):
             old_lp[row, : len(it.old_logprobs)] = torch.tensor(it.old_logprobs)
-        out = p.forward(batch, need_hidden=recipe.uses_critic, entropy_grad=a.entropy_coef > 0)
+        allowed = p.allowed_tokens([i.grammar for i in micro], [i.response_ids for i in micro], batch.response_len)
+        out = p.forward(batch, need_hidden=recipe.uses_critic, entropy_grad=a.entropy_coef > 0, allowed=allowed)
         stats: dict[str, float] = {"entropy_sum": float(masked_sum(out.entropy.detach(), mask)), "tokens": float(mask.sum())}
         first: dict[str, float] = {}
         if epoch == 0:
@@ -178,7 +179,7 @@ class LearnerWorker:
         ref_lp = None
         if a.kl_coef > 0 or a.kl_metric:
             with torch.no_grad():
-                ref_lp = p.forward(batch, need_hidden=False, adapter=False).logprobs
+                ref_lp = p.forward(batch, need_hidden=False, adapter=False, allowed=allowed).logprobs
             stats["kl_sum"] = float(masked_sum(kl_k3(out.logprobs.detach(), ref_lp), mask))
         mb = MicroBatch(
             items=micro, logprobs=out.logprobs, old_logprobs=old_lp, mask=mask,

@@ -26,7 +26,8 @@ from typing import Sequence
 import torch
 from torch import nn
 
-from services.common.models import load_base_model, resolve_device, resolve_dtype, shared_prefix_len
+from services.common import grammar as grammars
+from services.common.models import load_base_model, resolve_device, resolve_dtype, shared_prefix_len, stop_token_ids
 
 log = logging.getLogger(__name__)
 
@@ -107,6 +108,7 @@ class Policy:
         self.model = None  # PeftModel, once the first agent exists
         self.value_heads: dict[str, ValueHead] = {}
         self.active: str | None = None
+        self._grammar_cache: grammars.GrammarCache | None = None
 
     # ------------------------------------------------------------------ adapters
 
@@ -193,16 +195,38 @@ class Policy:
                       past_key_values=DynamicCache(ddp_cache_data=layers), use_cache=True)
         return inputs
 
-    def forward(self, batch: PackedBatch, *, need_hidden: bool, adapter: bool = True, entropy_grad: bool = False) -> ForwardOut:
-        """Logprobs of the response tokens (with grad unless under no_grad), entropy, hidden states."""
+    def allowed_tokens(self, grammars_of_rows: Sequence[str | None], responses: Sequence[Sequence[int]],
+                       response_len: int) -> torch.Tensor | None:
+        """(B, R, V) bool: the tokens each row's grammar allowed before each response token, the
+        masks the engine sampled under (services/common/grammar.py); None when no row has one."""
+        if not any(grammars_of_rows):
+            return None
+        vocab = self.base.config.vocab_size
+        if self._grammar_cache is None:
+            self._grammar_cache = grammars.GrammarCache(self.tokenizer, vocab, stop_token_ids=stop_token_ids(self.tokenizer, self.base))
+        allowed = torch.ones((len(responses), response_len, vocab), dtype=torch.bool)
+        for row, (g, r) in enumerate(zip(grammars_of_rows, responses)):
+            if g:
+                allowed[row, : len(r)] = grammars.allowed(self._grammar_cache, g, list(r), vocab)
+        return allowed
+
+    def forward(self, batch: PackedBatch, *, need_hidden: bool, adapter: bool = True, entropy_grad: bool = False,
+                allowed: torch.Tensor | None = None) -> ForwardOut:
+        """Logprobs of the response tokens (with grad unless under no_grad), entropy, hidden states.
+        ``allowed`` (B, R, V): score each token over the tokens its grammar allowed, as sampled."""
         P, R = batch.prompt_len, batch.response_len
         with contextlib.nullcontext() if adapter else self.model.disable_adapter():
             out = self.model(**self._inputs(batch), output_hidden_states=need_hidden,
                              logits_to_keep=R + 1)  # positions P-1 .. P+R-1; the last one predicts nothing we need
         logits = out.logits[:, :-1, :].float() / batch.temperatures.to(self.device).view(-1, 1, 1)  # (B, R, V)
+        if allowed is not None:
+            allowed = allowed.to(self.device)
+            logits = logits.masked_fill(~allowed, float("-inf"))
         logp_all = torch.log_softmax(logits, dim=-1)
         logprobs = logp_all.gather(-1, batch.response_ids.to(self.device).unsqueeze(-1)).squeeze(-1)
         with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
-            entropy = -(logp_all.exp() * logp_all).sum(-1)
+            # Disallowed tokens have p = 0 and logp = -inf: their term is 0 (and so are its gradients).
+            logp_finite = logp_all if allowed is None else logp_all.masked_fill(~allowed, 0.0)
+            entropy = -(logp_all.exp() * logp_finite).sum(-1)
         hidden = out.hidden_states[-1][:, P - 1 : P - 1 + R, :] if need_hidden else None
         return ForwardOut(logprobs=logprobs, entropy=entropy, hidden=hidden)

@@ -7,6 +7,8 @@ Two implementations: ``hf`` (transformers + peft, the CPU default) and ``vllm`` 
 Logprob convention (both engines): the logprob of a sampled token is taken from
 ``log_softmax(logits / temperature)`` before top-p truncation (temperature 0 counts as 1). The
 Trainer recomputes exactly this from the recorded temperature, so importance ratios start at 1.
+Under a grammar (structured outputs), the tokens it disallows are at -inf before the softmax: the
+logprob is that of the distribution really sampled from, and the Trainer applies the same masks.
 """
 
 from __future__ import annotations
@@ -31,15 +33,19 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     seed: int | None = None
     top_logprobs: int = 0  # alternatives per token to return (0..20)
+    grammar: str | None = None  # EBNF the response must match (services/common/grammar.py)
 
     def as_record(self) -> dict[str, Any]:
-        return {
+        record = {
             "temperature": self.temperature,
             "top_p": self.top_p,
             "max_tokens": self.max_tokens,
             "seed": self.seed,
             "stop": list(self.stop),
         }
+        if self.grammar is not None:
+            record["grammar"] = self.grammar  # the Trainer rebuilds the engine's masks from it
+        return record
 
 
 @dataclass(frozen=True)

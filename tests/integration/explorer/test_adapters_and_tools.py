@@ -80,15 +80,20 @@ def test_base_and_adapter_share_batches_without_mixing(agent_explorer):
     assert (v0["agent"], v0["model_version"]) == ("weather", 0)
 
 
-def test_named_tool_choice_forces_a_call_prefix(explorer):
+def test_named_tool_choice_is_decoded_under_the_call_grammar(explorer):
     r = explorer.client.chat.completions.create(
-        model="default", messages=ASK, tools=TOOLS, max_tokens=8,
+        model="default", messages=ASK, tools=TOOLS, max_tokens=40,
         tool_choice={"type": "function", "function": {"name": "get_weather"}},
     )
     exp = explorer.http.get(f"/experiences/{r.choices[0].model_extra['experience_id']}").json()
     prompt = explorer.tokenizer.decode(exp["prompt_token_ids"])
-    # The forced start of the call is part of what the engine consumed, not of what it sampled.
-    assert prompt.endswith('<|im_start|>assistant\n<tool_call>\n{"name": "get_weather", "arguments": ')
+    # The prompt ends where the model's turn starts: the whole call is sampled (under its grammar),
+    # so it is recorded and trained as the model's own tokens.
+    assert prompt.endswith("<|im_start|>assistant\n")
+    assert explorer.tokenizer.decode(exp["response_token_ids"]).startswith('<tool_call>\n{"name": "get_weather", "arguments": ')
+    assert exp["sampling"]["grammar"]
+    if r.choices[0].finish_reason == "tool_calls":
+        assert r.choices[0].message.tool_calls[0].function.name == "get_weather"
     with pytest.raises(Exception, match="unknown function"):
         explorer.client.chat.completions.create(
             model="default", messages=ASK, tools=TOOLS, tool_choice={"type": "function", "function": {"name": "nope"}}

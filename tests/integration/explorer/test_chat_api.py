@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import concurrent.futures
 
+import openai
 import pytest
 import torch
 
@@ -167,6 +168,11 @@ def test_models_lists_base_and_agents(make_explorer):
     # The base model name means the default agent (Trinity clients send the model path).
     r = ex.client.chat.completions.create(model=ex.state.config.model.path, messages=USER, max_tokens=4)
     assert recorded(ex, r.choices[0].model_extra["experience_id"])["agent"] == "default"
+    # One model by id (the official client's models.retrieve), also a path-like base name.
+    assert ex.client.models.retrieve("helper").model_extra["version"] == 0
+    assert ex.http.get(f"/v1/models/{ex.state.registry.base_name}").json()["parent"] is None
+    with pytest.raises(openai.NotFoundError, match="ghost"):
+        ex.client.models.retrieve("ghost")
 
 
 def test_health_and_metrics(explorer):
@@ -175,6 +181,13 @@ def test_health_and_metrics(explorer):
     text = explorer.http.get("/metrics").text
     assert 'kaizen_requests_total{route="/v1/chat/completions",status="200"} 1.0' in text
     assert "kaizen_completion_tokens_total" in text and "kaizen_request_latency_seconds_bucket" in text
+    # JSON for clients that ask for it (Trinity-RFT's ProxyClient.get_metrics reads these keys).
+    for kw in ({"headers": {"Accept": "application/json"}}, {"params": {"format": "json"}}):
+        body = explorer.http.get("/metrics", **kw).json()
+        assert body["rollout/total_request_count"] == 1.0 and body["rollout/model_0/model_version"] == 0
+        assert body["metrics"]['kaizen_completions_total{agent=default}'] == 1.0
+    scrape = "application/openmetrics-text;version=1.0.0,text/plain;version=0.0.4;q=0.5,*/*;q=0.1"
+    assert explorer.http.get("/metrics", headers={"Accept": scrape}).text.startswith("# HELP")
 
 
 def test_a_client_that_disconnects_aborts_its_generation(explorer):

@@ -92,6 +92,18 @@ def test_trinity_bodies_work_unchanged(explorer):
     assert explorer.http.post("/commit").json() == {"status": "success", "committed": 0}
 
 
+def test_integer_ids_and_boolean_rewards(explorer):
+    """Ids are strings or integers everywhere (chat already took integers); a pass/fail verdict
+    is a reward of 1.0 or 0.0."""
+    a = _chat(explorer, metadata={"task_id": 7, "run_id": 0})
+    b = _chat(explorer, metadata={"task_id": 7, "run_id": 1})
+    assert explorer.http.post("/feedback", json={"task_id": 7, "run_id": 0, "reward": True}).json()["updated"] == 1
+    assert explorer.http.post("/feedback", json={"msg_ids": [b.id], "task_id": 7, "reward": False}).status_code == 200
+    assert [_status(explorer, r.choices[0].model_extra["experience_id"])["reward"] for r in (a, b)] == [1.0, 0.0]
+    assert explorer.http.post("/commit", json={"task_id": 7}).json()["committed"] == 2
+    assert _status(explorer, a.choices[0].model_extra["experience_id"])["task_id"] == "7"
+
+
 def test_commit_by_task_and_by_ids(explorer):
     a = _chat(explorer, extra_body={"metadata": {"task_id": "A"}})
     b = explorer.client.chat.completions.create(
@@ -113,7 +125,9 @@ def test_commit_by_task_and_by_ids(explorer):
         ({"msg_ids": [], "reward": 1.0}, "msg_ids"),
         ({"msg_ids": "abc", "reward": 1.0}, "msg_ids"),
         ({"msg_ids": ["a"], "reward": "high"}, "reward"),
-        ({"msg_ids": ["a"], "reward": True}, "reward"),
+        ({"msg_ids": ["a"], "reward": [1.0]}, "reward"),
+        ({"msg_ids": ["a"], "reward": 1.0, "task_id": True}, "task_id"),
+        ({"msg_ids": ["a"], "reward": 1.0, "task_id": "t", "run_id": 1.5}, "run_id"),
         ({"msg_ids": ["a"]}, "reward"),
     ],
 )
@@ -126,6 +140,8 @@ def test_bad_feedback_bodies(explorer, body, param):
 def test_list_experiences_validates_status(explorer):
     r = explorer.http.get("/experiences", params={"status": "bogus"})
     assert r.status_code == 400 and "bogus" in r.json()["error"]["message"]
+    r = explorer.http.get("/experiences", params={"order": "newest"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "order"
     assert explorer.http.get("/experiences/nope").status_code == 404
 
 

@@ -170,3 +170,42 @@ def test_requests_pinned_to_a_version_keep_working_while_it_is_retired(served, a
     while ex.state.registry.in_use("guide") != [3] and time.monotonic() < deadline:
         time.sleep(0.05)
     assert ex.state.registry.in_use("guide") == [3] and set(ex.state.engine.adapters) == {"guide-v3"}
+
+
+def test_an_episode_stays_on_the_version_its_first_call_used(served, adapters):
+    """A multi-turn episode (task_id + run_id) never mixes versions: its later calls lease the
+    version of its first call after a newer one went live, and that version is reported in use
+    (the Trainer keeps its folder) until the episode goes idle. Other episodes get the new version;
+    a call may opt out; an episode whose version was deleted moves on to the current one."""
+    ex, root = served
+
+    def turn(run_id, **meta):
+        r = _answer(ex, metadata={"task_id": "trip", "run_id": run_id, **meta})
+        return r.choices[0].message.content, r.system_fingerprint
+
+    assert turn(0) == (TARGETS[1], "kaizen-guide-v1")
+    publish_adapter(adapters[2], root, "guide", 2)
+    _wait_version(ex, 2)
+    assert turn(0) == (TARGETS[1], "kaizen-guide-v1")  # the second turn of the episode: still v1
+    assert turn(1) == (TARGETS[2], "kaizen-guide-v2")  # a new episode starts on v2
+    assert turn(0, episode_pin=False) == (TARGETS[2], "kaizen-guide-v2")  # opted out: current version
+    assert turn(0) == (TARGETS[1], "kaizen-guide-v1")  # for that call only
+    assert turn(2) == (TARGETS[2], "kaizen-guide-v2")
+    publish_adapter(adapters[3], root, "guide", 3)
+    _wait_version(ex, 3)
+    deadline = time.monotonic() + 10
+    while "guide-v2" in ex.state.engine.adapters and time.monotonic() < deadline:
+        time.sleep(0.05)
+    # v2 is no longer loaded, but episodes 0, 1 and 2 may still ask for it: its folder must stay.
+    assert set(ex.state.engine.adapters) == {"guide-v3"} and ex.state.registry.in_use("guide") == [1, 2, 3]
+    assert turn(2) == (TARGETS[2], "kaizen-guide-v2")  # loaded again for it
+    # The Trainer deleted v2 anyway (another replica's view, a manual cleanup): the episode moves on.
+    import shutil
+    shutil.rmtree(version_dir(root, "guide", 2))
+    deadline = time.monotonic() + 10
+    while "guide-v2" in ex.state.engine.adapters and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert turn(1) == (TARGETS[3], "kaizen-guide-v3")
+    assert "kaizen_episode_pin_misses 1.0" in ex.http.get("/metrics").text
+    rows = ex.http.get("/experiences", params={"task_id": "trip", "limit": 100, "order": "desc"}).json()["data"]
+    assert [r["model_version"] for r in rows] == [3, 2, 2, 1, 2, 2, 1, 1]  # newest first

@@ -1,8 +1,7 @@
 """A multi-turn tool conversation with the real SmolLM2 through a real Explorer and the openai client.
 
-The conversation opens with one worked exchange (a call with null content, its result, an answer),
-which is what lets a 135M model continue a forced call (tool_choice names it) with valid arguments.
-The forced call comes back as tool_calls; the next turn sends it back with the tool's result. Both
+The conversation opens with one worked exchange (a call with null content, its result, an answer).
+The forced call (tool_choice names it: decoded under the call's grammar) comes back as tool_calls; the next turn sends it back with the tool's result. Both
 prompts render with the model directory's own hermes-tools template, are recorded with their
 messages and tools, and are exactly the ids the Trainer's tokenizer renders from the recorded messages.
 """
@@ -14,7 +13,6 @@ import json
 import pytest
 
 from services.common.chat_templates import load_tokenizer
-from services.explorer.tool_calls import forced_prefix
 
 pytestmark = pytest.mark.integration
 
@@ -44,9 +42,9 @@ def _experience(ex, choice) -> dict:
 def test_a_multi_turn_tool_conversation_renders_records_and_parses(smol, smollm2_model):
     trainer_tok = load_tokenizer(smollm2_model)  # as the Trainer's policy loads it
 
-    def trainer_ids(e, prefix=""):
+    def trainer_ids(e):
         text = trainer_tok.apply_chat_template(e["messages"], tools=e["tools"], add_generation_prompt=True, tokenize=False)
-        return trainer_tok.encode(text + prefix, add_special_tokens=False)
+        return trainer_tok.encode(text, add_special_tokens=False)
 
     meta = {"metadata": {"task_id": "weather-paris", "run_id": "0"}}
     messages = [*EXAMPLE, {"role": "user", "content": "What is the weather in Paris?"}]
@@ -58,7 +56,11 @@ def test_a_multi_turn_tool_conversation_renders_records_and_parses(smol, smollm2
     e1 = _experience(smol, first)
     assert e1["messages"] == messages and e1["tools"] == TOOLS and e1["task_id"] == "weather-paris"
     assert e1["response"]["tool_calls"][0]["function"]["name"] == "get_weather"
-    assert e1["prompt_token_ids"] == trainer_ids(e1, forced_prefix(FORCE))
+    assert e1["prompt_token_ids"] == trainer_ids(e1)
+    # The call was sampled under its grammar: every token of it is the model's, recorded with the
+    # logprob of the constrained distribution (0 where the grammar left one choice).
+    assert e1["sampling"]["grammar"] and smol.tokenizer.decode(e1["response_token_ids"]).startswith("<tool_call>")
+    assert max(e1["response_logprobs"]) == 0.0
 
     messages += [{"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
                  {"role": "tool", "tool_call_id": call.id, "content": RESULT}]

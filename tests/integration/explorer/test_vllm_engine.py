@@ -56,7 +56,7 @@ def vx(tiny_model, tmp_path_factory, adapters):
     config = load_config(ExplorerConfig, None, [
         f"model.path={tiny_model}", "model.dtype=float32", f"buffer.url=sqlite:///{root}/buffer.db",
         f"checkpoints.root={root}/checkpoints", "reload.poll_interval_s=0.2", "engine.kind=vllm",
-        "engine.vllm.enforce_eager=true", "engine.vllm.kv_cache_gib=1", "engine.max_model_len=1024",
+        "engine.vllm.enforce_eager=true", "engine.max_model_len=1024",  # KV cache: the CPU default
         "engine.vllm.max_loras=4", "engine.vllm.max_lora_rank=8",
     ], env={})
     with contextlib.ExitStack() as stack:
@@ -69,6 +69,12 @@ def vx(tiny_model, tmp_path_factory, adapters):
 
 def _exp(vx, choice):
     return vx["http"].get(f"/experiences/{choice.model_extra['experience_id']}").json()
+
+
+def test_on_cpu_the_kv_cache_defaults_to_what_memory_allows(vx):
+    """The fixture sets no KV cache size: the engine started, sized from available memory."""
+    size = vx["state"].engine.engine_args().kv_cache_memory_bytes
+    assert 0.5 * 2**30 <= size <= 4 * 2**30
 
 
 def test_plain_chat_records_the_exact_tokens(vx):
@@ -139,6 +145,66 @@ def test_recorded_logprobs_match_a_teacher_forced_forward_pass(vx, tiny_model):
             if temperature == 0:
                 assert e["response_token_ids"] == logits.argmax(-1).tolist()  # greedy is the argmax
     assert worst < 2e-3, worst
+
+
+def test_structured_outputs_are_enforced_and_recorded_as_sampled(vx, tiny_model):
+    """json_schema under vLLM's xgrammar backend: the answers match the schema, and the recorded
+    logprobs are those of the masked distribution, as the Trainer recomputes them from the
+    recorded grammar (services/common/grammar.py)."""
+    from transformers import AutoModelForCausalLM
+
+    from services.common.grammar import GrammarCache, allowed
+    from services.common.models import stop_token_ids
+
+    schema = {"type": "object", "properties": {"parity": {"type": "string", "enum": ["even", "odd"]}, "sure": {"type": "boolean"}},
+              "required": ["parity", "sure"]}
+    r = vx["client"].chat.completions.create(
+        model="default", messages=[{"role": "user", "content": "Is 17 even or odd?"}], n=2, max_tokens=40, temperature=1.0,
+        response_format={"type": "json_schema", "json_schema": {"name": "verdict", "schema": schema}})
+    model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32).eval()
+    tok = vx["state"].engine.tokenizer
+    cache = GrammarCache(tok, model.config.vocab_size, stop_token_ids=stop_token_ids(tok, model))  # as the Trainer
+    for c in r.choices:
+        answer = json.loads(c.message.content)
+        assert answer["parity"] in ("even", "odd") and isinstance(answer["sure"], bool)
+        e = _exp(vx, c)
+        ids, resp = e["prompt_token_ids"] + e["response_token_ids"], e["response_token_ids"]
+        with torch.no_grad():
+            logits = model(torch.tensor([ids])).logits[0, len(e["prompt_token_ids"]) - 1: -1]
+        masked = logits.masked_fill(~allowed(cache, e["sampling"]["grammar"], resp, logits.shape[-1]), float("-inf"))
+        expect = torch.log_softmax(masked, -1).gather(-1, torch.tensor(resp).unsqueeze(-1)).squeeze(-1)
+        assert (torch.tensor(e["response_logprobs"]) - expect).abs().max().item() < 2e-3
+        assert 0.0 in e["response_logprobs"]  # forced tokens
+
+
+def test_a_character_cut_by_max_tokens_decodes_the_same_on_both_engines(vx, make_explorer):
+    """A byte-level tokenizer spells "€" in three tokens; cut after one or two, the vllm engine
+    returns what the ids decode to (U+FFFD for the partial character), as the hf engine does."""
+    hf = make_explorer("model.dtype=float32")
+    fmt = {"type": "json_schema", "json_schema": {"name": "c", "schema": {"type": "string", "enum": ["€€"]}}}
+    tok = vx["state"].engine.tokenizer
+    full, cut = None, False
+    for k in range(1, 9):
+        answers = []
+        for client in (vx["client"], hf.client):
+            for stream in (False, True):
+                kw = dict(model="default", messages=[{"role": "user", "content": "euro"}], max_tokens=k, temperature=0,
+                          response_format=fmt, extra_body={"return_token_ids": True})
+                if stream:
+                    chunks = list(client.chat.completions.create(stream=True, **kw))
+                    text = "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices)
+                    ids = [t for ch in chunks if ch.choices for t in ch.choices[0].model_extra.get("token_ids") or []]
+                else:
+                    c = client.chat.completions.create(**kw).choices[0]
+                    text, ids = c.message.content, c.model_extra["token_ids"]
+                assert text == tok.decode(ids, skip_special_tokens=True), (k, stream, text, ids)
+                answers.append((text, ids))
+        assert all(a == answers[0] for a in answers), (k, answers)
+        cut = cut or "\ufffd" in answers[0][0]
+        if answers[0][0] == '"€€"':
+            full = k
+            break
+    assert full is not None and cut  # the whole answer came, and some k cut a character in half
 
 
 def test_top_logprobs_rank_the_alternatives(vx):

@@ -10,7 +10,8 @@ from services.common.chat_templates import load_tokenizer, resolve_chat_template
 from services.common.config import ConfigError, ModelSection, load_config
 from services.common.tiny_model import CHAT_TEMPLATE, build_tokenizer
 from services.explorer.config import ExplorerConfig
-from services.explorer.tool_calls import forced_prefix, parse_tool_calls
+from services.common.grammar import GrammarCache
+from services.explorer.tool_calls import call_grammar, parse_tool_calls
 
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Weather of a city",
           "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}]
@@ -67,11 +68,29 @@ def test_rendered_calls_parse_back_to_the_same_calls(tok):
             ("get_weather", {"city": "Paris"}), ("get_weather", {"city": "Rome"})]
 
 
-def test_a_rendered_call_starts_with_what_tool_choice_forces(tok):
-    """A forced call (tool_choice) and a call rendered back into the next prompt look the same."""
-    turn = _assistant_turns(tok.apply_chat_template(CONVERSATION[:3], tools=TOOLS, tokenize=False))[0]
-    assert turn.startswith(forced_prefix({"type": "function", "function": {"name": "get_weather"}}))
-    assert turn.startswith(forced_prefix("required"))
+def test_rendered_calls_are_what_tool_choice_decodes_under(tok):
+    """A forced call (tool_choice) and a call rendered back into the next prompt look the same: the
+    rendered assistant turn matches the grammar of a named, required or parallel choice, token for
+    token; other text, another tool, or arguments outside the tool's schema do not."""
+    cache = GrammarCache(tok, len(tok), stop_token_ids=[tok.convert_tokens_to_ids("<|im_end|>")])
+
+    def matches(ebnf, text):
+        m = cache.matcher(ebnf)
+        return all(m.accept_token(t) for t in tok.encode(text, add_special_tokens=False)) and m.is_completed()
+
+    def turn(calls):
+        messages = [{"role": "user", "content": "Weather?"}, {"role": "assistant", "content": None, "tool_calls": calls}]
+        return _assistant_turns(tok.apply_chat_template(messages, tools=TOOLS, tokenize=False))[0]
+
+    one, two = turn(CALLS[:1]), turn(CALLS)
+    named = call_grammar(TOOLS, {"type": "function", "function": {"name": "get_weather"}}, parallel=False)
+    required, parallel = call_grammar(TOOLS, "required", parallel=False), call_grammar(TOOLS, "required", parallel=True)
+    assert matches(named, one) and matches(required, one) and matches(parallel, one) and matches(parallel, two)
+    assert not matches(required, two)  # one call only without parallel_tool_calls
+    assert not matches(required, "It is sunny.")
+    assert not matches(required, one.replace('"get_weather"', '"get_time"'))
+    assert not matches(required, one.replace('{"city": ', '{"town": '))
+    assert call_grammar(TOOLS, "auto", parallel=True) is None
 
 
 def test_plain_chat_adds_no_system_turn(tok):

@@ -1,6 +1,6 @@
 import json
 
-from services.explorer.tool_calls import ToolCallStreamFilter, forced_prefix, parse_tool_calls
+from services.explorer.tool_calls import ToolCallStreamFilter, parse_tool_calls
 
 
 def test_parse_single_and_multiple_calls():
@@ -20,13 +20,6 @@ def test_unterminated_last_call_is_accepted_and_garbage_stays_text():
     text = "<tool_call>{not json}</tool_call>"
     assert parse_tool_calls(text) == (text, [])
     assert parse_tool_calls("plain answer") == ("plain answer", [])
-
-
-def test_forced_prefix_for_named_choice_parses_back():
-    prefix = forced_prefix({"type": "function", "function": {"name": "lookup"}})
-    content, calls = parse_tool_calls(prefix + '{"id": 7}}\n</tool_call>')
-    assert calls[0]["function"] == {"name": "lookup", "arguments": '{"id": 7}'}
-    assert forced_prefix("auto") == "" and forced_prefix(None) == ""
 
 
 def test_stream_filter_holds_back_a_possible_call():

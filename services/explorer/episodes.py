@@ -1,0 +1,80 @@
+"""Episode pinning: every call of one episode is served by the version its first call used.
+
+A multi-turn episode (every call under one ``task_id`` + ``run_id``) that switched versions halfway
+would mix two policies in one trajectory, and its reward could not be credited to either. So the
+first call's version is remembered, and later calls of the episode lease that version (loading it
+again if it was let go) even after a newer one became current. An episode is forgotten
+``reload.episode_pin_s`` after its first call (so a task_id + run_id that a client reuses forever
+still moves on to new versions), or when too many are remembered; while remembered, its version
+counts as in use in the serving files, so the Trainer keeps its folder.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter, OrderedDict
+from typing import Callable
+
+
+class EpisodePins:
+    def __init__(self, *, ttl_s: float, max_episodes: int, on_change: Callable[[], None] | None = None,
+                 clock: Callable[[], float] = time.monotonic):
+        self.ttl_s = ttl_s
+        self.max_episodes = max_episodes
+        self._on_change = on_change
+        self._clock = clock
+        self._pins: OrderedDict[tuple[str, str, str], tuple[int, float]] = OrderedDict()  # key -> (version, first call)
+        self._held: Counter[tuple[str, int]] = Counter()
+        self.misses = 0  # a pinned version that could not be served any more (deleted): the episode moved on
+
+    @property
+    def enabled(self) -> bool:
+        return self.ttl_s > 0
+
+    def get(self, agent: str, task_id: str, run_id: str) -> int | None:
+        self._expire()
+        pin = self._pins.get((agent, task_id, run_id))
+        return None if pin is None else pin[0]
+
+    def remember(self, agent: str, task_id: str, run_id: str, version: int) -> None:
+        key = (agent, task_id, run_id)
+        old = self._pins.get(key)
+        if old is not None and old[0] == version:
+            return
+        self._pins.pop(key, None)
+        self._pins[key] = (version, self._clock())  # a new episode, or one that moved on: its clock restarts
+        if old is not None:
+            self._unhold(agent, old[0])
+        self._held[(agent, version)] += 1
+        while len(self._pins) > self.max_episodes:
+            (a, _, _), (v, _) = self._pins.popitem(last=False)
+            self._unhold(a, v)
+        if self._on_change:
+            self._on_change()
+
+    def forget(self, agent: str, task_id: str, run_id: str) -> None:
+        pin = self._pins.pop((agent, task_id, run_id), None)
+        if pin is not None:
+            self._unhold(agent, pin[0])
+
+    def held(self, agent: str) -> set[int]:
+        """Versions of ``agent`` some remembered episode may still ask for."""
+        self._expire()
+        return {v for (a, v), n in self._held.items() if a == agent and n > 0}
+
+    def __len__(self) -> int:
+        return len(self._pins)
+
+    def _unhold(self, agent: str, version: int) -> None:
+        self._held[(agent, version)] -= 1
+        if self._held[(agent, version)] <= 0:
+            del self._held[(agent, version)]
+
+    def _expire(self) -> None:
+        cutoff = self._clock() - self.ttl_s
+        while self._pins:
+            key, (version, first) = next(iter(self._pins.items()))
+            if first >= cutoff:
+                return
+            del self._pins[key]
+            self._unhold(key[0], version)

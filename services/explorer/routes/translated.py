@@ -1,0 +1,39 @@
+"""The other APIs, each translated to a chat by its service: POST /v1/responses (OpenAI's
+Responses API), POST /v1/messages (Anthropic's Messages API), POST /v1/completions (legacy text)."""
+
+from __future__ import annotations
+
+import inspect
+
+from fastapi import APIRouter, Request
+from starlette.responses import JSONResponse, StreamingResponse
+
+from services.explorer.deps import CompletionsDep, MessagesDep, ResponsesDep
+from services.explorer.protocol import CompletionRequest, MessagesRequest, ResponsesRequest
+
+router = APIRouter()
+
+
+async def _answer(service, body, request: Request):
+    prepared = service.prepare(body, request.headers)
+    if inspect.isawaitable(prepared):
+        prepared = await prepared
+    if body.stream:
+        return StreamingResponse(await service.stream(body, prepared), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+    return JSONResponse(await service.complete(body, prepared, receive=request.receive))
+
+
+@router.post("/v1/responses")
+async def create_response(body: ResponsesRequest, request: Request, responses: ResponsesDep):
+    return await _answer(responses, body, request)
+
+
+@router.post("/v1/messages")
+async def create_message(body: MessagesRequest, request: Request, messages: MessagesDep):
+    return await _answer(messages, body, request)
+
+
+@router.post("/v1/completions")
+async def create_completion(body: CompletionRequest, request: Request, completions: CompletionsDep):
+    return await _answer(completions, body, request)
