@@ -18,31 +18,31 @@ if TYPE_CHECKING:  # app.py imports the routes, which import this module
     from services.explorer.app import ExplorerState
 
 
-def get_state(request: Request) -> "ExplorerState":
+async def get_state(request: Request) -> "ExplorerState":
     return request.app.state.kaizen
 
 
-def get_chat(request: Request) -> ChatService:
+async def get_chat(request: Request) -> ChatService:
     return request.app.state.kaizen.chat
 
 
-def get_responses(request: Request) -> ResponsesService:
+async def get_responses(request: Request) -> ResponsesService:
     return request.app.state.kaizen.responses
 
 
-def get_messages(request: Request) -> MessagesService:
+async def get_messages(request: Request) -> MessagesService:
     return request.app.state.kaizen.messages
 
 
-def get_completions(request: Request) -> CompletionsService:
+async def get_completions(request: Request) -> CompletionsService:
     return request.app.state.kaizen.completions
 
 
-def get_feedback(request: Request) -> FeedbackService:
+async def get_feedback(request: Request) -> FeedbackService:
     return request.app.state.kaizen.feedback
 
 
-def require_api_key(request: Request) -> None:
+async def require_api_key(request: Request) -> None:
     keys: list[bytes] = request.app.state.kaizen.api_keys
     if not keys:
         return

@@ -15,6 +15,7 @@ import collections
 import concurrent.futures
 import logging
 import queue
+import sys
 import threading
 import time
 from dataclasses import dataclass, field
@@ -37,6 +38,8 @@ from services.explorer.engines.base import (
 from services.explorer.engines.detokenizer import IncrementalDetokenizer
 
 log = logging.getLogger(__name__)
+
+SWITCH_INTERVAL_S = 0.0005
 
 
 @dataclass
@@ -139,6 +142,10 @@ class HFEngine:
 
     async def start(self) -> None:
         await asyncio.to_thread(self._load)
+        # The engine thread holds the GIL only between torch ops, in short bursts; with Python's
+        # default 5 ms switch interval it waits up to that long to get it back from the HTTP thread
+        # after every op. A shorter interval hands it back sooner (the server shares one process).
+        sys.setswitchinterval(min(sys.getswitchinterval(), SWITCH_INTERVAL_S))
         self._thread = threading.Thread(target=self._run, name="hf-engine", daemon=True)
         self._thread.start()
 
