@@ -64,6 +64,12 @@ class ServerSection(ConfigModel):
     default_max_tokens: int | None = Field(
         default=None, ge=1, description="max_tokens when a request gives none; default: the rest of the context."
     )
+    keep_alive_s: float = Field(
+        default=65.0, gt=0,
+        description="Idle keep-alive connections are closed after this long. Longer than clients' own idle "
+        "expiry (httpx and the openai client: 5 s), so a client never reuses a connection the server is closing "
+        "at that moment (uvicorn's 5 s default raced them: ReadError under load).",
+    )
     log_level: str = Field(default="info", description="debug, info, warning, error.")
 
 

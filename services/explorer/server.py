@@ -21,6 +21,7 @@ def build_server(config: ExplorerConfig) -> uvicorn.Server:
         log_level=config.server.log_level,
         access_log=config.server.log_level == "debug",
         timeout_graceful_shutdown=30,
+        timeout_keep_alive=config.server.keep_alive_s,
         lifespan="on",
     )
     return uvicorn.Server(uv_config)

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import hashlib
+import http.client
 import subprocess
+import time
 import sys
 
 import openai
@@ -23,6 +25,18 @@ def test_kaizen_explorer_serves_with_the_shipped_config(tiny_model, tmp_path):
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x", max_retries=0)
         r = client.chat.completions.create(model="default", messages=[{"role": "user", "content": "hi"}], max_tokens=4)
         assert r.choices[0].model_extra["experience_id"]
+        # An idle keep-alive connection outlives clients' own 5 s expiry (server.keep_alive_s), so a
+        # client never reuses one the server is closing at that moment (a ReadError under load).
+        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
+        socks = []
+        for _ in range(2):
+            conn.request("GET", "/health")
+            resp = conn.getresponse()
+            assert resp.status == 200 and resp.read()
+            socks.append(conn.sock)
+            time.sleep(6)
+        assert socks[0] is socks[1]  # the same connection, still open after 6 s idle
+        conn.close()
     log = (tmp_path / "explorer.log").read_text()
     assert "explorer config:" in log and f"port: {port}" in log  # the resolved config is logged
 
