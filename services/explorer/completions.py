@@ -14,7 +14,7 @@ from typing import Any, AsyncIterator, Mapping
 from starlette.types import Receive
 
 from services.explorer.errors import APIError
-from services.explorer.protocol import ChatCompletionRequest, CompletionRequest
+from services.explorer.protocol import CompletionRequest
 from services.explorer.service import ChatService, PreparedChat
 
 
@@ -52,8 +52,7 @@ class CompletionsService:
             "top_logprobs": req.logprobs or None, "response_format": req.response_format,
             "return_token_ids": req.return_token_ids,
         }
-        chat_req = ChatCompletionRequest.model_validate({k: v for k, v in body.items() if v is not None})
-        return self.chat.prepare_text(chat_req, headers, prompt=prompt)
+        return self.chat.prepare_text(self.chat.chat_request(body), headers, prompt=prompt)
 
     async def complete(self, req: CompletionRequest, p: PreparedChat, *, receive: Receive | None = None) -> dict[str, Any]:
         answer = await self.chat.complete(p, receive=receive)

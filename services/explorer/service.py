@@ -300,15 +300,20 @@ class ChatService:
             id_prefix=id_prefix,
         )
 
-    def prepare_translated(self, body: dict[str, Any], headers: Mapping[str, str], *, id_prefix: str) -> PreparedChat:
-        """A request of another API (Responses, Anthropic Messages), translated into a chat body,
-        checked and prepared as a chat; its ids start with ``id_prefix``."""
+    @staticmethod
+    def chat_request(body: dict[str, Any]) -> ChatCompletionRequest:
+        """A chat body translated from another API, checked as a chat request (a 400 naming the
+        field when it is not one; None values are left out)."""
         try:
-            req = ChatCompletionRequest.model_validate({k: v for k, v in body.items() if v is not None})
+            return ChatCompletionRequest.model_validate({k: v for k, v in body.items() if v is not None})
         except ValidationError as e:
             err = e.errors()[0]
             raise APIError(400, f"{'.'.join(map(str, err['loc']))}: {err['msg']}", param=str(err["loc"][0])) from None
-        p = self.prepare(req, headers)
+
+    def prepare_translated(self, body: dict[str, Any], headers: Mapping[str, str], *, id_prefix: str) -> PreparedChat:
+        """A request of another API (Responses, Anthropic Messages), translated into a chat body,
+        checked and prepared as a chat; its ids start with ``id_prefix``."""
+        p = self.prepare(self.chat_request(body), headers)
         p.id_prefix = id_prefix
         return p
 

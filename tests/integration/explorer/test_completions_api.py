@@ -41,6 +41,7 @@ def test_a_streamed_text_completion(explorer):
 @pytest.mark.parametrize("kw, param", [
     ({"prompt": ["a", "b"]}, "prompt"), ({"prompt": "a", "echo": True}, "echo"), ({"prompt": "a", "suffix": "z"}, "suffix"),
     ({"prompt": "a", "best_of": 2}, "best_of"), ({"prompt": ""}, "prompt"), ({"prompt": [10**9]}, "prompt"),
+    ({"prompt": "a", "stop": [str(i) for i in range(17)]}, "stop"),  # checked as a chat request
 ])
 def test_what_it_cannot_do_is_a_400(explorer, kw, param):
     with pytest.raises(openai.BadRequestError) as e:
