@@ -43,6 +43,16 @@ def _traffic_rows(stack) -> tuple[list[dict], dict, object]:
     return rows, counts, last
 
 
+def guard_counts(run: Path) -> dict[str, int]:
+    """What the Trainer's guard did (TrainerConfig.guard), from its metrics log: steps it checked,
+    redid at a lower learning rate, and refused (weights kept)."""
+    path = run / "trainer" / "metrics.jsonl"
+    steps = [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
+    checked = [s for s in steps if "guard_attempts" in s]
+    return {"checked": len(checked), "redone": sum(1 for s in checked if s["guard_attempts"] > 1 and not s["guard_refused"]),
+            "refused": sum(1 for s in checked if s["guard_refused"])}
+
+
 def plot(stages: list[Stage], loop, rows: list[dict], path: Path, *, metric: str, title: str, control: Stage | None = None) -> None:
     import matplotlib
 
@@ -121,6 +131,10 @@ def report(cfg, stack, loop, stages: list[Stage], *, serving: dict, explorer_req
         f"versions hot-loaded by the Explorer {serving['reloads']}, failed requests {loop.failed_requests}",
         f"  wall time {seconds:.0f}s; plot {png}",
     ]
+    guard = guard_counts(stack.run)
+    if guard["checked"]:
+        lines.insert(-1, f"  guard (an update that makes the demonstrations' NLL jump is undone): {guard['checked']} steps "
+                         f"checked, {guard['redone']} redone at half the learning rate, {guard['refused']} refused")
     print("\n".join(lines), flush=True)
     (stack.run / "summary.json").write_text(json.dumps({
         "task": cfg.task,
@@ -130,6 +144,7 @@ def report(cfg, stack, loop, stages: list[Stage], *, serving: dict, explorer_req
         "gains": gains,
         "experiences": counts, "rewarded": len(rows), "trainer_steps": last.step if last else 0,
         "versions_published": len(versions), "reloads": serving["reloads"], "failed_requests": loop.failed_requests,
+        "guard": guard,
         "explorer_requests": explorer_requests,
         "wall_seconds": seconds, "rounds": [asdict(r) for r in loop.rounds],
     }, indent=2))

@@ -89,6 +89,7 @@ class Selection:
     stale_downweighted: int = 0
     small_groups: int = 0
     demonstrations: list[TrainItem] = field(default_factory=list)  # replayed, never consumed
+    guard: list[TrainItem] = field(default_factory=list)  # scored around the update (TrainerConfig.guard)
 
     @property
     def ready(self) -> bool:
@@ -143,7 +144,8 @@ def select_batch(
 
     Demonstrations join every step that trains (``algorithm.demo_batch_size`` of them, in turn);
     while no batch of rollouts is ready, the first ``algorithm.cold_start_steps`` steps train on
-    them alone (a new agent starting from a handful of examples).
+    them alone (a new agent starting from a handful of examples). The first ``guard.demonstrations``
+    of them are the step's guard set (always the same ones).
     """
     from services.trainer.recipes import recipe_for
 
@@ -174,6 +176,7 @@ def select_batch(
     a = cfg.algorithm
     if demonstrations and a.sft_coef > 0 and (sel.items or step < a.cold_start_steps):
         sel.demonstrations = [demonstration_item(d) for d in in_turn(demonstrations, a.demo_batch_size, step)]
+        sel.guard = [demonstration_item(d) for d in demonstrations[: cfg.guard.demonstrations]]
     return sel
 
 

@@ -84,6 +84,23 @@ class OptimSection(ConfigModel):
     warmup_steps: int = Field(default=0, ge=0, description="Linear learning-rate warm-up steps.")
 
 
+class GuardSection(ConfigModel):
+    """A step that makes the agent much worse at its own demonstrations is undone before it is
+    published: their per-token NLL is measured before and after each update (needs demonstrations)."""
+
+    demonstrations: int = Field(
+        default=64, ge=0, description="The agent's first this many demonstrations are scored around every step (0: no guard).",
+    )
+    max_ratio: float = Field(
+        default=2.0, ge=1, description="An update is refused when their NLL after it exceeds max_ratio x before + slack.",
+    )
+    slack: float = Field(default=0.002, ge=0, description="Nats per token an update may add on top of max_ratio.")
+    retries: int = Field(
+        default=1, ge=0, description="A refused update is redone this many times, each at half the learning rate of the "
+        "last; when all are refused the step keeps the weights it started from (its data is consumed).",
+    )
+
+
 class StalenessSection(ConfigModel):
     max_staleness: int = Field(default=4, ge=0, description="Experiences from more versions back than this are stale.")
     policy: Literal["discard", "downweight"] = Field(default="discard", description="What happens to stale experiences.")
@@ -131,6 +148,7 @@ class TrainerConfig(ConfigModel):
     lora: LoraSection = Field(default_factory=LoraSection)
     optim: OptimSection = Field(default_factory=OptimSection)
     staleness: StalenessSection = Field(default_factory=StalenessSection)
+    guard: GuardSection = Field(default_factory=GuardSection)
     train_batch_size: int = Field(default=16, ge=1, description="Experiences per training step (per agent).")
     save_interval: int = Field(default=1, ge=1, description="Steps per published adapter version.")
     trainer: TrainerLoopSection = Field(default_factory=TrainerLoopSection)

@@ -9,6 +9,7 @@ agents switch adapters between steps, which the DDP wrapper does not allow). Ran
 
 from __future__ import annotations
 
+import copy
 import json
 import logging
 import os
@@ -63,6 +64,7 @@ class LearnerWorker:
         self.policy: Policy | None = None
         self.optimizers: dict[str, torch.optim.Optimizer] = {}
         self.critic_optimizers: dict[str, torch.optim.Optimizer] = {}
+        self._guard_nll: dict[str, tuple[tuple[str, ...], float]] = {}  # agent -> (guard set, its NLL now)
 
     # ------------------------------------------------------------------ set-up
 
@@ -120,13 +122,40 @@ class LearnerWorker:
 
     # ------------------------------------------------------------------ training
 
-    def train_step(self, agent: str, items: list[TrainItem], norms: Norms, step: int, current_version: int) -> StepStats:
-        """One optimizer update per epoch on this worker's shard; returns additive statistics."""
-        cfg, a, p, recipe = self.cfg, self.cfg.algorithm, self.policy, self.recipe
-        p.activate(agent)
+    def train_step(self, agent: str, items: list[TrainItem], norms: Norms, step: int, current_version: int,
+                   guard: list[TrainItem] | None = None) -> StepStats:
+        """One optimizer update per epoch on this worker's shard; returns additive statistics.
+
+        With ``guard`` (demonstrations, the same on every worker): an update after which their NLL
+        per token exceeds ``guard.max_ratio`` x before + ``guard.slack`` is undone (weights and
+        optimizer state) and redone at half the learning rate, up to ``guard.retries`` times; when
+        every attempt is refused the step keeps the weights it started from."""
+        cfg = self.cfg
+        self.policy.activate(agent)
+        lr = cfg.optim.lr * min(1.0, (step + 1) / cfg.optim.warmup_steps) if cfg.optim.warmup_steps else cfg.optim.lr
+        if not guard:
+            return self._update(agent, items, norms, current_version, lr)
+        g = cfg.guard
+        key = tuple(i.experience_id for i in guard)
+        cached = self._guard_nll.get(agent)
+        before = cached[1] if cached is not None and cached[0] == key else self._nll(guard)
+        saved = self._snapshot(agent)
+        for attempt in range(g.retries + 1):
+            stats = self._update(agent, items, norms, current_version, lr * 0.5**attempt)
+            after = self._nll(guard)
+            stats.guard_before, stats.guard_after, stats.guard_attempts = before, after, float(attempt + 1)
+            if after <= g.max_ratio * before + g.slack:
+                self._guard_nll[agent] = (key, after)  # the next step's "before", without scoring again
+                return stats
+            self._restore(agent, saved)
+        stats.guard_refused = 1.0
+        self._guard_nll[agent] = (key, before)
+        return stats
+
+    def _update(self, agent: str, items: list[TrainItem], norms: Norms, current_version: int, lr: float) -> StepStats:
+        cfg, p, recipe = self.cfg, self.policy, self.recipe
         opt = self.optimizers[agent]
         critic_opt = self.critic_optimizers.get(agent)
-        lr = cfg.optim.lr * min(1.0, (step + 1) / cfg.optim.warmup_steps) if cfg.optim.warmup_steps else cfg.optim.lr
         for g in opt.param_groups:
             g["lr"] = lr
         params = p.adapter_parameters(agent)
@@ -154,6 +183,40 @@ class LearnerWorker:
                 critic_opt.step()
         stats.learner_seconds = time.perf_counter() - t0
         return stats
+
+    @torch.no_grad()
+    def _nll(self, demos: list[TrainItem]) -> float:
+        """Per-token NLL of ``demos`` under the active adapter (no gradients)."""
+        p = self.policy
+        total, tokens = 0.0, 0
+        for micro in _chunks(_by_length(demos), self.cfg.trainer.micro_batch_size):
+            batch = pack([i.prompt_ids for i in micro], [i.response_ids for i in micro], [1.0] * len(micro), p.pad_id,
+                         share_prefix_min=self.cfg.trainer.shared_prefix_min_tokens)
+            mask = batch.response_mask.to(p.device)
+            total -= float(masked_sum(p.forward(batch, need_hidden=False).logprobs, mask))
+            tokens += int(mask.sum())
+        return total / max(tokens, 1)
+
+    def _snapshot(self, agent: str) -> dict[str, Any]:
+        """Copies of what an update changes: the adapter, the value head and their optimizers' state."""
+        p = self.policy
+        return {
+            "adapter": {k: v.detach().clone() for k, v in p.adapter_state(agent).items()},
+            "optimizer": copy.deepcopy(self.optimizers[agent].state_dict()),
+            "value_head": copy.deepcopy(p.value_heads[agent].state_dict()) if agent in p.value_heads else None,
+            "critic_optimizer": copy.deepcopy(self.critic_optimizers[agent].state_dict())
+            if agent in self.critic_optimizers else None,
+        }
+
+    def _restore(self, agent: str, saved: dict[str, Any]) -> None:
+        p = self.policy
+        p.load_adapter_state(agent, saved["adapter"])
+        # load_state_dict keeps the tensors it is given and the next step updates them in place: a copy,
+        # so that a second refusal restores the same state
+        self.optimizers[agent].load_state_dict(copy.deepcopy(saved["optimizer"]))
+        if saved["value_head"] is not None:
+            p.value_heads[agent].load_state_dict(saved["value_head"])
+            self.critic_optimizers[agent].load_state_dict(copy.deepcopy(saved["critic_optimizer"]))
 
     def _micro_step(self, agent: str, micro: list[TrainItem], *, key: int, epoch: int, norms: Norms, cache: dict,
                     current_version: int) -> tuple[dict[str, float], dict[str, float]]:
@@ -260,6 +323,7 @@ class LearnerWorker:
         from safetensors.torch import load_file
 
         d = Path(path)
+        self._guard_nll.pop(agent, None)  # other weights: the guard scores them afresh
         self.policy.load_adapter_state(agent, load_file(str(d / "adapter_model.safetensors")))
         blob = torch.load(d / "trainer_state.pt", weights_only=False)
         self.optimizers[agent].load_state_dict(blob["optimizer"])

@@ -12,6 +12,16 @@ from typing import Any
 log = logging.getLogger("kaizen.trainer")
 
 
+def _guard_note(record: dict[str, Any]) -> str:
+    """What the guard did, when it did something."""
+    if record.get("guard_refused"):
+        return (f" | GUARD REFUSED {record['guard_attempts']} update(s): demonstrations' nll "
+                f"{record['guard_nll_before']:.4f} -> {record['guard_nll_after']:.4f}; weights unchanged")
+    if record.get("guard_attempts", 1) > 1:
+        return f" | guard: redone at lr {record['lr']:.2g} (nll {record['guard_nll_before']:.4f} -> {record['guard_nll_after']:.4f})"
+    return ""
+
+
 class MetricsSink:
     def __init__(self, run_dir: str | Path, *, progress: bool = True):
         self.dir = Path(run_dir)
@@ -46,6 +56,7 @@ class MetricsSink:
             + f" | loss {record['loss']:+.4f} kl {record.get('kl', 0.0):.4f} ent {record['entropy']:.3f}"
             f" clip {record.get('clip_frac', 0.0):.2f} | {record['tokens_per_s']:.0f} tok/s"
             f" | stale {record['staleness_mean']:.1f}"
+            + _guard_note(record)
         )
         if self._tty:
             sys.stderr.write("\r\033[K" + line + "\n")

@@ -87,8 +87,9 @@ class LearnerGroup:
     def write_version(self, agent: str, root: str, version: int, manifest: dict[str, Any]) -> str:
         return self._all([self.workers[0].write_version.remote(agent, root, version, manifest)])[0]
 
-    def train(self, agent: str, shards: list[list[TrainItem]], norms: Norms, step: int, version: int) -> list[StepStats]:
-        return self._all([w.train_step.remote(agent, s, norms, step, version) for w, s in zip(self.workers, shards)])
+    def train(self, agent: str, shards: list[list[TrainItem]], norms: Norms, step: int, version: int,
+              guard: list[TrainItem]) -> list[StepStats]:
+        return self._all([w.train_step.remote(agent, s, norms, step, version, guard) for w, s in zip(self.workers, shards)])
 
 
 def _shard(items: list[TrainItem], n: int) -> list[list[TrainItem]]:
@@ -257,7 +258,7 @@ class TrainerService:
         norms = Norms.of(selection.all_items)
         shards = _shard(selection.all_items, cfg.ray.workers)
         t0 = time.perf_counter()
-        results = self.learners.train(agent, shards, norms, progress.step, progress.published)
+        results = self.learners.train(agent, shards, norms, progress.step, progress.published, selection.guard)
         seconds = time.perf_counter() - t0
         step, version = progress.step + 1, progress.next_version
         state = checkpoints.state_path(self.root, agent, step)
@@ -281,14 +282,17 @@ class TrainerService:
         progress.step, progress.state_path = step, str(state)
         self.steps_this_run += 1
         if step % cfg.save_interval == 0:
-            self._publish(agent, progress, version)
+            guard = {k: record[k] for k in ("guard_attempts", "guard_refused") if k in record}
+            self._publish(agent, progress, version, guard=guard or None)
             progress.next_version = version + 1
             record["published"] = True
         self._prune_states(agent)
         self.metrics.step(record)
         return True
 
-    def _publish(self, agent: str, progress: AgentProgress, version: int) -> None:
+    def _publish(self, agent: str, progress: AgentProgress, version: int, guard: dict[str, Any] | None = None) -> None:
+        """``guard``: what the guard did in the step that made this version (a refused step's version
+        has its parent's weights)."""
         lineage = sorted(e for e, v in buffer.consumed_ids(engine=self.db, agent=agent) if v == version)
         manifest = {
             "step": progress.step,
@@ -300,6 +304,8 @@ class TrainerService:
             "experience_ids": lineage,
             "experience_count": len(lineage),
         }
+        if guard:
+            manifest["guard"] = guard
         path = self.learners.write_version(agent, str(self.root), version, manifest)
         failpoint("trainer.after_version_renamed")
         checkpoints.set_latest(self.root, agent, version)
@@ -338,6 +344,9 @@ class TrainerService:
         }
         if total.demo_nll is not None:
             rec["demo_nll"] = total.demo_nll
+        if total.guard_before is not None:
+            rec["guard_nll_before"], rec["guard_nll_after"] = total.guard_before, total.guard_after
+            rec["guard_attempts"], rec["guard_refused"] = int(total.guard_attempts), bool(total.guard_refused)
         for k in ("policy_loss", "value_loss", "kl_loss", "clip_frac", "ratio_mean", "nll"):
             if getattr(total, k) is not None:
                 rec[k] = getattr(total, k)

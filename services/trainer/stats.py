@@ -6,6 +6,9 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 
 
+_SAME_ON_ALL = {"lr", "guard_before", "guard_after", "guard_attempts", "guard_refused"}
+
+
 @dataclass
 class StepStats:
     tokens: float = 0.0  # response tokens trained on
@@ -32,6 +35,12 @@ class StepStats:
     grad_norm: float = 0.0
     lr: float = 0.0
     learner_seconds: float = 0.0
+    # The guard (TrainerConfig.guard): the demonstrations' NLL per token around the update; every
+    # learner holds the same weights and scores the whole guard set, so these are the same on all
+    guard_before: float | None = None
+    guard_after: float | None = None  # of the update kept (or of the last refused one)
+    guard_attempts: float | None = None  # updates tried (1: the first passed)
+    guard_refused: float | None = None  # 1: every attempt was refused; the weights are those before the step
 
     def add(self, values: dict[str, float], scale: float = 1.0) -> None:
         """Add ``values`` (StepStats field names; an unknown name is a bug) times ``scale``."""
@@ -41,14 +50,16 @@ class StepStats:
 
     @classmethod
     def merged(cls, parts: list["StepStats"]) -> "StepStats":
-        """Sums over learners; the gradient norm is the largest, the learning rate the first's."""
+        """Sums over learners; the gradient norm is the largest; the learning rate and the guard's
+        figures the first's (the same on every learner)."""
         out = cls()
         for f in fields(cls):
             present = [getattr(p, f.name) for p in parts if getattr(p, f.name) is not None]
             if f.name == "grad_norm":
                 out.grad_norm = max(present, default=0.0)
-            elif f.name == "lr":
-                out.lr = present[0] if present else 0.0
+            elif f.name in _SAME_ON_ALL:
+                if present:
+                    setattr(out, f.name, present[0])
             elif present:
                 setattr(out, f.name, sum(present))
         return out

@@ -70,6 +70,8 @@ def test_smollm2_learns_from_its_rewards_and_demonstrations(smollm2_model, make_
     db.dispose()
     assert len(demos) == 4 and len(consumed) == 16 * steps  # demonstrations are replayed, never consumed
     assert last.metrics["demonstrations"] == 4 and last.metrics["demo_nll"] > 0
+    # the guard scored the demonstrations around the step (TrainerConfig.guard) and said what it did
+    assert last.metrics["guard_attempts"] >= 1 and last.metrics["guard_nll_before"] > 0 and "guard_refused" in last.metrics
     trained = [e for e in rollouts if e.experience_id in consumed]
 
     model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(smollm2_model),

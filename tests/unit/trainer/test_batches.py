@@ -129,3 +129,14 @@ def test_demonstrations_join_each_step_and_alone_only_for_the_cold_start():
     assert not select_batch([], cfg=c, current_version=0, now=NOW, demonstrations=demos, step=2).ready
     off = cfg("algorithm.name=grpo", "algorithm.cold_start_steps=2", "algorithm.sft_coef=0")
     assert not select_batch([], cfg=off, current_version=0, now=NOW, demonstrations=demos, step=0).ready
+
+
+def test_the_guard_set_is_the_same_first_demonstrations_every_step():
+    demos = [row(100 + k) for k in range(3)]
+    c = cfg("algorithm.name=grpo", "algorithm.cold_start_steps=2", "algorithm.demo_batch_size=1", "guard.demonstrations=2")
+    for step in (0, 1):
+        sel = select_batch([], cfg=c, current_version=0, now=NOW, demonstrations=demos, step=step)
+        assert [d.experience_id for d in sel.guard] == ["e100", "e101"]
+    off = cfg("algorithm.name=grpo", "algorithm.cold_start_steps=2", "guard.demonstrations=0")
+    assert select_batch([], cfg=off, current_version=0, now=NOW, demonstrations=demos, step=0).guard == []
+    assert select_batch([], cfg=c, current_version=0, now=NOW, step=0).guard == []  # no demonstrations, no guard

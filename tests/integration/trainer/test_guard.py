@@ -1,0 +1,89 @@
+"""The Trainer's guard (TrainerConfig.guard): an update that makes the agent much worse at its own
+demonstrations is undone, weights and optimizer state, and redone at half the learning rate; when
+every attempt is refused the step keeps the weights it started from. Real learner, tiny model."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from services.trainer.batches import Norms, TrainItem
+from services.trainer.learner import LearnerWorker
+
+pytestmark = pytest.mark.integration
+
+AGENT = "calc"
+QUESTIONS = [f"What is {a} plus {b}?" for a, b in [(2, 3), (4, 1), (6, 2), (7, 1)]]
+
+
+def _demos(tok, answer) -> list[TrainItem]:
+    out = []
+    for k, q in enumerate(QUESTIONS):
+        prompt = tok.encode(tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True,
+                                                    tokenize=False), add_special_tokens=False)
+        out.append(TrainItem(experience_id=f"{answer(k)}-{k}", task_id=None, model_version=0, prompt_ids=prompt,
+                             response_ids=tok.encode(answer(k), add_special_tokens=False), old_logprobs=[], reward=0.0,
+                             temperature=1.0, seq=k, demonstration=True))
+    return out
+
+
+def _state(worker: LearnerWorker) -> tuple[dict[str, torch.Tensor], int]:
+    adapter = {k: v.clone() for k, v in worker.policy.adapter_state(AGENT).items()}
+    steps = [int(s["step"]) for s in worker.optimizers[AGENT].state_dict()["state"].values()]
+    return adapter, max(steps, default=0)
+
+
+@pytest.fixture(scope="module")
+def worker(tiny_model):
+    w = LearnerWorker({"model": {"path": str(tiny_model)}, "algorithm": {"name": "grpo"}, "optim": {"lr": 3e-3},
+                       "guard": {"max_ratio": 2.0, "slack": 0.01, "retries": 1}, "log_level": "warning"})
+    w.setup()
+    w.ensure_agent(AGENT)
+    tok = w.policy.tokenizer
+    good = _demos(tok, lambda k: f"The answer is {k}.")
+    for step in range(30):  # learn the demonstrations (no guard)
+        w.train_step(AGENT, good, Norms.of(good), step, 0)
+    return w, good, _demos(tok, lambda k: "I refuse to say, sorry!")
+
+
+def test_an_update_that_wrecks_the_demonstrations_is_refused_and_undone(worker):
+    w, good, bad = worker
+    before, opt_steps = _state(w)
+    nll = w._nll(good)
+    assert nll < 0.05, f"the demonstrations were not learnt (nll {nll:.3f}): the test needs them learnt"
+    for g in w.optimizers[AGENT].param_groups:
+        g["lr"] = 0.5
+    w.cfg.optim.lr = 0.5  # a huge step towards other answers
+    try:
+        st = w.train_step(AGENT, bad, Norms.of(bad), 100, 0, guard=good)
+    finally:
+        w.cfg.optim.lr = 3e-3
+    assert st.guard_refused == 1.0 and st.guard_attempts == 2.0
+    assert st.guard_before == pytest.approx(nll, rel=1e-4)
+    assert st.guard_after > 2.0 * st.guard_before + 0.01
+    assert st.lr == pytest.approx(0.25)  # the retry ran at half the learning rate
+    after, opt_steps_after = _state(w)
+    assert all(torch.equal(before[k], after[k]) for k in before), "a refused step changed the adapter"
+    assert opt_steps_after == opt_steps, "a refused step advanced the optimizer state"
+    assert w._nll(good) == pytest.approx(nll, rel=1e-5)
+
+
+def test_an_ordinary_update_passes_the_guard_and_moves_the_weights(worker):
+    w, good, _ = worker
+    before, opt_steps = _state(w)
+    nll = w._nll(good)
+    st = w.train_step(AGENT, good, Norms.of(good), 101, 0, guard=good)
+    assert st.guard_attempts == 1.0 and st.guard_refused is None
+    assert st.guard_before == pytest.approx(nll, rel=1e-4)
+    assert st.guard_after <= 2.0 * st.guard_before + 0.01
+    after, opt_steps_after = _state(w)
+    assert any(not torch.equal(before[k], after[k]) for k in before)
+    assert opt_steps_after == opt_steps + 1
+    # the next step starts from the NLL this one measured (no second scoring of the same weights)
+    assert w._guard_nll[AGENT][1] == st.guard_after
+
+
+def test_without_demonstrations_there_is_no_guard(worker):
+    w, good, _ = worker
+    st = w.train_step(AGENT, good, Norms.of(good), 102, 0)
+    assert st.guard_before is None and st.guard_attempts is None and st.guard_refused is None
