@@ -187,13 +187,10 @@ class LearnerWorker:
     @torch.no_grad()
     def _nll(self, demos: list[TrainItem]) -> float:
         """Per-token NLL of ``demos`` under the active adapter (no gradients)."""
-        p = self.policy
         total, tokens = 0.0, 0
         for micro in _chunks(_by_length(demos), self.cfg.trainer.micro_batch_size):
-            batch = pack([i.prompt_ids for i in micro], [i.response_ids for i in micro], [1.0] * len(micro), p.pad_id,
-                         share_prefix_min=self.cfg.trainer.shared_prefix_min_tokens)
-            mask = batch.response_mask.to(p.device)
-            total -= float(masked_sum(p.forward(batch, need_hidden=False).logprobs, mask))
+            logprobs, mask = self._demonstration_logprobs(micro)
+            total -= float(masked_sum(logprobs, mask))
             tokens += int(mask.sum())
         return total / max(tokens, 1)
 
@@ -273,14 +270,17 @@ class LearnerWorker:
     def _demonstration_step(self, micro: list[TrainItem], norms: Norms) -> dict[str, float]:
         """The supervised term on demonstrations: ``sft_coef`` times their token-mean NLL, in the
         same update as the objective's own loss (a mixed objective)."""
+        logprobs, mask = self._demonstration_logprobs(micro)
+        loss, st = sft_loss(logprobs=logprobs, mask=mask, weights=torch.ones_like(mask), normalizer=norms.demo_tokens)
+        (self.cfg.algorithm.sft_coef * loss).backward()
+        return {"demo_nll": float(st["loss"])}
+
+    def _demonstration_logprobs(self, micro: list[TrainItem]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Logprobs of the demonstrations' response tokens (with grad unless under no_grad) and their mask."""
         p = self.policy
         batch = pack([i.prompt_ids for i in micro], [i.response_ids for i in micro], [1.0] * len(micro), p.pad_id,
                      share_prefix_min=self.cfg.trainer.shared_prefix_min_tokens)
-        mask = batch.response_mask.to(p.device)
-        out = p.forward(batch, need_hidden=False, entropy_grad=False)
-        loss, st = sft_loss(logprobs=out.logprobs, mask=mask, weights=torch.ones_like(mask), normalizer=norms.demo_tokens)
-        (self.cfg.algorithm.sft_coef * loss).backward()
-        return {"demo_nll": float(st["loss"])}
+        return p.forward(batch, need_hidden=False, entropy_grad=False).logprobs, batch.response_mask.to(p.device)
 
     def _all_reduce(self, params: list[torch.nn.Parameter]) -> None:
         if self.world_size <= 1:
