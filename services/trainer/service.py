@@ -22,6 +22,7 @@ that it repairs what the kill left half done (``_repair``), so a restart never n
 
 from __future__ import annotations
 
+import json
 import logging
 import signal
 import statistics
@@ -33,6 +34,7 @@ from typing import Any
 
 from services.common import buffer, checkpoints
 from services.common.buffer import BatchChanged, create_buffer_engine
+from services.common.checkpoints import CheckpointError
 from services.common.config import dump_config
 from services.common.faults import failpoint
 from services.common.records import TrainerStep
@@ -51,6 +53,7 @@ class AgentProgress:
     published: int  # newest published version (0: the base model)
     next_version: int  # the version the next step goes into
     state_path: str  # the state the learners hold right now (rollback point)
+    adopted: int = 0  # newest version published from elsewhere (kaizen publish) that the learners' weights include
 
 
 class LearnerGroup:
@@ -79,6 +82,9 @@ class LearnerGroup:
 
     def load_state(self, agent: str, path: str) -> None:
         self._all([w.load_state.remote(agent, path) for w in self.workers])
+
+    def adopt_adapter(self, agent: str, adapter_dir: str) -> None:
+        self._all([w.adopt_adapter.remote(agent, adapter_dir) for w in self.workers])
 
     def save_state(self, agent: str, path: str, meta: dict[str, Any]) -> None:
         """Rank 0 writes files: every replica holds the same weights."""
@@ -157,7 +163,8 @@ class TrainerService:
                 continue
             last = buffer.last_trainer_step(engine=self.db, agent=agent)
             if self._owed_version(agent, last) is not None:
-                self.agents[agent] = self._init_agent(agent)
+                with checkpoints.publication_lock(self.root, agent):
+                    self.agents[agent] = self._init_agent(agent)
 
     def _owed_version(self, agent: str, last: TrainerStep | None) -> int | None:
         """The version the database says is complete (its last step closed it) that LATEST does
@@ -186,7 +193,9 @@ class TrainerService:
         if last and last.state_ref and (self.root / last.state_ref).is_dir():
             state = self.root / last.state_ref
             self.learners.ensure_agent(agent, state_dir=str(state))
-            progress = AgentProgress(step=last.step, published=latest, next_version=last.version, state_path=str(state))
+            adopted = int(json.loads((state / "trainer.json").read_text()).get("adopted", 0))
+            progress = AgentProgress(step=last.step, published=latest, next_version=last.version, state_path=str(state),
+                                     adopted=adopted)
             if last.step % self.cfg.save_interval == 0:
                 if self._owed_version(agent, last) is not None:  # died between the commit and the version's writing
                     self._publish(agent, progress, last.version)
@@ -199,10 +208,30 @@ class TrainerService:
         self.learners.ensure_agent(agent, adapter_dir=adapter_dir)
         step = last.step if last else 0
         state = checkpoints.state_path(self.root, agent, step)
+        adopted = latest if latest and self._published_elsewhere(agent, latest) else 0
         if not state.exists():
-            self.learners.save_state(agent, str(state), {"agent": agent, "step": step, "version": latest})
+            self.learners.save_state(agent, str(state), {"agent": agent, "step": step, "version": latest, "adopted": adopted})
         log.info("agent %s: starting at step %d from %s", agent, step, f"v{latest}" if latest else "the base model")
-        return AgentProgress(step=step, published=latest, next_version=latest + 1, state_path=str(state))
+        return AgentProgress(step=step, published=latest, next_version=latest + 1, state_path=str(state), adopted=adopted)
+
+    def _published_elsewhere(self, agent: str, version: int) -> bool:
+        """Whether ``version`` came from ``kaizen publish`` (an adapter trained outside this Trainer)."""
+        try:
+            return checkpoints.validate_version(self.root, agent, version).manifest().get("source") == "publish"
+        except CheckpointError:
+            return False
+
+    def _adopt_published(self, agent: str, progress: AgentProgress) -> None:
+        """Continue from an adapter ``kaizen publish`` made the serving version since this Trainer's
+        weights were last set: its weights replace the learners' (fresh optimizer), and the next
+        version is numbered after it. Called under the agent's publication lock."""
+        latest = checkpoints.read_latest(self.root, agent) or 0
+        if latest <= progress.adopted or not self._published_elsewhere(agent, latest):
+            return
+        self.learners.adopt_adapter(agent, str(checkpoints.version_dir(self.root, agent, latest)))
+        progress.adopted = progress.published = latest
+        progress.next_version = max(progress.next_version, latest + 1)
+        log.info("agent %s: continuing from v%d, published from elsewhere (kaizen publish)", agent, latest)
 
     def _agents_to_poll(self) -> list[str]:
         have = buffer.agents_with_committed(engine=self.db)
@@ -234,17 +263,21 @@ class TrainerService:
             if self.cfg.algorithm.sft_coef > 0 else []
         if not rows and not demos:
             return False
-        if agent not in self.agents:
-            self.agents[agent] = self._init_agent(agent)
-        progress = self.agents[agent]
-        selection = select_batch(rows, cfg=self.cfg, current_version=progress.published, demonstrations=demos,
-                                 step=progress.step)
-        if not selection.ready:
-            if selection.discarded:
-                n = buffer.discard_experiences(engine=self.db, experience_ids=list(selection.discarded))
-                self._log_discards(agent, selection, n)
-            return False
-        return self._train(agent, progress, selection)
+        # The lock keeps `kaizen publish` from taking a version number between this step's choice of
+        # it and its publication; a publication made while it waited is adopted first.
+        with checkpoints.publication_lock(self.root, agent):
+            if agent not in self.agents:
+                self.agents[agent] = self._init_agent(agent)
+            progress = self.agents[agent]
+            self._adopt_published(agent, progress)
+            selection = select_batch(rows, cfg=self.cfg, current_version=progress.published, demonstrations=demos,
+                                     step=progress.step)
+            if not selection.ready:
+                if selection.discarded:
+                    n = buffer.discard_experiences(engine=self.db, experience_ids=list(selection.discarded))
+                    self._log_discards(agent, selection, n)
+                return False
+            return self._train(agent, progress, selection)
 
     def _log_discards(self, agent: str, selection: Selection, n: int) -> None:
         reasons: dict[str, int] = {}
@@ -262,7 +295,7 @@ class TrainerService:
         seconds = time.perf_counter() - t0
         step, version = progress.step + 1, progress.next_version
         state = checkpoints.state_path(self.root, agent, step)
-        self.learners.save_state(agent, str(state), {"agent": agent, "step": step, "version": version})
+        self.learners.save_state(agent, str(state), {"agent": agent, "step": step, "version": version, "adopted": progress.adopted})
         failpoint("trainer.after_state_saved")
         record = self._step_record(agent, step, version, selection, results, norms, seconds)
         try:

@@ -178,7 +178,7 @@ def _adapter(root: Path, version: int) -> dict[str, torch.Tensor]:
 
 def _temporaries(root: Path) -> list[str]:
     dirs = (checkpoints.agent_dir(root, AGENT), checkpoints.state_dir(root, AGENT))
-    return [p.name for d in dirs for p in d.iterdir() if p.name.startswith(".") and p.name != ".serving"]
+    return [p.name for d in dirs for p in d.iterdir() if p.name.startswith(".") and p.name not in (".serving", checkpoints.PUBLISH_LOCK)]
 
 
 def test_killed_anywhere_the_trainer_restarts_and_repairs(tiny_model, faults_db, ray_address, trainers, tmp_path):

@@ -180,3 +180,37 @@ def test_two_data_parallel_workers_match_one(tiny_model, sampled_db, ray_address
     a, b = _adapter(one, 3), _adapter(two, 3)
     for k in a:
         torch.testing.assert_close(a[k], b[k], atol=1e-4, rtol=1e-3)
+
+
+def test_trainer_continues_from_an_adapter_published_from_elsewhere(tiny_model, sampled_db, ray_address, tmp_path):
+    """v1 from the Trainer; v2 from `kaizen publish` (an adapter made outside, with the Trainer's LoRA
+    settings); the restarted Trainer continues from v2's weights and publishes v3 after it."""
+    from safetensors.torch import save_file
+
+    url = _copy_db(sampled_db, tmp_path)
+    _train(tiny_model, tmp_path, ray_address, "algorithm.name=grpo", "--max-steps", "1")
+    root = tmp_path / "ck"
+    outside = tmp_path / "outside"
+    shutil.copytree(root / "default" / "v1", outside)
+    (outside / "manifest.json").unlink()
+    torch.manual_seed(0)
+    save_file({k: v + 0.05 * torch.randn_like(v) for k, v in _adapter(tmp_path, 1).items()}, str(outside / "adapter_model.safetensors"))
+    r = subprocess.run([sys.executable, "-m", "services.cli", "publish", "--agent", "default", "--adapter", str(outside),
+                        "--checkpoints-root", str(root)], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+
+    log = _train(tiny_model, tmp_path, ray_address, "algorithm.name=grpo", "--max-steps", "1")
+    assert "continuing from v2, published from elsewhere" in log
+    assert checkpoints.read_latest(root, "default") == 3
+    assert checkpoints.validate_version(root, "default", 3).manifest()["parent_version"] == 2
+    v1, v2, v3 = (_adapter(tmp_path, v) for v in (1, 2, 3))
+    moved_from_v2 = sum((v3[k] - v2[k]).norm() ** 2 for k in v3) ** 0.5
+    moved_from_v1 = sum((v3[k] - v1[k]).norm() ** 2 for k in v3) ** 0.5
+    assert moved_from_v2 < 0.5 * moved_from_v1, (moved_from_v2, moved_from_v1)  # one step from v2, not from v1
+
+    # a third run resumes from the state of step 2, which already holds v2: nothing is adopted again
+    log = _train(tiny_model, tmp_path, ray_address, "algorithm.name=grpo", "--max-steps", "1")
+    assert "continuing from" not in log and checkpoints.read_latest(root, "default") == 4
+    db = buffer.create_buffer_engine(url)
+    assert sorted({v for _, v in buffer.consumed_ids(engine=db)}) == [1, 3, 4]
+    db.dispose()
