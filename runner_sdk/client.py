@@ -158,13 +158,14 @@ class ExplorerClient:
 
     async def feedback(self, *, reward: float, msg_ids: list[str] | None = None, task_id: str | None = None,
                        run_id: str | None = None, labels: list[str] | None = None, comment: str | None = None,
-                       source: str | None = None) -> dict[str, Any]:
+                       source: str | None = None, agent: str | None = None) -> dict[str, Any]:
         body = {"msg_ids": msg_ids, "reward": reward, "task_id": task_id, "run_id": run_id,
-                "labels": labels, "comment": comment, "source": source}
+                "labels": labels, "comment": comment, "source": source, "agent": agent}
         return await self._call("POST", "/feedback", json={k: v for k, v in body.items() if v is not None})
 
     async def episode_feedback(self, *, task_id: str, run_id: str, reward: float, **extra: Any) -> dict[str, Any]:
-        """The reward of a whole episode: it reaches every call made under task_id + run_id."""
+        """The reward of a whole episode: it reaches every call made under task_id + run_id (a team
+        reward in a multi-agent episode); ``agent=NAME`` narrows it to that agent's calls."""
         return await self.feedback(reward=reward, task_id=task_id, run_id=run_id, **extra)
 
     async def demonstrations(self, *, model: str, messages: list[dict[str, Any]], response: dict[str, Any],

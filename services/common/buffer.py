@@ -297,10 +297,13 @@ def _resolve(conn: Connection, msg_ids: Sequence[str], *, lock: bool) -> dict[st
     return found
 
 
-def episode_experience_ids(*, engine: Engine, task_id: str, run_id: str) -> list[str]:
-    """The experience ids of every call of an episode (task_id + run_id), in arrival order."""
+def episode_experience_ids(*, engine: Engine, task_id: str, run_id: str, agent: str | None = None) -> list[str]:
+    """The experience ids of every call of an episode (task_id + run_id), or of ``agent``'s calls in
+    it, in arrival order."""
     e = experiences.c
     q = select(e.experience_id).where(e.task_id == task_id, e.run_id == run_id).order_by(e.seq)
+    if agent is not None:
+        q = q.where(e.agent == agent)
     with engine.connect() as conn:
         return list(conn.scalars(q))
 
@@ -596,6 +599,14 @@ def last_trainer_step(*, engine: Engine, agent: str) -> TrainerStep | None:
     with engine.connect() as conn:
         row = conn.execute(q).first()
     return TrainerStep(**row._mapping) if row else None
+
+
+def recent_trainer_steps(*, engine: Engine, agents: Sequence[str], limit: int) -> list[tuple[str, datetime]]:
+    """(agent, created_at) of the newest ``limit`` trainer steps of ``agents``, newest first."""
+    t = trainer_steps.c
+    q = select(t.agent, t.created_at).where(t.agent.in_(list(agents))).order_by(t.id.desc()).limit(limit)
+    with engine.connect() as conn:
+        return [(r.agent, r.created_at) for r in conn.execute(q)]
 
 
 def consumed_ids(*, engine: Engine, agent: str | None = None) -> list[tuple[str, int]]:

@@ -52,7 +52,7 @@ class FeedbackService:
 
     async def feedback(self, req: FeedbackRequest) -> dict[str, Any]:
         if req.episode:
-            ids = await self._episode(req.task_id, str(req.run_id))
+            ids = await self._episode(req.task_id, str(req.run_id), req.agent)
         else:
             ids = list(dict.fromkeys(req.msg_ids))
             await self._settle(ids)
@@ -74,12 +74,13 @@ class FeedbackService:
         self._metrics.feedback.inc(len(result.experience_ids))
         return {"status": "success", "updated": len(result.experience_ids), "experience_ids": result.experience_ids}
 
-    async def _episode(self, task_id: str, run_id: str) -> list[str]:
-        """Every call of an episode, once this replica's records of it are written."""
+    async def _episode(self, task_id: str, run_id: str, agent: str | None = None) -> list[str]:
+        """Every call of an episode (or of one agent in it), once this replica's records of it are written."""
         await self._recorder.flush(self._wait_s)
-        ids = await asyncio.to_thread(buffer.episode_experience_ids, engine=self._db, task_id=task_id, run_id=run_id)
+        ids = await asyncio.to_thread(buffer.episode_experience_ids, engine=self._db, task_id=task_id, run_id=run_id,
+                                      agent=agent)
         if not ids:
-            raise UnknownIds([f"episode task_id={task_id!r} run_id={run_id!r}"])
+            raise UnknownIds([f"episode task_id={task_id!r} run_id={run_id!r}" + (f" agent={agent!r}" if agent else "")])
         return ids
 
     async def commit(self, req: CommitRequest) -> dict[str, Any]:

@@ -208,6 +208,7 @@ class FeedbackRequest(_Recorded):
     labels: list[str] | None = None
     comment: str | None = Field(default=None, max_length=10_000)
     source: str | None = None
+    agent: str | None = Field(default=None, min_length=1, max_length=128)  # episode feedback: only this agent's calls
 
     @field_validator("msg_ids")
     @classmethod
@@ -230,6 +231,9 @@ class FeedbackRequest(_Recorded):
                            param="msg_ids", code="invalid_request")
         check_grouping_id(self.task_id, "task_id")
         check_grouping_id(self.run_id, "run_id")
+        if self.agent is not None and self.msg_ids is not None:
+            raise APIError(400, "'agent' narrows an episode's feedback (task_id + run_id) to one agent's calls; "
+                           "msg_ids already name the calls", param="agent", code="invalid_request")
         return self
 
     @property

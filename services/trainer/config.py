@@ -116,6 +116,26 @@ class CheckpointsTrainerSection(CheckpointsSection):
     keep_states: int = Field(default=2, ge=1, description="Trainer state snapshots kept (the newest is the resume point).")
 
 
+class ScheduleSection(ConfigModel):
+    """Which agents train when (MARFT's agent-by-agent schedule). The turn is derived from the
+    buffer's trainer_steps, so it survives restarts."""
+
+    mode: Literal["simultaneous", "round_robin"] = Field(
+        default="simultaneous", description="simultaneous: every agent with data trains; round_robin: one agent trains "
+        "for `interval` steps while the others stay frozen, in `order`.")
+    interval: int = Field(default=1, ge=1, description="round_robin: steps per turn (MARFT's agent_iteration_interval).")
+    order: list[str] = Field(
+        default_factory=list, description="round_robin: the agents' order (empty: trainer.agents, else every agent with "
+        "data or steps, by name).")
+    frozen_experiences: Literal["keep", "discard"] = Field(
+        default="keep", description="round_robin: what an agent's experiences recorded before its turn began (while a "
+        "teammate was still changing) become when the turn comes: keep (trained as usual, subject to staleness) "
+        "or discard (off-policy for the team).")
+    turn_timeout_s: float | None = Field(
+        default=None, gt=0, description="round_robin: an agent whose turn it is but which has no batch ready for this "
+        "long passes the turn on (absent: the others wait for it).")
+
+
 class TrainerLoopSection(ConfigModel):
     max_steps: int | None = Field(default=None, ge=1, description="Stop after this many steps in this run (absent: forever).")
     poll_interval_s: float = Field(default=1.0, gt=0, description="How often the buffer is polled when idle.")
@@ -131,6 +151,7 @@ class TrainerLoopSection(ConfigModel):
     epochs: int = Field(default=1, ge=1, description="Optimizer updates per batch.")
     torch_threads: int | None = Field(default=None, ge=1, description="torch intra-op threads of each learner.")
     progress: bool = Field(default=True, description="Show a progress line on a terminal.")
+    schedule: ScheduleSection = Field(default_factory=ScheduleSection)
 
 
 class RaySection(ConfigModel):
@@ -157,6 +178,14 @@ class TrainerConfig(ConfigModel):
 
     @model_validator(mode="after")
     def _check(self) -> "TrainerConfig":
+        sch = self.trainer.schedule
+        if sch.mode == "round_robin":
+            if not (sch.order or self.trainer.agents):
+                raise ValueError("trainer.schedule.mode=round_robin needs the agents' order: set trainer.schedule.order "
+                                 "(or trainer.agents)")
+            if sch.order and self.trainer.agents and set(sch.order) - set(self.trainer.agents):
+                raise ValueError(f"trainer.schedule.order names agents outside trainer.agents: "
+                                 f"{sorted(set(sch.order) - set(self.trainer.agents))}")
         if self.algorithm.name == "sft" and self.algorithm.sft_min_reward is None and not self.algorithm.sft_label:
             raise ValueError("sft needs algorithm.sft_min_reward or algorithm.sft_label to pick demonstrations")
         return self

@@ -29,6 +29,7 @@ import statistics
 import threading
 import time
 from dataclasses import dataclass
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -38,10 +39,11 @@ from services.common.checkpoints import CheckpointError
 from services.common.config import dump_config
 from services.common.faults import failpoint
 from services.common.records import TrainerStep
-from services.trainer.batches import Norms, Selection, TrainItem, episodes_of, select_batch
+from services.trainer.batches import Norms, Selection, TrainItem, aware, episodes_of, select_batch
 from services.trainer.config import TrainerConfig
 from services.trainer.metrics import MetricsSink
 from services.trainer.retention import prune_versions
+from services.trainer.schedule import Turn, current_turn, next_agent
 from services.trainer.stats import StepStats
 
 log = logging.getLogger("kaizen.trainer")
@@ -125,6 +127,9 @@ class TrainerService:
         self.stop_event = threading.Event()
         self.steps_this_run = 0
         self._started_ray = False
+        # round_robin: a turn passed on for want of data, until the next recorded step (newest step, turn)
+        self._passed: tuple[Any, Turn] | None = None
+        self._waiting: tuple[Any, float] | None = None  # ((newest step, agent), since) of the turn waiting for data
 
     # ------------------------------------------------------------------ start / stop
 
@@ -138,8 +143,11 @@ class TrainerService:
                 ray.init(address=self.cfg.ray.address, **kwargs)
             else:
                 # Ray starts workers at nice 15 by default; the learner is the whole point of this
-                # process, so it must not starve behind an Explorer sharing the machine.
-                ray.init(object_store_memory=256 * 1024 * 1024, _system_config={"worker_niceness": 0}, **kwargs)
+                # process, so it must not starve behind an Explorer sharing the machine. "local": a
+                # cluster of its own, never one that /tmp/ray/ray_current_cluster names (another
+                # process's, or a dead one's).
+                ray.init(address="local", object_store_memory=256 * 1024 * 1024, _system_config={"worker_niceness": 0},
+                         **kwargs)
                 self._started_ray = True
         self.learners = LearnerGroup(self.cfg)
         self._recover()
@@ -238,6 +246,41 @@ class TrainerService:
         wanted = self.cfg.trainer.agents
         return [a for a in have if not wanted or a in wanted]
 
+    def _turn(self) -> tuple[Turn, Any]:
+        """round_robin: whose turn it is, and the newest recorded step it was derived from."""
+        sch = self.cfg.trainer.schedule
+        order = sch.order or self.cfg.trainer.agents
+        recent = buffer.recent_trainer_steps(engine=self.db, agents=order, limit=sch.interval + 1)
+        newest = recent[0] if recent else None
+        if self._passed is not None and self._passed[0] == newest:
+            return self._passed[1], newest
+        return current_turn(recent, order, sch.interval), newest
+
+    def _idle_turn(self, turn: Turn, newest: Any) -> None:
+        """round_robin: the agent whose turn it is had no batch ready; after ``turn_timeout_s`` of
+        that, the turn passes to the next agent (until a step is recorded, in this process)."""
+        timeout = self.cfg.trainer.schedule.turn_timeout_s
+        if timeout is None:
+            return
+        now, key = time.monotonic(), (newest, turn.agent)
+        if self._waiting is None or self._waiting[0] != key:
+            self._waiting = (key, now)
+            return
+        if now - self._waiting[1] >= timeout:
+            sch = self.cfg.trainer.schedule
+            # the teammates changed last before the idle agent's turn: the same start for the next one
+            nxt = Turn(next_agent(sch.order or self.cfg.trainer.agents, turn.agent), 0, turn.started_at)
+            self._passed, self._waiting = (newest, nxt), None
+            log.info("agent %s: no batch ready in %.0fs of its turn; the turn passes to %s", turn.agent, timeout, nxt.agent)
+
+    def _polled(self) -> tuple[list[tuple[str, Turn | None]], tuple[Turn, Any] | None]:
+        """The agents to poll now, each with its round-robin turn (None when simultaneous)."""
+        agents = self._agents_to_poll()
+        if self.cfg.trainer.schedule.mode == "simultaneous":
+            return [(a, None) for a in agents], None
+        turn, newest = self._turn()
+        return ([(turn.agent, turn)] if turn.agent in agents else []), (turn, newest)
+
     # ------------------------------------------------------------------ the loop
 
     def run(self) -> int:
@@ -247,18 +290,23 @@ class TrainerService:
                 log.info("reached trainer.max_steps=%d", max_steps)
                 break
             trained = False
-            for agent in self._agents_to_poll():
+            polled, turn = self._polled()
+            for agent, agent_turn in polled:
                 if self.stop_event.is_set() or (max_steps is not None and self.steps_this_run >= max_steps):
                     break
-                trained |= self._poll_agent(agent)
+                trained |= self._poll_agent(agent, agent_turn)
+            if turn is not None and not trained:
+                self._idle_turn(*turn)
             if not trained:
                 self.metrics.waiting("waiting for committed experiences ...")
                 self.stop_event.wait(self.cfg.trainer.poll_interval_s)
         return 0
 
-    def _poll_agent(self, agent: str) -> bool:
+    def _poll_agent(self, agent: str, turn: Turn | None = None) -> bool:
         window = max(self.cfg.train_batch_size * 8, 256)
         rows = buffer.fetch_committed(engine=self.db, agent=agent, limit=window)
+        if turn is not None and turn.started_at is not None and self.cfg.trainer.schedule.frozen_experiences == "discard":
+            rows = self._discard_frozen(agent, rows, turn.started_at)
         demos = buffer.fetch_committed(engine=self.db, agent=agent, limit=_MAX_DEMONSTRATIONS, demonstrations=True) \
             if self.cfg.algorithm.sft_coef > 0 else []
         if not rows and not demos:
@@ -278,6 +326,16 @@ class TrainerService:
                     self._log_discards(agent, selection, n)
                 return False
             return self._train(agent, progress, selection)
+
+    def _discard_frozen(self, agent: str, rows: list, started_at: datetime) -> list:
+        """round_robin with frozen_experiences=discard: experiences recorded before this agent's turn
+        began were made beside teammates that have changed since: off-policy for the team."""
+        before = [r for r in rows if r.created_at is not None and aware(r.created_at) < aware(started_at)]
+        if before:
+            n = buffer.discard_experiences(engine=self.db, experience_ids=[r.experience_id for r in before])
+            log.info("agent %s: discarded %d experiences recorded before its turn began (frozen_experiences=discard)", agent, n)
+        dropped = {r.experience_id for r in before}
+        return [r for r in rows if r.experience_id not in dropped]
 
     def _log_discards(self, agent: str, selection: Selection, n: int) -> None:
         reasons: dict[str, int] = {}

@@ -159,3 +159,27 @@ def test_an_episode_reward_reaches_every_call_of_the_episode(explorer):
     assert explorer.http.post("/feedback", json={"task_id": "ep", "run_id": "r9", "reward": 1.0}).status_code == 404
     bad = explorer.http.post("/feedback", json={"task_id": "ep", "reward": 1.0})
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "msg_ids"
+
+
+def test_a_team_episode_takes_a_team_reward_or_one_per_agent(make_explorer):
+    """Two agents (two adapters on one base) act in one episode: a reward without `agent` reaches
+    every call of both; with `agent` only that agent's calls."""
+    ex = make_explorer("agents.names=[planner,solver]")
+
+    def chat(agent: str, run: str) -> str:
+        r = ex.client.chat.completions.create(model=agent, messages=[{"role": "user", "content": "plan"}], max_tokens=2,
+                                              metadata={"task_id": "team", "run_id": run})
+        return r.choices[0].model_extra["experience_id"]
+
+    planner, solver = [chat("planner", "1"), chat("planner", "1")], [chat("solver", "1")]
+    r = ex.http.post("/feedback", json={"task_id": "team", "run_id": "1", "reward": 1.0})
+    assert sorted(r.json()["experience_ids"]) == sorted(planner + solver)
+    r = ex.http.post("/feedback", json={"task_id": "team", "run_id": "1", "agent": "solver", "reward": 0.25})
+    assert r.status_code == 200 and r.json()["experience_ids"] == solver
+    rows = {e: ex.http.get(f"/experiences/{e}").json() for e in planner + solver}
+    assert {e: (row["agent"], row["reward"]) for e, row in rows.items()} == {
+        **{e: ("planner", 1.0) for e in planner}, **{e: ("solver", 0.25) for e in solver}}
+    missing = ex.http.post("/feedback", json={"task_id": "team", "run_id": "1", "agent": "critic", "reward": 1.0})
+    assert missing.status_code == 404 and "agent='critic'" in missing.json()["error"]["message"]
+    both = ex.http.post("/feedback", json={"msg_ids": solver, "agent": "solver", "reward": 1.0})
+    assert both.status_code == 400 and both.json()["error"]["param"] == "agent"
