@@ -224,6 +224,11 @@ class AgentClient:
     async def complete(self, messages: list[dict[str, Any]] | str, **params: Any) -> str:
         return (await self.chat(messages, **params)).content or ""
 
+    def as_agent(self, model: str) -> "AgentClient":
+        """The same client for another agent (its own adapter on the same base): in a multi-agent
+        episode, every agent's calls join the episode and its reward."""
+        return AgentClient(self.explorer, model, self._api_key)
+
     def openai(self):
         """An ``openai.AsyncOpenAI`` on the Explorer whose calls are tracked (needs the openai package)."""
         import openai

