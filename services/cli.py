@@ -15,6 +15,7 @@ import argparse
 import sys
 
 try:
+    from services.common.checkpoints import CheckpointError
     from services.common.config import ConfigError, load_config
     from services.common.logging import setup_logging
 except ModuleNotFoundError as e:  # the base install is the runner SDK alone
@@ -89,16 +90,11 @@ def _train(args: argparse.Namespace) -> int:
 
 
 def _publish(args: argparse.Namespace) -> int:
-    from services.common.checkpoints import CheckpointError
     from services.common.publish import publish_adapter
 
     setup_logging("warning")
-    try:
-        v = publish_adapter(args.adapter, agent=args.agent, checkpoints_root=args.checkpoints_root, base_model=args.base_model,
-                            max_rank=args.max_rank, note=args.note)
-    except CheckpointError as e:
-        print(f"kaizen publish: {e}", file=sys.stderr)
-        return 2
+    v = publish_adapter(args.adapter, agent=args.agent, checkpoints_root=args.checkpoints_root, base_model=args.base_model,
+                        max_rank=args.max_rank, note=args.note)
     print(f"published {args.adapter} as {args.agent} v{v.version} at {v.path}")
     return 0
 
@@ -162,6 +158,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     except ConfigError as e:
         print(f"kaizen {args.command}: configuration error: {e}", file=sys.stderr)
+        return 2
+    except CheckpointError as e:  # a version or adapter that cannot be published or loaded
+        print(f"kaizen {args.command}: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         return 130

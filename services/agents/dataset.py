@@ -233,11 +233,10 @@ class AgentTrainer:
                     version = self._versions(url)[cfg.agents[0]]
                     if self.val_dataset and version - last_eval >= cfg.eval.every_versions:
                         last_eval = version
-                        if cfg.eval.target is not None and self._evaluate(url, report, epoch, round_) >= cfg.eval.target:
+                        score = self._evaluate(url, report, epoch, round_)
+                        if cfg.eval.target is not None and score >= cfg.eval.target:
                             report.stopped = f"validation reward reached the target {cfg.eval.target}"
                             return report
-                        if cfg.eval.target is None:
-                            self._evaluate(url, report, epoch, round_)
             self._wait_for_trainer(url, stack, until=0, settle_s=30)  # the last rounds trained too, before the last score
             if self.val_dataset and self._versions(url)[cfg.agents[0]] != last_eval:
                 self._evaluate(url, report, t.epochs, round_)
