@@ -42,7 +42,14 @@ from sqlalchemy import (
 )
 from sqlalchemy.engine import Connection, Engine, make_url
 
-from services.common.records import DEMONSTRATION_KIND, CommittedExperience, Experience, ExperienceStatus, TrainerStep
+from services.common.records import (
+    DEMONSTRATION_KIND,
+    CommittedExperience,
+    Experience,
+    ExperienceStatus,
+    TeamEpisode,
+    TrainerStep,
+)
 
 log = logging.getLogger(__name__)
 
@@ -74,6 +81,9 @@ experiences = Table(
     Column("trained_in", Integer),
     Column("created_at", DateTime(timezone=True), nullable=False),
     Column("updated_at", DateTime(timezone=True), nullable=False),
+    # Added after the first release: _migrate adds them to older databases (nullable, no default).
+    Column("user_id", String(256), index=True),  # whose traffic this is (metadata.user_id or a header)
+    Column("request_id", String(64)),  # the HTTP request that produced it (X-Request-Id, also in the logs)
 )
 
 # Index used by the Trainer's poll: committed rows of one agent in arrival order.
@@ -91,6 +101,34 @@ trainer_steps = Table(
     Column("state_ref", String(512)),
     Column("metrics", JSON),
     Column("created_at", DateTime(timezone=True), nullable=False),
+)
+
+# Every decision about which version serves (release policy, rollbacks), with who took it and why.
+release_decisions = Table(
+    "release_decisions",
+    metadata,
+    Column("id", _ID, primary_key=True, autoincrement=True),
+    Column("agent", String(128), nullable=False),
+    Column("version", Integer, nullable=False),  # the version the decision is about
+    Column("decision", String(32), nullable=False),  # candidate, canary_started, promoted, rejected, rolled_back, alarm
+    Column("serving", Integer),  # the version that serves once the decision is carried out
+    Column("actor", String(128), nullable=False),  # gate, canary, guard, trainer, admin:<key name>, cli
+    Column("reason", String(2000)),
+    Column("figures", JSON),  # the test's statistics: sample sizes, means, bounds
+    Column("created_at", DateTime(timezone=True), nullable=False),
+)
+Index("ix_release_decisions_agent_id", release_decisions.c.agent, release_decisions.c.id)
+
+# Who did what through the admin and feedback endpoints.
+audit_log = Table(
+    "audit_log",
+    metadata,
+    Column("id", _ID, primary_key=True, autoincrement=True),
+    Column("actor", String(128), nullable=False),  # the API key's name, or "anonymous" without keys
+    Column("action", String(64), nullable=False),
+    Column("target", JSON),
+    Column("details", JSON),
+    Column("created_at", DateTime(timezone=True), nullable=False, index=True),
 )
 
 TERMINAL = (ExperienceStatus.CONSUMED.value, ExperienceStatus.DISCARDED.value)
@@ -161,6 +199,29 @@ def _create_tables(engine: Engine) -> None:
         if conn.dialect.name == "postgresql":
             conn.execute(select(func.pg_advisory_xact_lock(_SCHEMA_LOCK_KEY)))
         metadata.create_all(conn)
+        _migrate(conn)
+
+
+def _migrate(conn: Connection) -> None:
+    """Bring a database made by an older Kaizen up to the tables above: add the nullable columns
+    and the indexes it lacks (``create_all`` only creates missing tables). Additive only."""
+    from sqlalchemy import inspect, text
+
+    inspector = inspect(conn)
+    quote = conn.dialect.identifier_preparer.quote
+    for table in metadata.sorted_tables:
+        have = {c["name"] for c in inspector.get_columns(table.name)}
+        for column in table.columns:
+            if column.name not in have:
+                if not column.nullable:
+                    raise RuntimeError(f"cannot add the NOT NULL column {table.name}.{column.name} to an existing table")
+                log.warning("buffer: adding column %s.%s (database made by an older version)", table.name, column.name)
+                kind = column.type.compile(dialect=conn.dialect)
+                conn.execute(text(f"ALTER TABLE {quote(table.name)} ADD COLUMN {quote(column.name)} {kind}"))
+        indexes = {i["name"] for i in inspector.get_indexes(table.name)}
+        for index in table.indexes:
+            if index.name not in indexes:
+                index.create(conn)
 
 
 def _enable_wal(cur: sqlite3.Cursor) -> None:
@@ -528,6 +589,42 @@ def fetch_committed(*, engine: Engine, agent: str, limit: int, demonstrations: b
     )
     with engine.connect() as conn:
         return [CommittedExperience(**r._mapping) for r in conn.execute(q)]
+
+
+def team_episodes(*, engine: Engine, task_ids: Sequence[str]) -> dict[str, dict[str, TeamEpisode]]:
+    """Every episode of these tasks whose last call has a reward: {task_id: {run_id: TeamEpisode}},
+    the reward being its last call's (whichever agent made it). Episodes whose last call has no
+    reward yet are left out: they may still be under way. Demonstrations are not episodes."""
+    e = experiences.c
+    last: dict[tuple[str, str], tuple[int, float | None]] = {}
+    agents: dict[tuple[str, str], set[str]] = {}
+    with engine.connect() as conn:
+        for chunk in iter_chunks(sorted(set(task_ids)), 500):
+            q = select(e.task_id, e.run_id, e.seq, e.reward, e.agent).where(
+                e.task_id.in_(chunk), e.run_id.is_not(None), ~_DEMONSTRATION)
+            for task, run, seq, reward, agent in conn.execute(q):
+                agents.setdefault((task, run), set()).add(agent)
+                if (task, run) not in last or seq > last[(task, run)][0]:
+                    last[(task, run)] = (seq, reward)
+    out: dict[str, dict[str, TeamEpisode]] = {}
+    for (task, run), (_, reward) in last.items():
+        if reward is not None:
+            out.setdefault(task, {})[run] = TeamEpisode(reward=float(reward), agents=frozenset(agents[(task, run)]))
+    return out
+
+
+def teammate_calls(*, engine: Engine, episodes: Sequence[tuple[str, str]], agent: str) -> list[CommittedExperience]:
+    """The calls other agents than ``agent`` made in these episodes ((task_id, run_id)), whatever
+    their status, in arrival order: what the agent's critic values when it credits through the
+    joint episode."""
+    wanted = set(episodes)
+    e = experiences.c
+    out = []
+    with engine.connect() as conn:
+        for chunk in iter_chunks(sorted({t for t, _ in wanted}), 500):
+            q = select(*_TRAIN_COLUMNS).where(e.task_id.in_(chunk), e.agent != agent, ~_DEMONSTRATION).order_by(e.seq)
+            out += [CommittedExperience(**r._mapping) for r in conn.execute(q) if (r.task_id, r.run_id) in wanted]
+    return sorted(out, key=lambda r: r.seq)
 
 
 def consume_batch(

@@ -54,6 +54,8 @@ class Experience(BaseModel):
     trained_in: int | None = None
     created_at: datetime | None = None
     updated_at: datetime | None = None
+    user_id: str | None = Field(default=None, description="Whose traffic this is (metadata.user_id or X-User-Id).")
+    request_id: str | None = Field(default=None, description="The HTTP request that produced it (X-Request-Id).")
 
 
 @dataclass(frozen=True)
@@ -79,6 +81,15 @@ class CommittedExperience:
     @property
     def labels(self) -> list[str]:
         return list((self.feedback or {}).get("labels") or [])
+
+
+@dataclass(frozen=True)
+class TeamEpisode:
+    """An episode (task_id + run_id) as the team's GRPO statistics see it: the reward of its last
+    call, whichever agent made it, and the agents that acted in it."""
+
+    reward: float
+    agents: frozenset[str]
 
 
 @dataclass(frozen=True)

@@ -141,3 +141,29 @@ def test_services_starting_together_on_a_fresh_database_all_start(buffer_url):
         f"s{i}" for i in range(n)
     ]
     engine.dispose()
+
+
+def test_a_database_made_by_an_older_version_gains_the_new_columns(buffer_url):
+    """create_buffer_engine adds the columns and indexes an older schema lacks; its rows stay readable."""
+    from sqlalchemy import MetaData, Table, create_engine, insert, inspect
+
+    from services.common.buffer import create_buffer_engine
+
+    url = buffer_url.replace("postgresql://", "postgresql+psycopg://")
+    raw = create_engine(url)
+    old = MetaData()
+    Table("experiences", old, *[c._copy() for c in buffer.experiences.columns if c.name not in ("user_id", "request_id")])
+    old.create_all(raw)
+    row = _exp("old", 0).model_dump(mode="python", exclude={"user_id", "request_id"})
+    now = buffer.utcnow()
+    with raw.begin() as conn:
+        conn.execute(insert(old.tables["experiences"]), [{**row, "status": "recorded", "created_at": now, "updated_at": now}])
+    raw.dispose()
+    engine = create_buffer_engine(buffer_url)
+    columns = {c["name"] for c in inspect(engine).get_columns("experiences")}
+    assert {"user_id", "request_id"} <= columns
+    assert "ix_experiences_user_id" in {i["name"] for i in inspect(engine).get_indexes("experiences")}
+    assert buffer.get_experience(engine=engine, experience_id="old-0").user_id is None
+    assert {"release_decisions", "audit_log"} <= set(inspect(engine).get_table_names())
+    engine.dispose()
+    create_buffer_engine(buffer_url).dispose()  # a second start changes nothing
