@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from typing import TYPE_CHECKING, Sequence, TypeVar
 
-from services.common.records import CommittedExperience
+from services.common.records import CommittedExperience, TeamEpisode
 
 T = TypeVar("T")
 
@@ -41,6 +41,9 @@ class TrainItem:
     seq: int = 0  # arrival order in the buffer: the order of an episode's calls
     demonstration: bool = False  # trained by the supervised term only (POST /demonstrations)
     grammar: str | None = None  # sampled under this grammar: scored over the tokens it allowed
+    # A teammate's call in one of this agent's episodes: its critic values the turn (credit through
+    # the joint episode) and learns that value; the policy loss never sees it.
+    context: bool = False
 
     @property
     def episode(self) -> tuple[str | None, str]:
@@ -77,7 +80,7 @@ class Norms:
 
     @classmethod
     def of(cls, items: list[TrainItem]) -> "Norms":
-        rl = [i for i in items if not i.demonstration]
+        rl = [i for i in items if not i.demonstration and not i.context]
         return cls(tokens=float(sum(len(i.response_ids) for i in rl)), sequences=float(len(rl)),
                    demo_tokens=float(sum(len(i.response_ids) for i in items if i.demonstration)))
 
@@ -90,6 +93,8 @@ class Selection:
     small_groups: int = 0
     demonstrations: list[TrainItem] = field(default_factory=list)  # replayed, never consumed
     guard: list[TrainItem] = field(default_factory=list)  # scored around the update (TrainerConfig.guard)
+    context: list[TrainItem] = field(default_factory=list)  # teammates' calls in the items' episodes
+    team_episodes: int = 0  # episodes of the items' tasks that set group statistics without this agent in them
 
     @property
     def ready(self) -> bool:
@@ -97,7 +102,11 @@ class Selection:
 
     @property
     def all_items(self) -> list[TrainItem]:
-        return self.items + self.demonstrations
+        return self.items + self.demonstrations + self.context
+
+
+# The team's episodes of the tasks at hand: {task_id: {run_id: TeamEpisode}} (buffer.team_episodes).
+TeamEpisodes = dict[str, dict[str, TeamEpisode]]
 
 
 # A committed row that passed the shared checks, with its staleness weight.
@@ -128,6 +137,17 @@ def to_item(row: CommittedExperience, weight: float) -> TrainItem:
     )
 
 
+def context_item(row: CommittedExperience) -> TrainItem:
+    """A teammate's call as this agent's critic sees it: the state its turn starts from (the prompt,
+    and one response token, whose value is the turn's)."""
+    return TrainItem(
+        experience_id=row.experience_id, task_id=row.task_id, run_id=row.run_id, model_version=int(row.model_version),
+        prompt_ids=list(row.prompt_token_ids), response_ids=list(row.response_token_ids[:1]),
+        old_logprobs=[float(x) for x in row.response_logprobs[:1]], reward=float(row.reward or 0.0), temperature=1.0,
+        weight=0.0, seq=int(row.seq), context=True,
+    )
+
+
 def demonstration_item(row: CommittedExperience) -> TrainItem:
     return TrainItem(
         experience_id=row.experience_id, task_id=row.task_id, run_id=row.run_id, model_version=int(row.model_version),
@@ -138,14 +158,15 @@ def demonstration_item(row: CommittedExperience) -> TrainItem:
 
 def select_batch(
     rows: list[CommittedExperience], *, cfg: "TrainerConfig", current_version: int, now: datetime | None = None,
-    demonstrations: list[CommittedExperience] = (), step: int = 0,
+    demonstrations: list[CommittedExperience] = (), step: int = 0, team: TeamEpisodes | None = None,
 ) -> Selection:
     """Pick the next batch of ``rows`` (oldest first) for one agent at ``current_version``.
 
     Demonstrations join every step that trains (``algorithm.demo_batch_size`` of them, in turn);
     while no batch of rollouts is ready, the first ``algorithm.cold_start_steps`` steps train on
     them alone (a new agent starting from a handful of examples). The first ``guard.demonstrations``
-    of them are the step's guard set (always the same ones).
+    of them are the step's guard set (always the same ones). ``team``: the team's episode rewards of
+    the rows' tasks, for recipes whose group statistics count the team's episodes (GRPO).
     """
     from services.trainer.recipes import recipe_for
 
@@ -172,7 +193,7 @@ def select_batch(
             sel.discarded[row.experience_id] = why
             continue
         usable.append((row, weight))
-    recipe.select(usable, cfg=cfg, now=aware(now), sel=sel)
+    recipe.select(usable, cfg=cfg, now=aware(now), sel=sel, team=team or {})
     a = cfg.algorithm
     if demonstrations and a.sft_coef > 0 and (sel.items or step < a.cold_start_steps):
         sel.demonstrations = [demonstration_item(d) for d in in_turn(demonstrations, a.demo_batch_size, step)]

@@ -42,6 +42,13 @@ class AlgorithmSection(ConfigModel):
         description="grpo: after group_wait_s, groups under min_group_size keep waiting, are discarded, "
         "or are trained against the batch mean.",
     )
+    team_credit: bool = Field(
+        default=True,
+        description="Episodes several agents act in: grpo's group statistics count every rewarded episode of the team "
+        "for the task (also those this agent sat out, at their team reward, the reward of their last call), and ppo's "
+        "GAE runs through every turn of the joint episode (teammates' turns valued by this agent's critic). false: "
+        "each agent sees only its own calls. One agent alone: the same either way.",
+    )
     # Demonstrations (POST /demonstrations): supervised terms only, in any objective
     sft_coef: float = Field(
         default=1.0, ge=0,

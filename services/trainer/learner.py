@@ -234,7 +234,11 @@ class LearnerWorker:
         batch = pack([i.prompt_ids for i in micro], [i.response_ids for i in micro], [i.temperature for i in micro], p.pad_id,
                      share_prefix_min=self.cfg.trainer.shared_prefix_min_tokens)
         dev = p.device
-        mask = batch.response_mask.to(dev)
+        response_mask = batch.response_mask.to(dev)
+        has_context = any(it.context for it in micro)
+        # teammates' calls (context) are valued by the critic, never trained by the policy
+        mask = response_mask * torch.tensor([0.0 if it.context else 1.0 for it in micro], device=dev).unsqueeze(-1) \
+            if has_context else response_mask
         old_lp = torch.zeros_like(mask)
         for row, it in enumerate(micro):
             old_lp[row, : len(it.old_logprobs)] = torch.tensor(it.old_logprobs)
@@ -259,7 +263,7 @@ class LearnerWorker:
             hidden=out.hidden if recipe.uses_critic else None,
             value_head=p.value_heads[agent] if recipe.uses_critic else None,
             norms=norms, algorithm=a, sequence_level=a.level == "sequence" and recipe.uses_ratio,
-            key=key, first_epoch=epoch == 0, cache=cache,
+            key=key, first_epoch=epoch == 0, cache=cache, value_mask=response_mask if has_context else None,
         )
         loss, st = recipe.loss(mb)
         if recipe.uses_ratio and a.kl_coef > 0:

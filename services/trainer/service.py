@@ -39,9 +39,19 @@ from services.common.checkpoints import CheckpointError
 from services.common.config import dump_config
 from services.common.faults import failpoint
 from services.common.records import TrainerStep
-from services.trainer.batches import Norms, Selection, TrainItem, aware, episodes_of, select_batch
+from services.trainer.batches import (
+    Norms,
+    Selection,
+    TeamEpisodes,
+    TrainItem,
+    aware,
+    context_item,
+    episodes_of,
+    select_batch,
+)
 from services.trainer.config import TrainerConfig
 from services.trainer.metrics import MetricsSink
+from services.trainer.recipes import recipe_for
 from services.trainer.retention import prune_versions
 from services.trainer.schedule import Turn, current_turn, next_agent
 from services.trainer.stats import StepStats
@@ -122,6 +132,7 @@ class TrainerService:
         self.root = Path(cfg.checkpoints.root)
         self.db = create_buffer_engine(cfg.buffer.url)
         self.metrics = MetricsSink(cfg.trainer.run_dir, progress=cfg.trainer.progress)
+        self.recipe = recipe_for(cfg.algorithm.name)
         self.learners: LearnerGroup | None = None
         self.agents: dict[str, AgentProgress] = {}
         self.stop_event = threading.Event()
@@ -318,14 +329,29 @@ class TrainerService:
                 self.agents[agent] = self._init_agent(agent)
             progress = self.agents[agent]
             self._adopt_published(agent, progress)
+            team = self._team_episodes(rows) if self.recipe.team_rewards and self.cfg.algorithm.team_credit else None
             selection = select_batch(rows, cfg=self.cfg, current_version=progress.published, demonstrations=demos,
-                                     step=progress.step)
+                                     step=progress.step, team=team)
+            if selection.items and self.recipe.uses_critic and self.cfg.algorithm.team_credit:
+                selection.context = self._teammates_turns(agent, selection.items)
             if not selection.ready:
                 if selection.discarded:
                     n = buffer.discard_experiences(engine=self.db, experience_ids=list(selection.discarded))
                     self._log_discards(agent, selection, n)
                 return False
             return self._train(agent, progress, selection)
+
+    def _team_episodes(self, rows: list) -> TeamEpisodes:
+        """The team's rewarded episodes of the tasks these rows belong to (GRPO's group statistics)."""
+        return buffer.team_episodes(engine=self.db, task_ids=[r.task_id for r in rows if r.task_id and r.run_id is not None])
+
+    def _teammates_turns(self, agent: str, items: list[TrainItem]) -> list[TrainItem]:
+        """Teammates' calls in the episodes of ``items``: PPO credits through the joint episode."""
+        episodes = {(i.task_id, i.run_id) for i in items if i.task_id is not None and i.run_id is not None}
+        if not episodes:
+            return []
+        return [context_item(r) for r in buffer.teammate_calls(engine=self.db, episodes=sorted(episodes), agent=agent)
+                if r.response_token_ids]
 
     def _discard_frozen(self, agent: str, rows: list, started_at: datetime) -> list:
         """round_robin with frozen_experiences=discard: experiences recorded before this agent's turn
@@ -431,6 +457,7 @@ class TrainerService:
             "staleness_mean": statistics.fmean(lags), "staleness_max": max(lags),
             "stale_downweighted": selection.stale_downweighted, "discarded": len(selection.discarded),
             "small_groups": selection.small_groups,
+            "team_episodes": selection.team_episodes, "teammate_turns": len(selection.context),
             "logprob_mismatch": total.mismatch_sum / tokens,
         }
         if total.demo_nll is not None:

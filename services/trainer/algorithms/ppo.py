@@ -41,13 +41,17 @@ def ppo_loss(
     clip_high: float,
     value_clip: float,
     vf_coef: float,
+    value_mask: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """Loss of one shard of the batch: its share of the batch's mean, ready for ``backward``."""
+    """Loss of one shard of the batch: its share of the batch's mean, ready for ``backward``.
+
+    ``value_mask`` (shape of ``mask``; default ``mask``): where the value loss applies, when the
+    critic also learns states the policy does not act in (teammates' turns of a joint episode)."""
     pg, ratio, was_clipped = clipped_surrogate(logprobs, old_logprobs, advantages, clip_low=clip_low, clip_high=clip_high)
     vl = clipped_value_loss(values, old_values, returns, clip=value_clip)
     w = weights * mask
     policy_loss = aggregate(pg, w, normalizer)
-    value_loss = aggregate(vl, mask, normalizer)
+    value_loss = aggregate(vl, mask if value_mask is None else value_mask, normalizer)
     loss = policy_loss + vf_coef * value_loss
     stats = {
         "policy_loss": policy_loss.detach(),

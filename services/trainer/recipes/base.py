@@ -10,7 +10,7 @@ import torch
 
 from services.common.records import CommittedExperience
 from services.trainer.algorithms.advantages import sequence_logprob
-from services.trainer.batches import Norms, Selection, TrainItem, Usable
+from services.trainer.batches import Norms, Selection, TeamEpisodes, TrainItem, Usable
 
 if TYPE_CHECKING:
     from services.trainer.config import AlgorithmSection, TrainerConfig
@@ -26,7 +26,7 @@ class MicroBatch:
     items: list[TrainItem]
     logprobs: torch.Tensor  # (B, R) under the policy, with gradients
     old_logprobs: torch.Tensor  # (B, R) recorded at sampling
-    mask: torch.Tensor  # (B, R) 1 on response tokens
+    mask: torch.Tensor  # (B, R) 1 on the response tokens the policy is trained on (not teammates' context calls)
     weights: torch.Tensor  # (B,) staleness weights
     rewards: torch.Tensor  # (B,)
     hidden: torch.Tensor | None  # (B, R, H) final hidden states, for recipes with a critic
@@ -37,6 +37,12 @@ class MicroBatch:
     key: int  # this micro-batch's index in the step
     first_epoch: bool
     cache: dict[Any, Any] = field(default_factory=dict)  # lives for one step (e.g. PPO's old values)
+    value_mask: torch.Tensor | None = None  # (B, R) where a critic learns: mask plus the first token of context calls
+
+    @property
+    def own(self) -> torch.Tensor:
+        """(B,) 1 for this agent's calls, 0 for teammates' context calls."""
+        return torch.tensor([0.0 if it.context else 1.0 for it in self.items], device=self.mask.device)
 
     @property
     def advantages(self) -> torch.Tensor:
@@ -48,13 +54,16 @@ class Recipe(Protocol):
     name: str
     uses_critic: bool  # needs a value head on the policy
     uses_ratio: bool  # clipped importance ratio against the sampling logprobs (and the KL penalty)
+    team_rewards: bool  # its group statistics count the team's episodes: select gets their rewards
 
     def refuses(self, row: CommittedExperience, cfg: "TrainerConfig") -> str | None:
         """Why this otherwise usable row is not for this objective (it is discarded), or None."""
         ...
 
-    def select(self, usable: list[Usable], *, cfg: "TrainerConfig", now: datetime, sel: Selection) -> None:
-        """Fill ``sel.items`` (oldest first, advantages where known now), or leave it empty to wait."""
+    def select(self, usable: list[Usable], *, cfg: "TrainerConfig", now: datetime, sel: Selection,
+               team: TeamEpisodes) -> None:
+        """Fill ``sel.items`` (oldest first, advantages where known now), or leave it empty to wait.
+        ``team``: the team's episode rewards of the usable rows' tasks (empty unless ``team_rewards``)."""
         ...
 
     def loss(self, mb: MicroBatch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
@@ -73,7 +82,7 @@ def ratio_inputs(mb: MicroBatch, advantages: torch.Tensor) -> tuple[dict[str, to
         return dict(
             logprobs=sequence_logprob(mb.logprobs, mb.mask, mode=mode),
             old_logprobs=sequence_logprob(mb.old_logprobs, mb.mask, mode=mode),
-            advantages=adv, mask=torch.ones(len(mb.items), device=mb.mask.device), weights=mb.weights,
+            advantages=adv, mask=mb.own, weights=mb.weights,
         ), mb.norms.sequences
     tok_adv = advantages if advantages.dim() == 2 else advantages.unsqueeze(-1).expand_as(mb.mask)
     return dict(

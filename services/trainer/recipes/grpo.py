@@ -1,5 +1,6 @@
 """GRPO over episodes: batches of whole task_id groups of whole episodes (task_id + run_id), each
-episode's reward relative to the other episodes of its task, the clipped ratio."""
+episode's reward relative to the other episodes of its task (the team's, when several agents act in
+them), the clipped ratio."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import torch
 from services.common.records import CommittedExperience
 from services.trainer.algorithms.advantages import batch_relative, episode_relative
 from services.trainer.algorithms.grpo import grpo_loss
-from services.trainer.batches import Selection, Usable, aware, to_item
+from services.trainer.batches import Selection, TeamEpisodes, Usable, aware, to_item
 from services.trainer.recipes.base import MicroBatch, clip_args, ratio_inputs
 
 
@@ -18,35 +19,44 @@ class GRPO:
     name = "grpo"
     uses_critic = False
     uses_ratio = True
+    team_rewards = True
 
     def refuses(self, row: CommittedExperience, cfg) -> str | None:
         return None
 
-    def select(self, usable: list[Usable], *, cfg, now: datetime, sel: Selection) -> None:
+    def select(self, usable: list[Usable], *, cfg, now: datetime, sel: Selection, team: TeamEpisodes) -> None:
         """Whole groups of whole episodes, oldest first. A group (task_id) is complete at
         ``group_size`` episodes (or ``min_group_size`` without one); an incomplete one waits
         ``group_wait_s``, then is trained, discarded or trained against the batch mean
-        (``small_groups``). ``train_batch_size`` counts calls."""
+        (``small_groups``). ``train_batch_size`` counts calls.
+
+        With ``algorithm.team_credit``, a group is the team's episodes of the task: those of
+        ``team`` this agent sat out count too, at their team reward (their last call's), in the
+        group's size and statistics; they carry no calls of this agent, so nothing of them is trained."""
         a = cfg.algorithm
         groups: dict[str, dict[str, list[Usable]]] = {}
+        agent = usable[0][0].agent if usable else None
         for row, w in usable:
             episode = row.run_id if row.run_id is not None else f"__call__{row.experience_id}"
             groups.setdefault(row.task_id or f"__single__{row.experience_id}", {}).setdefault(episode, []).append((row, w))
-        chosen: list[list[list[Usable]]] = []
+        chosen: list[tuple[list[list[Usable]], list[float]]] = []  # (this agent's episodes, sat-out team rewards)
         fallback: list[list[Usable]] = []
         count = 0
-        for episodes in groups.values():  # insertion order = oldest first
+        for task, episodes in groups.items():  # insertion order = oldest first
             if count >= cfg.train_batch_size:
                 break
-            n = len(episodes)
+            sat_out = [ep.reward for run, ep in (team.get(task) or {}).items()
+                       if a.team_credit and run not in episodes and agent not in ep.agents]
+            n = len(episodes) + len(sat_out)
             calls = sum(len(e) for e in episodes.values())
             age = (now - max(aware(r.updated_at) for e in episodes.values() for r, _ in e)).total_seconds()
             full = n >= a.group_size if a.group_size else n >= a.min_group_size
             if not full and age < a.group_wait_s:
                 continue  # more runs of this task may still arrive
             if n >= a.min_group_size:
-                chosen.append(list(episodes.values()))
+                chosen.append((list(episodes.values()), sat_out))
                 count += calls
+                sel.team_episodes += len(sat_out)
             elif a.small_groups == "discard":
                 for e in episodes.values():
                     for r, _ in e:
@@ -56,16 +66,20 @@ class GRPO:
                 count += calls
                 sel.small_groups += 1
         if count < cfg.train_batch_size:
+            sel.team_episodes = 0
             return
-        episodes = [e for group in chosen for e in group]
-        gids = [g for g, group in enumerate(chosen) for _ in group]
         # An episode's reward is its last call's (an episode reward sent for all its calls is the same on each).
         last = lambda e: max(e, key=lambda rw: rw[0].seq)[0].reward  # noqa: E731
-        adv = episode_relative(torch.tensor([last(e) for e in episodes]), torch.tensor(gids),
-                               std_normalize=a.std_normalize).tolist() if episodes else []
+        episodes = [e for own, _ in chosen for e in own]
+        rewards = [r for own, others in chosen for r in [last(e) for e in own] + others]
+        gids = [g for g, (own, others) in enumerate(chosen) for _ in range(len(own) + len(others))]
+        mine = [k for g, (own, others) in enumerate(chosen) for k in [1] * len(own) + [0] * len(others)]
+        adv_all = episode_relative(torch.tensor(rewards), torch.tensor(gids), std_normalize=a.std_normalize).tolist() \
+            if rewards else []
+        adv = [v for v, m in zip(adv_all, mine) if m]
         if fallback:
-            rewards = torch.tensor([last(e) for e in episodes + fallback])
-            adv += batch_relative(rewards, std_normalize=a.std_normalize)[len(episodes):].tolist()
+            batch_rewards = torch.tensor([last(e) for e in episodes + fallback])
+            adv += batch_relative(batch_rewards, std_normalize=a.std_normalize)[len(episodes):].tolist()
         items = []
         for e, v in zip(episodes + fallback, adv):
             for r, w in sorted(e, key=lambda rw: rw[0].seq):

@@ -1,7 +1,9 @@
 """PPO: a value head on the policy's features, GAE over each response's tokens (or one advantage
 per response at sequence level), the clipped ratio and the clipped value loss. The calls of one
 episode (task_id + run_id) are credited in order: GAE runs through the episode, turn by turn at
-sequence level, with the reward at its last call."""
+sequence level, with the reward at its last call. When teammates act in the episode too
+(``algorithm.team_credit``), their calls are turns of the joint episode: each is one step valued by
+this agent's critic (a critic of the joint state), and the credit runs through them."""
 
 from __future__ import annotations
 
@@ -13,7 +15,7 @@ from services.common.records import CommittedExperience
 from services.trainer.algorithms.advantages import episode_gae, gae, terminal_rewards, turn_gae
 from services.trainer.algorithms.masking import masked_sum
 from services.trainer.algorithms.ppo import ppo_loss
-from services.trainer.batches import Selection, Usable, episodes_of, take_oldest
+from services.trainer.batches import Selection, TeamEpisodes, Usable, episodes_of, take_oldest
 from services.trainer.recipes.base import MicroBatch, clip_args, ratio_inputs
 
 
@@ -21,11 +23,12 @@ class PPO:
     name = "ppo"
     uses_critic = True
     uses_ratio = True
+    team_rewards = False
 
     def refuses(self, row: CommittedExperience, cfg) -> str | None:
         return None
 
-    def select(self, usable: list[Usable], *, cfg, now: datetime, sel: Selection) -> None:
+    def select(self, usable: list[Usable], *, cfg, now: datetime, sel: Selection, team: TeamEpisodes) -> None:
         take_oldest(usable, cfg=cfg, sel=sel)
 
     def loss(self, mb: MicroBatch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
@@ -35,18 +38,19 @@ class PPO:
             mb.cache[mb.key] = values.detach()  # advantages stay those of the policy that sampled
         old = mb.cache[mb.key]
         episodes = episodes_of(mb.items)
-        if len(episodes) < len(mb.items):  # some episode has several calls: credit through it
+        if len(episodes) < len(mb.items):  # some episode has several calls (or teammates' turns): credit through it
             adv, returns = _episode_credit(mb, old, episodes)
         elif mb.sequence_level:
             adv, returns = mb.rewards - old[:, 0], mb.rewards
         else:
             adv, returns = gae(terminal_rewards(mb.rewards, mb.mask), old, mb.mask, gamma=a.gamma, lam=a.lam)
-        adv_mask = torch.ones_like(adv) if mb.sequence_level else mb.mask
+        adv_mask = mb.own if mb.sequence_level else mb.mask
         inputs, normalizer = ratio_inputs(mb, adv)
-        if mb.sequence_level:
-            inputs.update(values=values[:, 0], old_values=old[:, 0], returns=returns)
+        value_mask = mb.value_mask if mb.value_mask is not None else mb.mask
+        if mb.sequence_level:  # the critic learns every turn's value, teammates' turns included
+            inputs.update(values=values[:, 0], old_values=old[:, 0], returns=returns, value_mask=value_mask[:, 0])
         else:
-            inputs.update(values=values, old_values=old, returns=returns)
+            inputs.update(values=values, old_values=old, returns=returns, value_mask=value_mask)
         loss, stats = ppo_loss(**inputs, normalizer=normalizer, value_clip=a.value_clip, vf_coef=a.vf_coef, **clip_args(a))
         stats.update(
             adv_sum=masked_sum(adv, adv_mask), adv_sq_sum=masked_sum(adv**2, adv_mask), adv_count=adv_mask.sum(),
@@ -58,21 +62,27 @@ class PPO:
 def _episode_credit(mb: MicroBatch, old: torch.Tensor, episodes) -> tuple[torch.Tensor, torch.Tensor]:
     """Advantages and returns when calls form episodes (the learner keeps an episode in one
     micro-batch): token-level GAE through the episode's sampled tokens, or turn-level GAE at
-    sequence level, the reward (the last call's) at the end of the last call."""
+    sequence level, the reward (this agent's last call's) at the end of the episode's last call.
+    A teammate's call (a context item, one token long) is one step of the trajectory, its value the
+    critic's at the start of that turn; its advantage is never used, its return trains the critic."""
     a = mb.algorithm
     row = {id(it): b for b, it in enumerate(mb.items)}
-    lengths = mb.mask.sum(1).long().tolist()
+    lengths = (mb.value_mask if mb.value_mask is not None else mb.mask).sum(1).long().tolist()
     if mb.sequence_level:
         adv, ret = torch.zeros(len(mb.items), device=old.device), torch.zeros(len(mb.items), device=old.device)
     else:
         adv, ret = torch.zeros_like(old), torch.zeros_like(old)
     for calls in episodes:
         rows = [row[id(c)] for c in calls]
+        own = [c for c in calls if not c.context]
+        if not own:
+            continue
+        reward = own[-1].reward
         if mb.sequence_level:
-            ta, tr = turn_gae(old[rows, 0], calls[-1].reward, gamma=a.gamma, lam=a.lam)
+            ta, tr = turn_gae(old[rows, 0], reward, gamma=a.gamma, lam=a.lam)
             adv[rows], ret[rows] = ta, tr
             continue
-        ea, er = episode_gae([old[b, : lengths[b]] for b in rows], calls[-1].reward, gamma=a.gamma, lam=a.lam)
+        ea, er = episode_gae([old[b, : lengths[b]] for b in rows], reward, gamma=a.gamma, lam=a.lam)
         for b, x, y in zip(rows, ea, er):
             adv[b, : lengths[b]], ret[b, : lengths[b]] = x, y
     return adv, ret

@@ -9,7 +9,7 @@ import torch
 
 from services.common.records import CommittedExperience
 from services.trainer.algorithms.sft import sft_loss
-from services.trainer.batches import Selection, Usable, take_oldest
+from services.trainer.batches import Selection, TeamEpisodes, Usable, take_oldest
 from services.trainer.recipes.base import MicroBatch
 
 
@@ -24,13 +24,14 @@ class SFT:
     name = "sft"
     uses_critic = False
     uses_ratio = False
+    team_rewards = False
 
     def refuses(self, row: CommittedExperience, cfg) -> str | None:
         if is_demonstration(row, cfg):
             return None
         return "not a demonstration (reward below sft_min_reward, no sft_label)"
 
-    def select(self, usable: list[Usable], *, cfg, now: datetime, sel: Selection) -> None:
+    def select(self, usable: list[Usable], *, cfg, now: datetime, sel: Selection, team: TeamEpisodes) -> None:
         take_oldest(usable, cfg=cfg, sel=sel)
 
     def loss(self, mb: MicroBatch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:

@@ -55,8 +55,10 @@ async def _sample(model_path: Path, prompts: list[str], n: int, max_tokens: int,
 
 
 def fill_buffer(url: str, model_path: Path, *, agent: str = "default", n: int = 4, max_tokens: int = 2,
-                seed: int = 0, prompts: list[str] = PROMPTS, model_version: int = 0) -> list[Experience]:
-    """Sample n responses per prompt (one task_id per prompt), reward them, commit them."""
+                seed: int = 0, prompts: list[str] = PROMPTS, model_version: int = 0,
+                task_prefix: str | None = None) -> list[Experience]:
+    """Sample n responses per prompt (one task_id per prompt, run_id the choice's index), reward them,
+    commit them. ``task_prefix``: task ids ``<prefix>-<k>``, so several agents' calls can share episodes."""
     tokenizer, sampled = asyncio.run(_sample(model_path, prompts, n, max_tokens, seed))
     records = []
     for k, (text, ids, choices) in enumerate(sampled):
@@ -64,7 +66,8 @@ def fill_buffer(url: str, model_path: Path, *, agent: str = "default", n: int = 
         for i, (resp, lps) in enumerate(choices):
             records.append(Experience(
                 experience_id=experience_id(completion, i), completion_id=completion, agent=agent,
-                model_version=model_version, task_id=f"{agent}-task-{seed}-{k}", run_id=str(i), prompt_token_ids=ids,
+                model_version=model_version,
+                task_id=f"{task_prefix}-{k}" if task_prefix else f"{agent}-task-{seed}-{k}", run_id=str(i), prompt_token_ids=ids,
                 response_token_ids=resp, response_logprobs=lps, messages=[{"role": "user", "content": text}],
                 response={"role": "assistant", "content": tokenizer.decode(resp, skip_special_tokens=True)},
                 sampling={"temperature": 1.0, "top_p": 1.0, "max_tokens": max_tokens, "seed": None},

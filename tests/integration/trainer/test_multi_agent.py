@@ -123,3 +123,51 @@ def test_the_two_agents_example_records_team_episodes_and_trains_each_agent(make
         consumed = {e for e, _ in buffer.consumed_ids(engine=db, agent=agent)}
         assert consumed == {row.experience_id for e in episodes.values() for row in e[agent]}
     db.dispose()
+
+
+def _metrics(url: str) -> dict[str, list[dict]]:
+    db = buffer.create_buffer_engine(url)
+    with db.connect() as conn:
+        t = buffer.trainer_steps.c
+        rows = conn.execute(select(t.agent, t.metrics).order_by(t.id)).all()
+    db.dispose()
+    out: dict[str, list[dict]] = {}
+    for agent, metrics in rows:
+        out.setdefault(agent, []).append(metrics)
+    return out
+
+
+def test_team_credit_through_joint_episodes(tiny_model, ray_address, tmp_path: Path):
+    """Two agents act in the same episodes (task_id + run_id). PPO credits each agent through its
+    teammate's turns (read from the buffer, valued by its own critic, never trained by its policy);
+    GRPO groups count the team's episodes an agent sat out. Each adapter still trains on its own
+    calls only."""
+    url = f"sqlite:///{tmp_path}/buffer.db"
+    planner = fill_buffer(url, tiny_model, agent="planner", seed=0, prompts=PROMPTS[:4], task_prefix="team")
+    solver = fill_buffer(url, tiny_model, agent="solver", seed=1, prompts=PROMPTS[:4], task_prefix="team")
+    _train(tiny_model, tmp_path, ray_address, "algorithm.name=ppo", "train_batch_size=8", "--max-steps", "2")
+    m = _metrics(url)
+    assert [s["teammate_turns"] for s in m["planner"] + m["solver"]] == [8, 8]  # the teammate's calls of 2 tasks x 4 runs
+    db = buffer.create_buffer_engine(url)
+    mine = {a: {e for e, _ in buffer.consumed_ids(engine=db, agent=a)} for a in ("planner", "solver")}
+    db.dispose()
+    assert mine["planner"] and mine["planner"] <= _ids_of(planner)
+    assert mine["solver"] and mine["solver"] <= _ids_of(solver)
+    off = tmp_path / "off"
+    off.mkdir()
+    url_off = f"sqlite:///{off}/buffer.db"
+    fill_buffer(url_off, tiny_model, agent="planner", seed=0, prompts=PROMPTS[:4], task_prefix="team")
+    _train(tiny_model, off, ray_address, "algorithm.name=ppo", "train_batch_size=8", "algorithm.team_credit=false",
+           "--max-steps", "1")
+    assert _metrics(url_off)["planner"][0]["teammate_turns"] == 0
+
+    # GRPO: the solver acts only in runs 0 and 1 of tasks the planner plays four times
+    grpo = tmp_path / "grpo"
+    grpo.mkdir()
+    url_g = f"sqlite:///{grpo}/buffer.db"
+    fill_buffer(url_g, tiny_model, agent="planner", seed=0, prompts=PROMPTS[:4], task_prefix="team")
+    fill_buffer(url_g, tiny_model, agent="solver", seed=1, n=2, prompts=PROMPTS[:4], task_prefix="team")
+    _train(tiny_model, grpo, ray_address, "algorithm.name=grpo", "train_batch_size=8", "trainer.agents=[solver]",
+           "--max-steps", "1")
+    step = _metrics(url_g)["solver"][0]
+    assert step["batch_size"] == 8 and step["team_episodes"] == 8  # 4 tasks x the 2 runs it sat out

@@ -143,6 +143,18 @@ def test_ppo_loss_sequence_level_and_staleness_weight():
     assert stats["clip_frac"].item() == approx(0.5)
 
 
+def test_ppo_value_loss_can_cover_states_the_policy_does_not_act_in():
+    # Two sequence-level turns; the policy acts in the first only (mask), the critic learns both
+    # (value_mask). value 0, return 1 on each: 0.5 * 1^2 per turn, summed over value_mask, / 1.
+    kw = dict(logprobs=torch.zeros(2), old_logprobs=torch.zeros(2), advantages=torch.ones(2), values=torch.zeros(2),
+              old_values=torch.zeros(2), returns=torch.ones(2), mask=torch.tensor([1.0, 0.0]), weights=torch.ones(2),
+              normalizer=1.0, clip_low=0.2, clip_high=0.2, value_clip=10.0, vf_coef=1.0)
+    _, own = ppo_loss(**kw)
+    _, both = ppo_loss(**kw, value_mask=torch.ones(2))
+    assert own["value_loss"] == approx(0.5) and both["value_loss"] == approx(1.0)
+    assert own["policy_loss"] == both["policy_loss"] == approx(-1.0)
+
+
 def test_clipped_value_loss_takes_the_larger_error():
     # V moved from 0 to 1 with returns 0.5: unclipped (1-0.5)^2 = 0.25, clipped V = 0.2: (0.2-0.5)^2 = 0.09
     assert clipped_value_loss(torch.tensor([1.0]), torch.tensor([0.0]), torch.tensor([0.5]), clip=0.2).item() == approx(0.125)

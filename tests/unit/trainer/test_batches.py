@@ -111,6 +111,36 @@ def test_grpo_groups_episodes_not_calls():
     assert [i.experience_id for i in sel.items[:5]] == [f"e{k}" for k in range(5)]  # calls in order
 
 
+def test_grpo_groups_count_the_team_episodes_an_agent_sat_out():
+    # Task t: agent a acted in r1 (reward 1) and r2 (reward 0); its teammate b alone played r3 and r4
+    # (team reward 0 each). The team's group is r1..r4, mean 0.25: r1 gets +0.75, r2 -0.25 (std
+    # off). r5, an episode of a's already trained, is not counted again. Counting a's own episodes
+    # only, the mean would be 0.5 (+0.5, -0.5) and with group_size 4 the group would still wait.
+    from services.common.records import TeamEpisode
+
+    rows = [call(0, task="t", run="r1", reward=1.0), call(1, task="t", run="r2", reward=0.0)]
+    team = {"t": {"r1": TeamEpisode(1.0, frozenset({"a", "b"})), "r2": TeamEpisode(0.0, frozenset({"a", "b"})),
+                  "r3": TeamEpisode(0.0, frozenset({"b"})), "r4": TeamEpisode(0.0, frozenset({"b"})),
+                  "r5": TeamEpisode(1.0, frozenset({"a"}))}}
+    c = cfg("algorithm.name=grpo", "train_batch_size=2", "algorithm.std_normalize=false", "algorithm.group_size=4")
+    sel = select_batch([replace_now(r) for r in rows], cfg=c, current_version=0, now=NOW, team=team)
+    assert {i.experience_id: i.advantage for i in sel.items} == {"e0": approx(0.75), "e1": approx(-0.25)}
+    assert sel.team_episodes == 2
+    own = cfg("algorithm.name=grpo", "train_batch_size=2", "algorithm.std_normalize=false", "algorithm.group_size=4",
+              "algorithm.team_credit=false")
+    assert not select_batch([replace_now(r) for r in rows], cfg=own, current_version=0, now=NOW, team=team).ready
+    own = cfg("algorithm.name=grpo", "train_batch_size=2", "algorithm.std_normalize=false", "algorithm.team_credit=false")
+    sel = select_batch(rows, cfg=own, current_version=0, now=NOW, team=team)
+    assert {i.experience_id: i.advantage for i in sel.items} == {"e0": approx(0.5), "e1": approx(-0.5)}
+
+
+def replace_now(r):
+    """The row as just updated: a group that is not complete still waits for more runs."""
+    from dataclasses import replace
+
+    return replace(r, updated_at=NOW)
+
+
 def test_ppo_batches_never_split_an_episode():
     rows = [call(0, task="t", run="a", reward=1.0), call(1, task="t", run="b", reward=0.0),
             call(2, task="t", run="a", reward=1.0), call(3, task="u", run="c", reward=0.0)]
