@@ -158,9 +158,11 @@ class ExplorerClient:
 
     async def feedback(self, *, reward: float, msg_ids: list[str] | None = None, task_id: str | None = None,
                        run_id: str | None = None, labels: list[str] | None = None, comment: str | None = None,
-                       source: str | None = None, agent: str | None = None) -> dict[str, Any]:
+                       source: str | None = None, agent: str | None = None, expected: Any = None) -> dict[str, Any]:
+        """``expected``: what the run was expected to produce, kept with the reward (a gated release
+        replays held-out calls and scores them with the same reward calculator)."""
         body = {"msg_ids": msg_ids, "reward": reward, "task_id": task_id, "run_id": run_id,
-                "labels": labels, "comment": comment, "source": source, "agent": agent}
+                "labels": labels, "comment": comment, "source": source, "agent": agent, "expected": expected}
         return await self._call("POST", "/feedback", json={k: v for k, v in body.items() if v is not None})
 
     async def episode_feedback(self, *, task_id: str, run_id: str, reward: float, **extra: Any) -> dict[str, Any]:

@@ -14,7 +14,7 @@ import collections
 import logging
 import threading
 from dataclasses import dataclass
-from typing import Iterator, Sequence
+from typing import Any, Iterator, Sequence
 
 import httpx
 
@@ -42,6 +42,7 @@ class Feedback:
     labels: tuple[str, ...] = ()
     comment: str | None = None
     source: str = "runner_sdk"
+    expected: Any = None  # what the run was expected to produce (kept for the release gate's replay)
 
 
 class FeedbackQueue:
@@ -143,7 +144,7 @@ class FeedbackQueue:
             try:
                 await self._explorer.feedback(msg_ids=list(fb.msg_ids), reward=fb.reward, task_id=fb.task_id,
                                               run_id=fb.run_id, labels=list(fb.labels) or None, comment=fb.comment,
-                                              source=fb.source)
+                                              source=fb.source, expected=fb.expected)
             except (httpx.HTTPError, ExplorerError) as e:
                 if isinstance(e, ExplorerError) and not e.retryable:
                     log.warning("feedback refused, dropping it: %s", e)

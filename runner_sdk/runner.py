@@ -262,7 +262,7 @@ class TrainingRunner:
             log.debug("run %s/%s made no Explorer calls: nothing to reward", run.task_id, run.run_id)
             return
         self.queue_feedback(msg_ids=run.msg_ids, reward=run.reward, task_id=run.task_id, run_id=run.run_id,
-                            labels=run.labels)
+                            labels=run.labels, expected=run.expected)
 
     # ------------------------------------------------------------------ direct mode
 
@@ -331,14 +331,14 @@ class TrainingRunner:
 
     def queue_feedback(self, *, msg_ids: Sequence[str], reward: float, task_id: str | None = None,
                        run_id: str | None = None, labels: Sequence[str] = (), comment: str | None = None,
-                       source: str = "runner_sdk") -> None:
+                       source: str = "runner_sdk", expected: Any = None) -> None:
         """Queue one /feedback call, from any thread; it is sent from the runner's loop and its ids are
         committed with this runner's next commit. Oldest entries go first when the queue is full."""
         if not msg_ids:
             return  # nothing to reward (the Explorer would refuse an empty list)
         self._feedback.put(Feedback(msg_ids=tuple(msg_ids), reward=float(reward), task_id=task_id,
                                     run_id=None if run_id is None else str(run_id), labels=tuple(labels or ()),
-                                    comment=comment, source=source))
+                                    comment=comment, source=source, expected=expected))
 
     def commit_now(self, timeout: float = 30.0) -> None:
         """Deliver what is pending and commit what this runner delivered, now (blocks up to ``timeout``)."""

@@ -7,6 +7,7 @@
     kaizen pretrained NAME PATH [--no-install]
     kaizen train    --config train.yaml [dotted.key=value ...]
     kaizen publish  --agent NAME --adapter DIR --checkpoints-root ROOT [--base-model PATH] [--max-rank N] [--note TEXT]
+    kaizen rollback --agent NAME --checkpoints-root ROOT --buffer-url URL [--to N] [--reason TEXT] [--keep-experiences]
 """
 
 from __future__ import annotations
@@ -99,6 +100,26 @@ def _publish(args: argparse.Namespace) -> int:
     return 0
 
 
+def _rollback(args: argparse.Namespace) -> int:
+    from services.common.buffer import create_buffer_engine
+    from services.common.release import rollback
+
+    setup_logging("warning")
+    db = create_buffer_engine(args.buffer_url)
+    try:
+        d = rollback(root=args.checkpoints_root, db=db, agent=args.agent, to=args.to, actor="cli",
+                     reason=args.reason or "kaizen rollback",
+                     rejected_experiences="keep" if args.keep_experiences else "discard")
+    except ValueError as e:
+        print(f"kaizen rollback: {e}", file=sys.stderr)
+        return 2
+    finally:
+        db.dispose()
+    print(f"agent {args.agent}: v{d.serving} serves now ({d.decision.replace('_', ' ')} from v{d.figures['from']}); "
+          "running Explorers load it within their reload poll interval")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kaizen", description="Online reinforcement fine-tuning of LLM agents.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -146,6 +167,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-rank", type=int, default=None, help="refuse ranks above this (the vllm engine's engine.vllm.max_lora_rank)")
     p.add_argument("--note", default=None, help="free text kept in the version's manifest")
     p.set_defaults(func=_publish)
+
+    p = sub.add_parser("rollback", help="serve an older version of an agent now (default: the one the serving version was trained from)")
+    p.add_argument("--agent", required=True, help="the agent (model name clients use)")
+    p.add_argument("--checkpoints-root", required=True, help="the checkpoint root (checkpoints.root)")
+    p.add_argument("--buffer-url", required=True, help="the experience buffer (buffer.url), where the decision is recorded")
+    p.add_argument("--to", type=lambda s: int(s.lstrip("v")), default=None,
+                   help="the version to serve (N or vN; 0: the base model); default: the serving version's parent")
+    p.add_argument("--reason", default=None, help="why, kept with the decision")
+    p.add_argument("--keep-experiences", action="store_true",
+                   help="train on what the rolled-back versions produced (default: discard their untrained experiences)")
+    p.set_defaults(func=_rollback)
     return parser
 
 

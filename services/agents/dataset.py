@@ -22,7 +22,6 @@ runner SDK's Environment protocol (``reset()``, ``step(action) -> (observation, 
 
 from __future__ import annotations
 
-import importlib
 import json
 import logging
 import random
@@ -36,6 +35,7 @@ import httpx
 from pydantic import Field
 
 from services.common.config import ConfigError, ConfigModel, ModelSection
+from services.common.plugins import load_dataset, load_object
 
 log = logging.getLogger("kaizen.train")
 
@@ -95,33 +95,6 @@ class TrainReport:
     @property
     def best(self) -> float | None:
         return max((e["val_reward"] for e in self.evals), default=None)
-
-
-def load_object(spec: str) -> Any:
-    """``module:attr`` -> the object (ConfigError naming what is wrong)."""
-    module, _, attr = spec.partition(":")
-    if not module or not attr:
-        raise ConfigError(f"{spec!r} must be module:attr")
-    try:
-        return getattr(importlib.import_module(module), attr)
-    except (ImportError, AttributeError) as e:
-        raise ConfigError(f"cannot load {spec!r}: {e}") from e
-
-
-def load_dataset(spec: str) -> list[Any]:
-    """A .json list / .jsonl file of tasks, or ``module:attr`` (a list, or a function returning one)."""
-    path = Path(spec)
-    if path.suffix in (".json", ".jsonl"):
-        if not path.is_file():
-            raise ConfigError(f"dataset file {spec!r} does not exist")
-        text = path.read_text()
-        tasks = json.loads(text) if path.suffix == ".json" else [json.loads(line) for line in text.splitlines() if line.strip()]
-    else:
-        obj = load_object(spec)
-        tasks = obj() if callable(obj) else obj
-    if not isinstance(tasks, list) or not tasks:
-        raise ConfigError(f"dataset {spec!r} must be a non-empty list of tasks")
-    return tasks
 
 
 class AgentTrainer:

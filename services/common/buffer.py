@@ -47,6 +47,7 @@ from services.common.records import (
     CommittedExperience,
     Experience,
     ExperienceStatus,
+    ReleaseDecision,
     TeamEpisode,
     TrainerStep,
 )
@@ -118,6 +119,8 @@ release_decisions = Table(
     Column("created_at", DateTime(timezone=True), nullable=False),
 )
 Index("ix_release_decisions_agent_id", release_decisions.c.agent, release_decisions.c.id)
+# Per-version reward statistics (canary, guard) without scanning an agent's whole history.
+Index("ix_experiences_agent_version", experiences.c.agent, experiences.c.model_version)
 
 # Who did what through the admin and feedback endpoints.
 audit_log = Table(
@@ -132,6 +135,7 @@ audit_log = Table(
 )
 
 TERMINAL = (ExperienceStatus.CONSUMED.value, ExperienceStatus.DISCARDED.value)
+_EVAL_TASK_PREFIX = "release-eval/"  # services.common.release.EVAL_TASK_PREFIX (evaluation traffic)
 
 
 class BufferError(Exception):
@@ -706,6 +710,15 @@ def recent_trainer_steps(*, engine: Engine, agents: Sequence[str], limit: int) -
         return [(r.agent, r.created_at) for r in conn.execute(q)]
 
 
+def publishing_steps(*, engine: Engine, agent: str, save_interval: int) -> dict[int, str]:
+    """{version: state_ref} of the steps that closed a version (every ``save_interval``-th step): the
+    trainer state each published version was written from."""
+    t = trainer_steps.c
+    q = select(t.version, t.step, t.state_ref).where(t.agent == agent, t.state_ref.is_not(None)).order_by(t.id)
+    with engine.connect() as conn:
+        return {v: ref for v, step, ref in conn.execute(q) if step % save_interval == 0}
+
+
 def consumed_ids(*, engine: Engine, agent: str | None = None) -> list[tuple[str, int]]:
     """(experience_id, trained_in) of every consumed experience (lineage and tests)."""
     q = select(experiences.c.experience_id, experiences.c.trained_in).where(
@@ -715,3 +728,98 @@ def consumed_ids(*, engine: Engine, agent: str | None = None) -> list[tuple[str,
         q = q.where(experiences.c.agent == agent)
     with engine.connect() as conn:
         return [(e, v) for e, v in conn.execute(q)]
+
+
+# ---------------------------------------------------------------------------------------------
+# Releases: decisions about which version serves, and the online rewards they rest on.
+
+_OPEN = (ExperienceStatus.RECORDED.value, ExperienceStatus.REWARDED.value, ExperienceStatus.COMMITTED.value)
+
+
+def record_decision(
+    *, engine: Engine, agent: str, version: int, decision: str, serving: int | None, actor: str,
+    reason: str | None = None, figures: dict[str, Any] | None = None, discard_version: bool = False,
+) -> tuple[ReleaseDecision, int]:
+    """Record a release decision; with ``discard_version``, in the same transaction the experiences
+    ``version`` produced that are not trained on yet are discarded (release.rejected_experiences).
+    Returns the decision and how many experiences were discarded."""
+    now = utcnow()
+    discarded = 0
+    with write_transaction(engine) as conn:
+        if discard_version:
+            e = experiences.c
+            discarded = _discard_open(conn, list(conn.scalars(
+                select(e.experience_id).where(e.agent == agent, e.model_version == version, e.status.in_(_OPEN)))))
+        row_id = conn.execute(insert(release_decisions).values(
+            agent=agent, version=version, decision=decision, serving=serving, actor=actor,
+            reason=None if reason is None else reason[:2000], figures=figures, created_at=now,
+        )).inserted_primary_key[0]
+    return ReleaseDecision(id=int(row_id), agent=agent, version=version, decision=decision, serving=serving,
+                           actor=actor, reason=reason, figures=figures, created_at=now), discarded
+
+
+def discard_version(*, engine: Engine, agent: str, version: int) -> int:
+    """Discard the experiences ``version`` produced that are not trained on yet; returns how many."""
+    e = experiences.c
+    with write_transaction(engine) as conn:
+        ids = list(conn.scalars(select(e.experience_id).where(e.agent == agent, e.model_version == version,
+                                                              e.status.in_(_OPEN))))
+        return _discard_open(conn, ids)
+
+
+def _discard_open(conn: Connection, ids: Sequence[str]) -> int:
+    locked = _lock_rows(conn, ids)
+    open_ids = sorted(i for i, (status, _) in locked.items() if status in _OPEN)
+    n = 0
+    for chunk in iter_chunks(open_ids, 500):
+        n += conn.execute(update(experiences).where(experiences.c.experience_id.in_(chunk), experiences.c.status.in_(_OPEN))
+                          .values(status=ExperienceStatus.DISCARDED.value, updated_at=utcnow())).rowcount or 0
+    return n
+
+
+def list_decisions(*, engine: Engine, agent: str | None = None, version: int | None = None,
+                   limit: int = 1000) -> list[ReleaseDecision]:
+    """Release decisions, oldest first (the newest ``limit``)."""
+    d = release_decisions.c
+    q = select(release_decisions).order_by(d.id.desc()).limit(limit)
+    if agent is not None:
+        q = q.where(d.agent == agent)
+    if version is not None:
+        q = q.where(d.version == version)
+    with engine.connect() as conn:
+        rows = [ReleaseDecision(**r._mapping) for r in conn.execute(q)]
+    return rows[::-1]
+
+
+def recent_rewarded(*, engine: Engine, agent: str, limit: int) -> list[Experience]:
+    """The newest ``limit`` rewarded calls of ``agent`` (traffic only: no demonstrations, no release
+    evaluations), newest first."""
+    e = experiences.c
+    q = (select(experiences).where(e.agent == agent, e.reward.is_not(None), ~_DEMONSTRATION,
+                                   or_(e.task_id.is_(None), ~e.task_id.startswith(_EVAL_TASK_PREFIX)))
+         .order_by(e.seq.desc()).limit(limit))
+    with engine.connect() as conn:
+        return [_row_to_experience(r) for r in conn.execute(q)]
+
+
+def version_rewards(*, engine: Engine, agent: str, version: int, since: datetime | None = None,
+                    limit: int = 2000) -> list[float]:
+    """The online rewards ``version`` of ``agent`` earned, one per episode (the reward of its last
+    rewarded call; a call without a run id is its own episode), the most recent ``limit`` episodes.
+    Demonstrations and release evaluations are not traffic and are left out."""
+    e = experiences.c
+    q = (select(e.experience_id, e.task_id, e.run_id, e.seq, e.reward)
+         .where(e.agent == agent, e.model_version == version, e.reward.is_not(None), ~_DEMONSTRATION,
+                or_(e.task_id.is_(None), ~e.task_id.startswith(_EVAL_TASK_PREFIX)))
+         .order_by(e.seq.desc()).limit(limit * 8))
+    if since is not None:
+        q = q.where(e.created_at >= since)
+    episodes: dict[tuple, float] = {}
+    with engine.connect() as conn:
+        for exp_id, task, run, _seq, reward in conn.execute(q):  # newest first: the first seen is the last call
+            key = (task, run) if run is not None else (None, exp_id)
+            if key not in episodes:
+                if len(episodes) >= limit:
+                    break
+                episodes[key] = float(reward)
+    return list(episodes.values())

@@ -1,13 +1,18 @@
 """The checkpoint layout the Trainer publishes and the Explorer loads.
 
     <root>/<agent>/v<N>/      a complete PEFT adapter dir + manifest.json (immutable once there)
-    <root>/<agent>/LATEST     the newest published N (replaced by write-temp-and-rename)
+    <root>/<agent>/LATEST     the version that serves (replaced by write-temp-and-rename)
+    <root>/<agent>/CANDIDATE  a published version awaiting its release decision (release.mode gated or
+                              canary); removed once the decision is carried out
     <root>/<agent>/state/step-<8 digits>/     what a restarted Trainer needs to resume
     <root>/<agent>/.publish.lock   flock'd by whoever numbers and publishes a version (the Trainer
                                    for each step, ``kaizen publish`` for an adapter trained elsewhere)
+    <root>/<agent>/.release.lock   flock'd by whoever decides what serves (one Explorer replica's
+                                   release controller at a time, ``kaizen rollback``)
 
 A version is written under a temporary name, fsynced and renamed into place, so a reader never
-sees half a version. Versions are never rewritten: vLLM caches adapters by name and path.
+sees half a version. A version's adapter files are never rewritten (vLLM caches adapters by name and
+path); its manifest.json gains release decisions (``record_release``), replaced atomically.
 
 A writer killed half way leaves temporaries (``.tmp-*``, ``.LATEST.*``, ``.deleting-*``), or a
 complete ``v<N>`` that LATEST does not name yet; ``remove_temporaries`` and ``finish_publication``
@@ -32,9 +37,10 @@ AGENT_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 _VERSION_DIR = re.compile(r"^v(\d+)$")
 _STATE_DIR = re.compile(r"^step-(\d+)$")
 # What the atomic writers below leave behind when killed mid-write (never a reader-visible name).
-_TEMPORARY = re.compile(r"^\.(tmp-|LATEST\.|deleting-)")
+_TEMPORARY = re.compile(r"^\.(tmp-|LATEST\.|CANDIDATE\.|deleting-)")
 REQUIRED_FILES = ("adapter_config.json", "adapter_model.safetensors", "manifest.json")
 PUBLISH_LOCK = ".publish.lock"  # a lasting part of the layout, not a temporary
+RELEASE_LOCK = ".release.lock"
 
 
 class CheckpointError(RuntimeError):
@@ -244,9 +250,22 @@ def write_version(
 def publication_lock(root: str | Path, agent: str, *, timeout_s: float | None = None) -> Iterator[None]:
     """Hold the agent's publication lock: only its holder picks the next version number and
     publishes it. Raises CheckpointError when ``timeout_s`` passes first (None: wait)."""
-    d = agent_dir(root, agent)
+    with _flock(agent_dir(root, agent), PUBLISH_LOCK, timeout_s, "a Trainer step or another publication holds it"):
+        yield
+
+
+@contextlib.contextmanager
+def release_lock(root: str | Path, agent: str, *, timeout_s: float | None = None) -> Iterator[None]:
+    """Hold the agent's release lock: only its holder decides which version serves (promotes or
+    rejects a candidate, rolls back). ``timeout_s=0``: try once (CheckpointError if held)."""
+    with _flock(agent_dir(root, agent), RELEASE_LOCK, timeout_s, "another release decision is being taken"):
+        yield
+
+
+@contextlib.contextmanager
+def _flock(d: Path, name: str, timeout_s: float | None, held_by: str) -> Iterator[None]:
     d.mkdir(parents=True, exist_ok=True)
-    fd = os.open(d / PUBLISH_LOCK, os.O_RDWR | os.O_CREAT, 0o644)
+    fd = os.open(d / name, os.O_RDWR | os.O_CREAT, 0o644)
     try:
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         while True:
@@ -255,8 +274,7 @@ def publication_lock(root: str | Path, agent: str, *, timeout_s: float | None = 
                 break
             except BlockingIOError:
                 if time.monotonic() >= deadline:
-                    raise CheckpointError(f"{d / PUBLISH_LOCK} stayed locked for {timeout_s:.0f}s "
-                                          "(a Trainer step or another publication holds it)") from None
+                    raise CheckpointError(f"{d / name} stayed locked for {timeout_s:.0f}s ({held_by})") from None
                 time.sleep(0.1)
         yield
     finally:
@@ -266,6 +284,48 @@ def publication_lock(root: str | Path, agent: str, *, timeout_s: float | None = 
 def set_latest(root: str | Path, agent: str, version: int) -> None:
     """Point LATEST at ``version`` (write-temp-and-rename: readers see the old or the new number)."""
     write_text_atomic(agent_dir(root, agent) / "LATEST", f"{version}\n")
+
+
+def read_candidate(root: str | Path, agent: str) -> int | None:
+    """The version CANDIDATE names (awaiting its release decision), or None."""
+    path = agent_dir(root, agent) / "CANDIDATE"
+    try:
+        text = path.read_text().strip()
+    except FileNotFoundError:
+        return None
+    if not text.isdigit():
+        raise CheckpointError(f"{path} holds {text!r}, not a version number")
+    return int(text)
+
+
+def set_candidate(root: str | Path, agent: str, version: int) -> None:
+    """Name ``version`` the candidate (write-temp-and-rename)."""
+    write_text_atomic(agent_dir(root, agent) / "CANDIDATE", f"{version}\n")
+
+
+def clear_candidate(root: str | Path, agent: str, version: int) -> bool:
+    """Remove CANDIDATE if it still names ``version`` (a newer candidate is left alone)."""
+    path = agent_dir(root, agent) / "CANDIDATE"
+    if read_candidate(root, agent) != version:
+        return False
+    path.unlink(missing_ok=True)
+    _fsync_dir(path.parent)
+    return True
+
+
+def record_release(root: str | Path, agent: str, version: int, entry: dict[str, Any]) -> None:
+    """Append a release decision to ``v<version>``'s manifest (``"release": [...]``), replacing the
+    file atomically; the adapter files are untouched. A version already deleted is skipped."""
+    path = version_dir(root, agent, version) / "manifest.json"
+    try:
+        manifest = json.loads(path.read_text())
+    except FileNotFoundError:
+        return
+    entries = manifest.setdefault("release", [])
+    if entry.get("id") is not None and any(e.get("id") == entry["id"] for e in entries):
+        return  # already there (a decision carried out again after a crash)
+    entries.append(entry)
+    write_text_atomic(path, json.dumps(manifest, indent=2))
 
 
 def publish_version(
@@ -281,10 +341,11 @@ def publish_version(
     return v
 
 
-def finish_publication(root: str | Path, agent: str, version: int) -> AdapterVersion | None:
+def finish_publication(root: str | Path, agent: str, version: int, *, candidate: bool = False) -> AdapterVersion | None:
     """Complete a publication that was killed between renaming ``v<version>`` into place and
-    writing LATEST: if the directory is complete, point LATEST at it (never backwards) and return
-    it. None when there is no such directory, so the caller writes the version afresh.
+    writing LATEST (or, with ``candidate``, CANDIDATE): if the directory is complete, point LATEST at
+    it (never backwards; CANDIDATE: at it) and return it. None when there is no such directory, so
+    the caller writes the version afresh.
 
     A directory under the final name that fails validation cannot come from ``write_version``
     (it renames complete directories only); no reader can load it, so it is moved aside to
@@ -299,7 +360,9 @@ def finish_publication(root: str | Path, agent: str, version: int) -> AdapterVer
         os.rename(path, path.with_name(f".invalid-v{version}-{time.time_ns()}"))
         _fsync_dir(path.parent)
         return None
-    if (read_latest(root, agent, fallback=False) or 0) < version:
+    if candidate:
+        set_candidate(root, agent, version)
+    elif (read_latest(root, agent, fallback=False) or 0) < version:
         set_latest(root, agent, version)
     return done
 

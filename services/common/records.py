@@ -93,6 +93,27 @@ class TeamEpisode:
 
 
 @dataclass(frozen=True)
+class ReleaseDecision:
+    """One decision about which version of an agent serves (table release_decisions)."""
+
+    id: int
+    agent: str
+    version: int  # the version decided about
+    decision: str  # candidate, canary_started, promoted, rejected, rolled_back, alarm
+    serving: int | None  # the version serving once it is carried out
+    actor: str  # gate, canary, guard, trainer, admin:<key>, cli
+    reason: str | None
+    figures: dict[str, Any] | None
+    created_at: datetime
+
+    def as_entry(self) -> dict[str, Any]:
+        """As a version's manifest and the API show it."""
+        return {"id": self.id, "decision": self.decision, "version": self.version, "serving": self.serving,
+                "by": self.actor, "reason": self.reason, "figures": self.figures,
+                "at": self.created_at.isoformat() if self.created_at else None}
+
+
+@dataclass(frozen=True)
 class TrainerStep:
     """One training step as the buffer records it, with the trainer state it produced."""
 

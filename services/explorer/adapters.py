@@ -9,6 +9,11 @@ Model names a request may use: ``<agent>`` (current version), ``<agent>@v<N>`` (
 ``@v0`` being the base model under that agent's name), and the base model's served name or path,
 which Trinity-style clients send: it means the default agent's current version. Each replica also writes ``<root>/<agent>/.serving/<replica>.json``
 with the versions it may still read, so the Trainer never deletes a folder an engine needs.
+
+LATEST names the version that serves, and it may move back (a rollback): whatever it names is
+loaded. During a canary (release.mode canary) an agent also holds its candidate, which serves the
+calls whose task_id routes to it (services/common/release.py); promoting it makes it current with no
+second load.
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ import contextlib
 import itertools
 import logging
 import os
+import random
 import re
 import socket
 import time
@@ -27,6 +33,7 @@ from typing import Callable, Iterator
 
 from services.common import checkpoints
 from services.common.checkpoints import CheckpointError
+from services.common.release import routed_to_candidate
 from services.explorer.engines.base import AdapterRef, Engine
 
 log = logging.getLogger(__name__)
@@ -56,6 +63,9 @@ class AgentState:
     reloads: int = 0
     last_reload_s: float | None = None
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    canary: AdapterHandle | None = None  # a candidate serving a share of the traffic
+    canary_share: float = 0.0
+    routed: dict[str, int] = field(default_factory=lambda: {"serving": 0, "candidate": 0})  # calls since the canary began
 
 
 class AdapterRegistry:
@@ -112,7 +122,8 @@ class AdapterRegistry:
         self.write_serving_files()
 
     async def sync(self, agent: str) -> bool:
-        """Load the version LATEST names if it is newer than the current one. True if it changed."""
+        """Load the version LATEST names if it is not the current one (newer, or older after a
+        rollback). True if it changed."""
         state = self.agents[agent]
         async with state.lock:
             try:
@@ -120,19 +131,26 @@ class AdapterRegistry:
             except CheckpointError as e:
                 self._refuse(state, None, str(e))
                 return False
-            if latest is None or latest <= state.current.version or latest == state.failed_version:
+            if latest is None or latest == state.current.version or latest == state.failed_version:
                 return False
             t0 = time.perf_counter()
-            try:
-                version = checkpoints.validate_version(self.root, agent, latest)
-                ref = self._new_ref(agent, latest, version.path)
-                await self._engine.add_adapter(ref)
-            except Exception as e:  # a broken version never replaces a working one
-                self._refuse(state, latest, str(e))
-                return False
+            if state.canary is not None and state.canary.version == latest:  # the candidate is promoted: no second load
+                handle, state.canary = state.canary, None
+                handle.retired = False
+            elif latest == 0:
+                handle = _base_handle(agent)
+            else:
+                try:
+                    version = checkpoints.validate_version(self.root, agent, latest)
+                    ref = self._new_ref(agent, latest, version.path)
+                    await self._engine.add_adapter(ref)
+                except Exception as e:  # a broken version never replaces a working one
+                    self._refuse(state, latest, str(e))
+                    return False
+                handle = AdapterHandle(agent=agent, version=latest, ref=ref)
+                self._loaded[ref.name] = handle
             old = state.current
-            state.current = AdapterHandle(agent=agent, version=latest, ref=ref)
-            self._loaded[ref.name] = state.current
+            state.current = handle
             state.failed_version = None
             elapsed = time.perf_counter() - t0
             state.reloads += 1
@@ -143,6 +161,34 @@ class AdapterRegistry:
             if self._on_reload:
                 self._on_reload(agent, latest, elapsed)
             return True
+
+    async def set_canary(self, agent: str, version: int, share: float) -> None:
+        """Serve ``version`` to ``share`` of ``agent``'s traffic (by task_id) beside the current one."""
+        state = self.agents[agent]
+        async with state.lock:
+            if state.canary is not None and state.canary.version == version:
+                state.canary_share = share
+                return
+            v = checkpoints.validate_version(self.root, agent, version)
+            ref = self._new_ref(agent, version, v.path)
+            await self._engine.add_adapter(ref)
+            if state.canary is not None:
+                self._retire(state.canary)
+            state.canary = AdapterHandle(agent=agent, version=version, ref=ref)
+            state.canary_share = share
+            state.routed = {"serving": 0, "candidate": 0}
+            self._loaded[ref.name] = state.canary
+            log.info("agent %s: canary of v%d on %.0f%% of the traffic (v%d serves the rest)", agent, version, share * 100,
+                     state.current.version)
+        self.write_serving_files()
+
+    def clear_canary(self, agent: str) -> None:
+        """End the canary: new calls all go to the current version; running ones finish on theirs."""
+        state = self.agents[agent]
+        if state.canary is not None:
+            handle, state.canary = state.canary, None
+            self._retire(handle)
+            log.info("agent %s: canary of v%d ended", agent, handle.version)
 
     def _refuse(self, state: AgentState, version: int | None, why: str) -> None:
         if version is not None and version == state.failed_version:
@@ -188,12 +234,20 @@ class AdapterRegistry:
             return self.default_agent
         return model if model in self.agents else None
 
-    def resolve(self, model: str) -> tuple[str, AdapterHandle | None, int | None]:
-        """(agent, handle or None if a pinned version must be loaded first, pinned version)."""
+    def resolve(self, model: str, route_key: str | None = None) -> tuple[str, AdapterHandle | None, int | None]:
+        """(agent, handle or None if a pinned version must be loaded first, pinned version).
+        ``route_key`` (the call's task_id) decides whether a canary's candidate serves it."""
         if model in self.base_aliases:
             model = self.default_agent
         if model in self.agents:
-            return model, self.agents[model].current, None
+            state = self.agents[model]
+            if state.canary is not None:
+                to_candidate = random.random() < state.canary_share if route_key is None \
+                    else routed_to_candidate(model, route_key, state.canary_share)
+                state.routed["candidate" if to_candidate else "serving"] += 1
+                if to_candidate:
+                    return model, state.canary, None
+            return model, state.current, None
         m = _PINNED.match(model)
         if m and m.group("agent") in self.agents:
             agent, version = m.group("agent"), int(m.group("version"))
@@ -202,12 +256,14 @@ class AdapterRegistry:
                 return agent, _base_handle(agent), 0
             if state.current.version == version:
                 return agent, state.current, version
+            if state.canary is not None and state.canary.version == version:
+                return agent, state.canary, version
             handle = self._pinned.get((agent, version)) or self._leased(agent, version)
             return agent, handle, version
         raise UnknownModel(model)
 
-    async def acquire(self, model: str) -> AdapterHandle:
-        agent, handle, pinned = self.resolve(model)
+    async def acquire(self, model: str, route_key: str | None = None) -> AdapterHandle:
+        agent, handle, pinned = self.resolve(model, route_key)
         if handle is None:
             handle = await self._load_pinned(agent, pinned)
         handle.leases += 1
@@ -306,6 +362,8 @@ class AdapterRegistry:
                 "reloads": state.reloads,
                 "last_reload_s": state.last_reload_s,
                 "loaded_at": state.current.loaded_at,
+                "canary": None if state.canary is None else {
+                    "version": state.canary.version, "share": state.canary_share, "routed": dict(state.routed)},
             }
 
 

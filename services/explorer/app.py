@@ -10,6 +10,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import secrets
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -30,14 +31,15 @@ from services.explorer.metrics import ExplorerMetrics
 from services.explorer.journal import DEAD_LETTERS, Journal
 from services.explorer.recorder import Recorder
 from services.explorer.messages import MessagesService
+from services.explorer.release import ReleaseController
 from services.explorer.responses import ResponsesService
-from services.explorer.routes import chat, demonstrations, experiences, feedback, health, models, translated
+from services.explorer.routes import chat, demonstrations, experiences, feedback, health, models, releases, translated
 from services.explorer.service import ChatService
 
 log = logging.getLogger(__name__)
 
 _ROUTES = ("/v1/chat/completions", "/v1/responses", "/v1/messages", "/v1/completions", "/feedback", "/commit",
-           "/demonstrations", "/experiences", "/v1/models", "/health", "/metrics")
+           "/demonstrations", "/experiences", "/v1/models", "/versions", "/admin", "/health", "/metrics")
 
 
 @dataclass
@@ -54,22 +56,35 @@ class ExplorerState:
     completions: CompletionsService
     feedback: FeedbackService
     demonstrations: DemonstrationService
+    releases: ReleaseController
     api_keys: list[bytes]
     started_at: float = field(default_factory=time.time)
     tasks: list[asyncio.Task] = field(default_factory=list)
+    served_at: str | None = None  # http://host:port of the first request's socket (the release gate calls itself there)
+
+    def self_url(self) -> str | None:
+        if self.config.server.self_url:
+            return self.config.server.self_url.rstrip("/")
+        if self.served_at:
+            return self.served_at
+        return f"http://127.0.0.1:{self.config.server.port}" if self.config.server.port else None
 
 
 class EdgeMiddleware:
     """Pure ASGI: refuses oversized bodies with 413 and counts requests by route and status."""
 
-    def __init__(self, app, *, max_body_bytes: int, metrics: ExplorerMetrics):
+    def __init__(self, app, *, max_body_bytes: int, metrics: ExplorerMetrics, state: "ExplorerState"):
         self.app = app
         self.max = max_body_bytes
         self.metrics = metrics
+        self.state = state
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
+        if self.state.served_at is None and scope.get("server"):
+            host, port = scope["server"][:2]
+            self.state.served_at = f"http://{'127.0.0.1' if host in ('0.0.0.0', '::') else host}:{port}"
         path = scope.get("path", "")
         route = next((r for r in _ROUTES if path == r or path.startswith(r + "/")), "other")
         state = {"code": 500, "started": False, "refused": False}
@@ -149,6 +164,12 @@ def create_app(config: ExplorerConfig, *, engine: Engine | None = None) -> FastA
         on_reload=on_reload,
     )
     chat_service = ChatService(config=config, engine=engine, registry=registry, recorder=recorder, metrics=metrics)
+    internal_key = secrets.token_urlsafe(32)  # the release gate's calls to this Explorer's own API
+    state: ExplorerState
+
+    def self_url() -> str | None:
+        return state.self_url()
+
     state = ExplorerState(
         config=config, engine=engine, db=db, metrics=metrics, recorder=recorder, registry=registry,
         chat=chat_service,
@@ -158,7 +179,10 @@ def create_app(config: ExplorerConfig, *, engine: Engine | None = None) -> FastA
         feedback=FeedbackService(db=db, recorder=recorder, metrics=metrics, unknown_id_grace_s=rc.unknown_id_grace_s,
                                  wait_s=rc.feedback_wait_s),
         demonstrations=DemonstrationService(engine=engine, registry=registry, db=db),
-        api_keys=[k.encode() for k in config.auth.api_keys],
+        releases=ReleaseController(release=config.release, root=config.checkpoints.root, registry=registry, db=db,
+                                   metrics=metrics, episodes=chat_service.episodes, api_key=internal_key,
+                                   base_url=self_url),
+        api_keys=[k.encode() for k in config.auth.api_keys] + ([internal_key.encode()] if config.auth.api_keys else []),
     )
 
     @contextlib.asynccontextmanager
@@ -169,9 +193,11 @@ def create_app(config: ExplorerConfig, *, engine: Engine | None = None) -> FastA
         await recorder.start()
         if config.reload.enabled:
             state.tasks.append(asyncio.create_task(registry.watch(config.reload.poll_interval_s), name="adapter-watch"))
+            state.tasks.append(asyncio.create_task(state.releases.run(), name="release-controller"))
         try:
             yield
         finally:
+            state.releases.stop()
             for t in state.tasks:
                 t.cancel()
             await recorder.stop()
@@ -185,7 +211,7 @@ def create_app(config: ExplorerConfig, *, engine: Engine | None = None) -> FastA
     auth = [Depends(require_api_key)]
     app.include_router(health.router)  # /health alone needs no key
     for r in (chat.router, translated.router, feedback.router, demonstrations.router, experiences.router, models.router,
-              health.metrics_router):
+              releases.router, health.metrics_router):
         app.include_router(r, dependencies=auth)
-    app.add_middleware(EdgeMiddleware, max_body_bytes=config.server.max_body_bytes, metrics=metrics)
+    app.add_middleware(EdgeMiddleware, max_body_bytes=config.server.max_body_bytes, metrics=metrics, state=state)
     return app

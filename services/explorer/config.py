@@ -10,6 +10,7 @@ from sqlalchemy.engine import make_url
 
 from services.common.checkpoints import AGENT_NAME
 from services.common.config import BufferSection, CheckpointsSection, ConfigModel, ModelSection
+from services.common.release import ReleaseSection
 
 
 class VLLMSection(ConfigModel):
@@ -71,6 +72,11 @@ class ServerSection(ConfigModel):
         "at that moment (uvicorn's 5 s default raced them: ReadError under load).",
     )
     log_level: str = Field(default="info", description="debug, info, warning, error.")
+    self_url: str | None = Field(
+        default=None,
+        description="The URL this Explorer answers on, for its own release evaluations (they call its HTTP API like a "
+        "client). Default: learned from the first request it serves, else http://127.0.0.1:<port>.",
+    )
 
 
 class AuthSection(ConfigModel):
@@ -152,3 +158,4 @@ class ExplorerConfig(ConfigModel):
     agents: AgentsSection = Field(default_factory=AgentsSection)
     reload: ReloadSection = Field(default_factory=ReloadSection)
     recorder: RecorderSection = Field(default_factory=RecorderSection)
+    release: ReleaseSection = Field(default_factory=ReleaseSection)

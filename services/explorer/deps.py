@@ -16,6 +16,7 @@ from services.explorer.service import ChatService
 
 if TYPE_CHECKING:  # app.py imports the routes, which import this module
     from services.explorer.app import ExplorerState
+    from services.explorer.release import ReleaseController
 
 
 async def get_state(request: Request) -> "ExplorerState":
@@ -40,6 +41,10 @@ async def get_completions(request: Request) -> CompletionsService:
 
 async def get_feedback(request: Request) -> FeedbackService:
     return request.app.state.kaizen.feedback
+
+
+async def get_releases(request: Request) -> "ReleaseController":
+    return request.app.state.kaizen.releases
 
 
 async def require_api_key(request: Request) -> None:
@@ -67,3 +72,4 @@ FeedbackDep = Annotated[FeedbackService, Depends(get_feedback)]
 ResponsesDep = Annotated[ResponsesService, Depends(get_responses)]
 MessagesDep = Annotated[MessagesService, Depends(get_messages)]
 CompletionsDep = Annotated[CompletionsService, Depends(get_completions)]
+ReleasesDep = Annotated["ReleaseController", Depends(get_releases)]

@@ -57,6 +57,14 @@ class EpisodePins:
         if pin is not None:
             self._unhold(agent, pin[0])
 
+    def forget_version(self, agent: str, version: int) -> int:
+        """Forget every episode pinned to ``version`` (it was rejected or rolled back: safety comes
+        before keeping an episode on one version); returns how many."""
+        doomed = [key for key, (v, _) in self._pins.items() if key[0] == agent and v == version]
+        for key in doomed:
+            self.forget(*key)
+        return len(doomed)
+
     def held(self, agent: str) -> set[int]:
         """Versions of ``agent`` some remembered episode may still ask for."""
         self._expire()

@@ -62,6 +62,8 @@ class FeedbackService:
             "source": req.source or "api",
             "at": datetime.now(timezone.utc).isoformat(),
         }
+        if req.expected is not None:
+            note["expected"] = req.expected
         result = await asyncio.to_thread(
             buffer.apply_feedback,
             engine=self._db,

@@ -50,6 +50,23 @@ class ExplorerMetrics:
         self.episode_pin_misses = Gauge(
             "kaizen_episode_pin_misses", "Episodes whose version was deleted before they ended (they moved on)", registry=r
         )
+        self.release_candidate = Gauge(
+            "kaizen_release_candidate_version", "Version awaiting its release decision (0: none)", ["agent"], registry=r)
+        self.release_decisions = Counter(
+            "kaizen_release_decisions", "Release decisions this replica took or carried out", ["agent", "decision"], registry=r)
+        self.release_alarm = Gauge(
+            "kaizen_release_alarm", "1 while the guard's alarm is up for the serving version (immediate mode)", ["agent"],
+            registry=r)
+        self.canary_share = Gauge("kaizen_canary_share", "Share of the traffic routed to the candidate", ["agent"], registry=r)
+        self.canary_requests = Gauge(
+            "kaizen_canary_requests", "Calls this replica routed since the canary began", ["agent", "arm"], registry=r)
+        self.canary_episodes = Gauge(
+            "kaizen_canary_episodes", "Rewarded episodes since the canary began (all replicas)", ["agent", "arm"], registry=r)
+        self.canary_reward = Gauge("kaizen_canary_reward_mean", "Mean episode reward since the canary began", ["agent", "arm"],
+                                   registry=r)
+        self.canary_bound = Gauge(
+            "kaizen_canary_difference_bound", "Confidence bounds of candidate minus serving reward", ["agent", "bound"],
+            registry=r)
         self.adapter_reload_seconds = Histogram(
             "kaizen_adapter_reload_seconds", "Time to load a new adapter version", buckets=_LATENCY_BUCKETS, registry=r
         )

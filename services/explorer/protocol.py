@@ -11,6 +11,7 @@ field, because once accepted its record could never be written.
 
 from __future__ import annotations
 
+import json
 from typing import Annotated, Any, Literal, Union
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, Strict, field_validator, model_validator
@@ -209,6 +210,14 @@ class FeedbackRequest(_Recorded):
     comment: str | None = Field(default=None, max_length=10_000)
     source: str | None = None
     agent: str | None = Field(default=None, min_length=1, max_length=128)  # episode feedback: only this agent's calls
+    expected: Any = None  # what the run was expected to produce (JSON); a gated release's replay scores with it
+
+    @field_validator("expected")
+    @classmethod
+    def _small(cls, v: Any) -> Any:
+        if v is not None and len(json.dumps(v, default=str)) > 10_000:
+            raise ValueError("expected must serialize to at most 10,000 characters of JSON")
+        return v
 
     @field_validator("msg_ids")
     @classmethod
@@ -254,6 +263,24 @@ class CommitRequest(_Recorded):
         if v is not None and not v:
             raise ValueError("msg_ids is empty: name at least one id, or leave msg_ids out to commit by task_id")
         return v
+
+
+class RollbackRequest(_Recorded):
+    """POST /admin/rollback (Kaizen's own): serve ``to`` (default: the version the serving one was
+    trained from) at once."""
+
+    agent: str = Field(min_length=1, max_length=128)
+    to: int | None = Field(default=None, ge=0, le=2**31 - 1)
+    reason: str | None = Field(default=None, max_length=2000)
+
+
+class ReleaseDecisionRequest(_Recorded):
+    """POST /admin/release (Kaizen's own): decide a candidate by hand."""
+
+    agent: str = Field(min_length=1, max_length=128)
+    version: int = Field(ge=1, le=2**31 - 1)
+    decision: Literal["promote", "reject"]
+    reason: str | None = Field(default=None, max_length=2000)
 
 
 # ---------------------------------------------------------------------------------------------

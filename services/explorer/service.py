@@ -336,7 +336,7 @@ class ChatService:
                     self.episodes.remember(agent, p.task_id, p.run_id, handle.version)
                     return handle
         try:
-            handle = await self.registry.acquire(p.model)
+            handle = await self.registry.acquire(p.model, route_key=p.task_id)
         except UnknownModel as e:
             raise APIError(404, f"the model {str(e)!r} does not exist", param="model", code="model_not_found") from None
         if pinning:

@@ -7,6 +7,7 @@ from typing import Literal
 from pydantic import Field, field_validator, model_validator
 
 from services.common.config import BufferSection, CheckpointsSection, ConfigModel, ModelSection
+from services.common.release import ReleaseSection
 
 
 class AlgorithmSection(ConfigModel):
@@ -181,6 +182,11 @@ class TrainerConfig(ConfigModel):
     save_interval: int = Field(default=1, ge=1, description="Steps per published adapter version.")
     trainer: TrainerLoopSection = Field(default_factory=TrainerLoopSection)
     ray: RaySection = Field(default_factory=RaySection)
+    release: ReleaseSection = Field(
+        default_factory=ReleaseSection,
+        description="The release policy, the same as the Explorer's: immediate publishes to LATEST; gated and canary "
+        "publish a candidate and train on only once it is decided.",
+    )
     log_level: str = Field(default="info", description="debug, info, warning, error.")
 
     @model_validator(mode="after")

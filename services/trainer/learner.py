@@ -131,6 +131,12 @@ class LearnerWorker:
         self._fresh_optimizers(agent)
         self._guard_nll.pop(agent, None)  # other weights: the guard scores them afresh
 
+    def reset_agent(self, agent: str) -> None:
+        """Back to the base model (a rollback to v0): a fresh adapter and optimizer; a critic keeps its head."""
+        self.policy.reset_adapter(agent)
+        self._fresh_optimizers(agent)
+        self._guard_nll.pop(agent, None)
+
     # ------------------------------------------------------------------ training
 
     def train_step(self, agent: str, items: list[TrainItem], norms: Norms, step: int, current_version: int,

@@ -136,6 +136,15 @@ class Policy:
             self.value_heads[agent] = ValueHead(self.base.config.hidden_size).to(self.device)
         self.activate(agent)
 
+    def reset_adapter(self, agent: str) -> None:
+        """Re-initialise ``agent``'s LoRA weights as ``add_agent`` does (B = 0: exactly the base model)."""
+        from peft.tuners.lora import LoraLayer
+
+        torch.manual_seed(self.seed)
+        for module in self.model.modules():
+            if isinstance(module, LoraLayer) and agent in module.lora_A:
+                module.reset_lora_parameters(agent, True)
+
     def activate(self, agent: str) -> None:
         if self.active != agent:
             self.model.set_adapter(agent)  # also makes only this adapter trainable

@@ -39,6 +39,7 @@ from services.common.checkpoints import CheckpointError
 from services.common.config import dump_config
 from services.common.faults import failpoint
 from services.common.records import TrainerStep
+from services.common.release import ReleasePolicy, held_out
 from services.trainer.batches import (
     Norms,
     Selection,
@@ -62,10 +63,10 @@ log = logging.getLogger("kaizen.trainer")
 @dataclass
 class AgentProgress:
     step: int  # steps trained so far (all runs)
-    published: int  # newest published version (0: the base model)
+    published: int  # the version the learners' weights were last published as, or taken from (0: the base model)
     next_version: int  # the version the next step goes into
-    state_path: str  # the state the learners hold right now (rollback point)
-    adopted: int = 0  # newest version published from elsewhere (kaizen publish) that the learners' weights include
+    state_path: str | None  # the state the learners hold right now (rollback point); None: the adapter of `published`
+    waiting_on: int | None = None  # the candidate whose release decision this agent's training waits for
 
 
 class LearnerGroup:
@@ -97,6 +98,9 @@ class LearnerGroup:
 
     def adopt_adapter(self, agent: str, adapter_dir: str) -> None:
         self._all([w.adopt_adapter.remote(agent, adapter_dir) for w in self.workers])
+
+    def reset_agent(self, agent: str) -> None:
+        self._all([w.reset_agent.remote(agent) for w in self.workers])
 
     def save_state(self, agent: str, path: str, meta: dict[str, Any]) -> None:
         """Rank 0 writes files: every replica holds the same weights."""
@@ -186,12 +190,47 @@ class TrainerService:
                     self.agents[agent] = self._init_agent(agent)
 
     def _owed_version(self, agent: str, last: TrainerStep | None) -> int | None:
-        """The version the database says is complete (its last step closed it) that LATEST does
-        not name yet: the trainer died between that step's commit and the end of its publication."""
+        """The version the database says is complete (its last step closed it) whose publication did
+        not finish: the trainer died between that step's commit and the end of its publication.
+        ``_publish`` records this Trainer's release decision about a version (``promoted`` in
+        immediate mode, ``candidate`` otherwise) before it moves the pointer (LATEST or CANDIDATE), so
+        a publication is finished once that decision is recorded and, while it is still the agent's
+        newest decision, its pointer names the version."""
         if not last or last.step % self.cfg.save_interval:
             return None
-        published = checkpoints.read_latest(self.root, agent, fallback=False) or 0
-        return last.version if published < last.version else None
+        v = last.version
+        decided = buffer.list_decisions(engine=self.db, agent=agent, version=v)
+        mine = [d for d in decided if d.actor == "trainer"]
+        if not mine:
+            if decided:  # decided about by someone else since (a rollback): nothing left to publish
+                return None
+            latest = checkpoints.read_latest(self.root, agent, fallback=False) or 0
+            return v if latest < v and checkpoints.read_candidate(self.root, agent) != v else None
+        newest = buffer.list_decisions(engine=self.db, agent=agent, limit=1)
+        if newest and newest[-1].id != mine[-1].id:
+            return None  # decided since (promoted, rejected, rolled back)
+        pointer = checkpoints.read_latest(self.root, agent, fallback=False) if mine[-1].decision == "promoted" \
+            else checkpoints.read_candidate(self.root, agent)
+        return None if pointer == v else v
+
+    def _policy(self, agent: str) -> ReleasePolicy:
+        return self.cfg.release.policy(agent)
+
+    def _announce(self, agent: str, version: int) -> None:
+        """Record this Trainer's release decision about a version it published (once): in immediate
+        mode it serves (``promoted``), otherwise it is a ``candidate`` for the Explorer's release
+        controller. Recorded before the pointer moves (``_owed_version`` relies on that order)."""
+        if any(d.actor == "trainer" for d in buffer.list_decisions(engine=self.db, agent=agent, version=version)):
+            return
+        mode = self._policy(agent).mode
+        serving = checkpoints.read_latest(self.root, agent) or 0
+        d, _ = buffer.record_decision(
+            engine=self.db, agent=agent, version=version, actor="trainer",
+            decision="promoted" if mode == "immediate" else "candidate",
+            serving=version if mode == "immediate" else serving,
+            reason="release.mode is immediate: it serves once published" if mode == "immediate"
+            else f"release.mode is {mode}: it awaits its release decision while v{serving} serves")
+        checkpoints.record_release(self.root, agent, version, d.as_entry())
 
     def _repair(self, agent: str, last: TrainerStep | None) -> None:
         """Undo or finish what a kill left half done on disk; the database is the truth."""
@@ -201,25 +240,39 @@ class TrainerService:
             log.warning("agent %s: dropped the state of step %d, whose batch was never committed", agent, step)
         self._prune_states(agent)  # a kill between a commit and the pruning leaves one state too many
         owed = self._owed_version(agent, last)
-        if owed is not None and checkpoints.finish_publication(self.root, agent, owed):
-            log.warning("agent %s: finished the publication of v%d (LATEST did not name it yet)", agent, owed)
+        candidate = self._policy(agent).mode != "immediate"
+        if owed is not None and self._complete(agent, owed):
+            self._announce(agent, owed)
+        if owed is not None and checkpoints.finish_publication(self.root, agent, owed, candidate=candidate):
+            log.warning("agent %s: finished the publication of v%d (%s did not name it yet)", agent, owed,
+                        "CANDIDATE" if candidate else "LATEST")
+
+    def _complete(self, agent: str, version: int) -> bool:
+        try:
+            checkpoints.validate_version(self.root, agent, version)
+            return True
+        except CheckpointError:
+            return False
 
     def _init_agent(self, agent: str) -> AgentProgress:
-        """Repair, then resume from the state the database names, else start from the newest published adapter."""
+        """Repair, then resume from the state the database names, else start from the serving adapter."""
         last = buffer.last_trainer_step(engine=self.db, agent=agent)
         self._repair(agent, last)
         latest = checkpoints.read_latest(self.root, agent) or 0
         if last and last.state_ref and (self.root / last.state_ref).is_dir():
             state = self.root / last.state_ref
             self.learners.ensure_agent(agent, state_dir=str(state))
-            adopted = int(json.loads((state / "trainer.json").read_text()).get("adopted", 0))
-            progress = AgentProgress(step=last.step, published=latest, next_version=last.version, state_path=str(state),
-                                     adopted=adopted)
-            if last.step % self.cfg.save_interval == 0:
+            meta = json.loads((state / "trainer.json").read_text())
+            closed = last.step % self.cfg.save_interval == 0  # this step's version is (or is owed) published
+            parent = int(meta.get("parent", latest))
+            progress = AgentProgress(step=last.step, published=last.version if closed else parent,
+                                     next_version=last.version, state_path=str(state))
+            if closed:
                 if self._owed_version(agent, last) is not None:  # died between the commit and the version's writing
                     self._publish(agent, progress, last.version)
                 progress.next_version = last.version + 1
-            log.info("agent %s: resumed at step %d from %s (serving v%d)", agent, progress.step, state, progress.published)
+            progress.next_version = max(progress.next_version, self._newest_version(agent) + 1)
+            log.info("agent %s: resumed at step %d from %s (serving v%d)", agent, progress.step, state, latest)
             return progress
         if last:
             log.warning("agent %s: state %s named by the buffer is missing; starting from v%d", agent, last.state_ref, latest)
@@ -227,11 +280,68 @@ class TrainerService:
         self.learners.ensure_agent(agent, adapter_dir=adapter_dir)
         step = last.step if last else 0
         state = checkpoints.state_path(self.root, agent, step)
-        adopted = latest if latest and self._published_elsewhere(agent, latest) else 0
         if not state.exists():
-            self.learners.save_state(agent, str(state), {"agent": agent, "step": step, "version": latest, "adopted": adopted})
+            self.learners.save_state(agent, str(state), {"agent": agent, "step": step, "version": latest, "parent": latest})
         log.info("agent %s: starting at step %d from %s", agent, step, f"v{latest}" if latest else "the base model")
-        return AgentProgress(step=step, published=latest, next_version=latest + 1, state_path=str(state), adopted=adopted)
+        return AgentProgress(step=step, published=latest, next_version=self._newest_version(agent) + 1,
+                             state_path=str(state))
+
+    def _newest_version(self, agent: str) -> int:
+        """The newest version number ever taken (never reused: versions are immutable), on disk or decided."""
+        on_disk = checkpoints.list_versions(self.root, agent)
+        decided = buffer.list_decisions(engine=self.db, agent=agent, limit=1)
+        last = buffer.last_trainer_step(engine=self.db, agent=agent)
+        return max([0, *on_disk, *(d.version for d in decided), *([last.version] if last else [])])
+
+    def _awaiting_release(self, agent: str, progress: AgentProgress) -> bool:
+        """A candidate (this Trainer's, or one ``kaizen publish`` named) is awaiting its release
+        decision: the agent's training waits, so the next version descends from what serves."""
+        candidate = checkpoints.read_candidate(self.root, agent)
+        if candidate is None or candidate <= (checkpoints.read_latest(self.root, agent) or 0):
+            progress.waiting_on = None
+            return False
+        if progress.waiting_on != candidate:
+            log.info("agent %s: v%d is a candidate (release.mode %s); training waits for its release decision", agent,
+                     candidate, self._policy(agent).mode)
+            progress.waiting_on = candidate
+        return True
+
+    def _follow_serving(self, agent: str, progress: AgentProgress) -> None:
+        """Continue from the version that serves when it is not the one the learners' weights were
+        published as: a candidate was rejected or a version rolled back (the state saved when the
+        serving version was published is restored, optimizer and critic included, not the refused
+        one's), or ``kaizen publish`` or a rollback named a version trained elsewhere (its adapter
+        with a fresh optimizer). Experiences trained into refused versions stay consumed (their
+        lineage is recorded); the next version is numbered after every number taken."""
+        latest = checkpoints.read_latest(self.root, agent) or 0
+        if latest == progress.published:
+            return
+        state, how = self._load_version(agent, latest)
+        log.warning("agent %s: continuing from v%d, which serves now (the learners were at v%d): from %s", agent, latest,
+                    progress.published, how)
+        progress.published, progress.state_path = latest, (str(state) if state is not None else None)
+        progress.next_version = max(progress.next_version, self._newest_version(agent) + 1)
+
+    def _load_version(self, agent: str, version: int) -> tuple[Path | None, str]:
+        """Put ``version``'s weights in the learners: its trainer state when on disk, else its adapter
+        (or the base model) with a fresh optimizer. Returns the state used and how, in words."""
+        state = self._state_of(agent, version)
+        if state is not None:
+            self.learners.load_state(agent, str(state))
+            return state, f"its trainer state {state.name}"
+        if version > 0:
+            self.learners.adopt_adapter(agent, str(checkpoints.version_dir(self.root, agent, version)))
+            source = "published from elsewhere (kaizen publish)" if self._published_elsewhere(agent, version) else "its adapter"
+            return None, f"{source}, with a fresh optimizer"
+        self.learners.reset_agent(agent)
+        return None, "the base model, with a fresh optimizer"
+
+    def _state_of(self, agent: str, version: int) -> Path | None:
+        """The trainer state saved by the step that published ``version``, if it is still on disk."""
+        ref = buffer.publishing_steps(engine=self.db, agent=agent, save_interval=self.cfg.save_interval).get(version)
+        if ref and (self.root / ref).is_dir():
+            return self.root / ref
+        return None
 
     def _published_elsewhere(self, agent: str, version: int) -> bool:
         """Whether ``version`` came from ``kaizen publish`` (an adapter trained outside this Trainer)."""
@@ -239,18 +349,6 @@ class TrainerService:
             return checkpoints.validate_version(self.root, agent, version).manifest().get("source") == "publish"
         except CheckpointError:
             return False
-
-    def _adopt_published(self, agent: str, progress: AgentProgress) -> None:
-        """Continue from an adapter ``kaizen publish`` made the serving version since this Trainer's
-        weights were last set: its weights replace the learners' (fresh optimizer), and the next
-        version is numbered after it. Called under the agent's publication lock."""
-        latest = checkpoints.read_latest(self.root, agent) or 0
-        if latest <= progress.adopted or not self._published_elsewhere(agent, latest):
-            return
-        self.learners.adopt_adapter(agent, str(checkpoints.version_dir(self.root, agent, latest)))
-        progress.adopted = progress.published = latest
-        progress.next_version = max(progress.next_version, latest + 1)
-        log.info("agent %s: continuing from v%d, published from elsewhere (kaizen publish)", agent, latest)
 
     def _agents_to_poll(self) -> list[str]:
         have = buffer.agents_with_committed(engine=self.db)
@@ -318,17 +416,21 @@ class TrainerService:
         rows = buffer.fetch_committed(engine=self.db, agent=agent, limit=window)
         if turn is not None and turn.started_at is not None and self.cfg.trainer.schedule.frozen_experiences == "discard":
             rows = self._discard_frozen(agent, rows, turn.started_at)
+        rows = self._hold_out(agent, rows)
         demos = buffer.fetch_committed(engine=self.db, agent=agent, limit=_MAX_DEMONSTRATIONS, demonstrations=True) \
             if self.cfg.algorithm.sft_coef > 0 else []
         if not rows and not demos:
             return False
         # The lock keeps `kaizen publish` from taking a version number between this step's choice of
-        # it and its publication; a publication made while it waited is adopted first.
+        # it and its publication; what serves now (a publication made while it waited, a release
+        # decision) is followed first.
         with checkpoints.publication_lock(self.root, agent):
             if agent not in self.agents:
                 self.agents[agent] = self._init_agent(agent)
             progress = self.agents[agent]
-            self._adopt_published(agent, progress)
+            if self._awaiting_release(agent, progress):
+                return False
+            self._follow_serving(agent, progress)
             team = self._team_episodes(rows) if self.recipe.team_rewards and self.cfg.algorithm.team_credit else None
             selection = select_batch(rows, cfg=self.cfg, current_version=progress.published, demonstrations=demos,
                                      step=progress.step, team=team)
@@ -363,6 +465,20 @@ class TrainerService:
         dropped = {r.experience_id for r in before}
         return [r for r in rows if r.experience_id not in dropped]
 
+    def _hold_out(self, agent: str, rows: list) -> list:
+        """release.gate.replay.holdout_share: rewarded calls whose task (or id) hashes into the share
+        are never trained on; the Explorer's release gate replays them to compare versions."""
+        share = self._policy(agent).gate.replay.holdout_share
+        if share <= 0:
+            return rows
+        out = [r for r in rows if held_out(agent, r.task_id or r.experience_id, share)]
+        if out:
+            n = buffer.discard_experiences(engine=self.db, experience_ids=[r.experience_id for r in out])
+            log.info("agent %s: held out %d experiences for the release gate's replay (release.gate.replay.holdout_share)",
+                     agent, n)
+        dropped = {r.experience_id for r in out}
+        return [r for r in rows if r.experience_id not in dropped]
+
     def _log_discards(self, agent: str, selection: Selection, n: int) -> None:
         reasons: dict[str, int] = {}
         for why in selection.discarded.values():
@@ -379,7 +495,8 @@ class TrainerService:
         seconds = time.perf_counter() - t0
         step, version = progress.step + 1, progress.next_version
         state = checkpoints.state_path(self.root, agent, step)
-        self.learners.save_state(agent, str(state), {"agent": agent, "step": step, "version": version, "adopted": progress.adopted})
+        self.learners.save_state(agent, str(state), {"agent": agent, "step": step, "version": version,
+                                                     "parent": progress.published})
         failpoint("trainer.after_state_saved")
         record = self._step_record(agent, step, version, selection, results, norms, seconds)
         try:
@@ -390,7 +507,10 @@ class TrainerService:
             )
         except BatchChanged as e:
             log.warning("agent %s: %s; rolling the step back and retrying with fresh data", agent, e)
-            self.learners.load_state(agent, progress.state_path)
+            if progress.state_path is not None:
+                self.learners.load_state(agent, progress.state_path)
+            else:  # the learners took the serving version's adapter after the last saved state
+                self._load_version(agent, progress.published)
             checkpoints.drop_states_after(self.root, agent, step=progress.step)
             return False
         if selection.discarded:
@@ -425,13 +545,26 @@ class TrainerService:
             manifest["guard"] = guard
         path = self.learners.write_version(agent, str(self.root), version, manifest)
         failpoint("trainer.after_version_renamed")
-        checkpoints.set_latest(self.root, agent, version)
+        self._announce(agent, version)
+        immediate = self._policy(agent).mode == "immediate"
+        if immediate:
+            checkpoints.set_latest(self.root, agent, version)
+        else:
+            checkpoints.set_candidate(self.root, agent, version)
         progress.published = version
-        log.info("agent %s: published v%d (%d experiences) at %s", agent, version, len(lineage), path)
+        log.info("agent %s: published v%d (%d experiences) at %s%s", agent, version, len(lineage), path,
+                 "" if immediate else f" as a candidate (release.mode {self._policy(agent).mode})")
         prune_versions(self.root, agent, keep=self.cfg.checkpoints.keep_versions, grace_s=self.cfg.checkpoints.delete_grace_s)
 
     def _prune_states(self, agent: str) -> None:
+        """Keep the newest ``keep_states`` states, and the state of each version still on disk: a
+        rejected candidate or a rollback continues from the serving version's own state."""
+        published = buffer.publishing_steps(engine=self.db, agent=agent, save_interval=self.cfg.save_interval)
+        on_disk = set(checkpoints.list_versions(self.root, agent))
+        kept = {self.root / ref for v, ref in published.items() if v in on_disk}
         for step in checkpoints.list_states(self.root, agent)[: -self.cfg.checkpoints.keep_states]:
+            if checkpoints.state_path(self.root, agent, step) in kept:
+                continue
             try:
                 checkpoints.delete_state(self.root, agent, step)
             except OSError as e:  # an old state left over is harmless; the next step tries again

@@ -19,6 +19,7 @@ def _models(k) -> list[dict]:
             "root": k.config.model.path, "parent": k.registry.base_name,
             # Extensions, not in the OpenAI spec
             "version": a["version"], "adapter": a["adapter"], "reloads": a["reloads"], "last_reload_s": a["last_reload_s"],
+            "release": {**k.releases.describe(a["agent"]), "canary": a["canary"]},
         })
     return data
 

@@ -1,0 +1,114 @@
+"""The release policy's pure parts: its statistics worked by hand, routing, hold-out and config."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+from pydantic import ValidationError
+
+from services.common.release import (
+    Comparison,
+    ReleaseSection,
+    confidence_sequence,
+    held_out,
+    paired_lower_bound,
+    routed_to_candidate,
+    student_t_quantile,
+    verdict,
+)
+
+
+def test_student_t_quantile_matches_tables():
+    # Tables: t(0.95, 3) = 2.353, t(0.95, 10) = 1.812, t(0.975, 30) = 2.042, t(0.95, inf) = 1.645
+    assert student_t_quantile(0.95, 3) == pytest.approx(2.353, abs=0.01)
+    assert student_t_quantile(0.95, 10) == pytest.approx(1.812, abs=0.002)
+    assert student_t_quantile(0.975, 30) == pytest.approx(2.042, abs=0.002)
+    assert student_t_quantile(0.95, 10**7) == pytest.approx(1.645, abs=0.001)
+
+
+def test_paired_lower_bound_by_hand():
+    # Per task the candidate minus the serving version: d = [1, 0, 1, 0]; mean 0.5; sample std
+    # sqrt((4 * 0.25) / 3) = 0.5774; half-width t(0.95, 3) * 0.5774 / sqrt(4) = 2.353 * 0.2887 = 0.679.
+    c = paired_lower_bound([0, 1, 0, 1], [1, 1, 1, 1], confidence=0.95)
+    assert (c.n_serving, c.n_candidate) == (4, 4)
+    assert c.mean_serving == 0.5 and c.mean_candidate == 1.0 and c.diff == 0.5
+    assert c.lower == pytest.approx(0.5 - 0.679, abs=0.005)
+    assert c.upper == pytest.approx(0.5 + 0.679, abs=0.005)
+
+
+def test_paired_test_of_equal_and_of_broken_versions():
+    same = paired_lower_bound([1, 0, 1, 1], [1, 0, 1, 1], confidence=0.95)
+    assert same.diff == 0 and same.lower == 0  # no spread: the bound is the mean itself
+    assert verdict(same, tolerance=0.05) == "promote"
+    broken = paired_lower_bound([1, 1, 1, 1], [0, 0, 0, 0], confidence=0.95)
+    assert broken.upper == -1
+    assert verdict(broken, tolerance=0.05) == "reject"
+
+
+def test_paired_test_needs_two_matched_tasks():
+    with pytest.raises(ValueError, match="same two or more"):
+        paired_lower_bound([1.0], [1.0], confidence=0.95)
+    with pytest.raises(ValueError, match="same two or more"):
+        paired_lower_bound([1.0, 0.0], [1.0], confidence=0.95)
+
+
+def test_confidence_sequence_by_hand():
+    # serving [0, 1] x 10 (mean 0.5, variance 0.25), candidate all 0 (variance 0 -> floor 0.01):
+    # s2 = 0.01 / 20 + 0.25 / 20 = 0.013; scale 0.25 -> t2 = 0.0625; alpha = 0.05
+    # radius^2 = 2 * 0.013 * (0.013 + 0.0625) / 0.0625 * (ln 20 + 0.5 ln((0.013 + 0.0625) / 0.013))
+    #          = 0.031408 * (2.995732 + 0.5 * 1.758298) = 0.031408 * 3.874881 = 0.121702; radius 0.34886
+    c = confidence_sequence([0, 1] * 10, [0] * 20, confidence=0.95, scale=0.25)
+    assert c.diff == -0.5
+    radius = math.sqrt(2 * 0.013 * 0.0755 / 0.0625 * (math.log(20) + 0.5 * math.log(0.0755 / 0.013)))
+    assert radius == pytest.approx(0.34886, abs=1e-4)
+    assert c.lower == pytest.approx(-0.5 - radius) and c.upper == pytest.approx(-0.5 + radius)
+    assert verdict(c, tolerance=0.05) == "reject"  # upper -0.151 < -0.05
+
+
+def test_confidence_sequence_waits_on_little_evidence_and_narrows_with_more():
+    few = confidence_sequence([1, 0, 1], [1, 0, 0], confidence=0.95, scale=0.25)
+    assert verdict(few, tolerance=0.05) == "continue"
+    # a fair coin on both arms: about 4,000 episodes each bound the difference within 0.05 (radius 0.039)
+    many = confidence_sequence([1, 0] * 2000, [1, 0] * 2000, confidence=0.95, scale=0.25)
+    assert many.upper - many.lower < few.upper - few.lower
+    assert verdict(many, tolerance=0.05) == "promote"  # equal within the tolerance, with confidence
+
+
+def test_verdict_thresholds():
+    def comp(lower: float, upper: float) -> Comparison:
+        return Comparison("t", 10, 10, 0.5, 0.5, (lower + upper) / 2, lower, upper)
+
+    assert verdict(comp(-0.04, 0.2), tolerance=0.05) == "promote"
+    assert verdict(comp(-0.06, 0.2), tolerance=0.05) == "continue"
+    assert verdict(comp(-0.3, -0.06), tolerance=0.05) == "reject"
+
+
+def test_canary_routing_is_sticky_per_task_and_near_its_share():
+    routed = [routed_to_candidate("planner", f"task-{i}", 0.2) for i in range(5000)]
+    assert 0.18 < sum(routed) / len(routed) < 0.22
+    assert routed == [routed_to_candidate("planner", f"task-{i}", 0.2) for i in range(5000)]  # every replica agrees
+    # a larger share keeps every task the smaller one sent to the candidate
+    assert all(routed_to_candidate("planner", f"task-{i}", 0.5) for i in range(5000) if routed[i])
+
+
+def test_hold_out_share():
+    assert not any(held_out("a", f"t{i}", 0.0) for i in range(100))
+    share = sum(held_out("a", f"t{i}", 0.1) for i in range(5000)) / 5000
+    assert 0.08 < share < 0.12
+
+
+def test_per_agent_policy_and_clear_config_errors():
+    cfg = ReleaseSection.model_validate({"mode": "canary", "canary": {"share": 0.2},
+                                         "agents": {"planner": {"canary": {"min_episodes": 5}}}})
+    p = cfg.policy("planner")
+    assert p.mode == "canary" and p.canary.share == 0.2 and p.canary.min_episodes == 5
+    assert cfg.policy("solver").canary.min_episodes == 20
+    with pytest.raises(ValidationError, match="release.mode=gated needs an evaluation"):
+        ReleaseSection.model_validate({"mode": "gated"})
+    with pytest.raises(ValidationError, match="holdout_share > 0"):
+        ReleaseSection.model_validate({"mode": "gated", "gate": {"replay": {"reward": "m:f"}}})
+    with pytest.raises(ValidationError, match="release.agents.planner"):
+        ReleaseSection.model_validate({"agents": {"planner": {"mode": "gated"}}})
+    with pytest.raises(ValidationError, match="share"):
+        ReleaseSection.model_validate({"canary": {"share": 1.5}})
