@@ -7,7 +7,7 @@
     kaizen pretrained NAME PATH [--no-install]
     kaizen train    --config train.yaml [dotted.key=value ...]
     kaizen publish  --agent NAME --adapter DIR --checkpoints-root ROOT [--base-model PATH] [--max-rank N] [--note TEXT]
-    kaizen rollback --agent NAME --checkpoints-root ROOT --buffer-url URL [--to N] [--reason TEXT] [--keep-experiences]
+    kaizen rollback --agent NAME --checkpoints-root ROOT --buffer-url URL [--to N] [--reason TEXT]
 """
 
 from __future__ import annotations
@@ -108,8 +108,7 @@ def _rollback(args: argparse.Namespace) -> int:
     db = create_buffer_engine(args.buffer_url)
     try:
         d = rollback(root=args.checkpoints_root, db=db, agent=args.agent, to=args.to, actor="cli",
-                     reason=args.reason or "kaizen rollback",
-                     rejected_experiences="keep" if args.keep_experiences else "discard")
+                     reason=args.reason or "kaizen rollback")
     except ValueError as e:
         print(f"kaizen rollback: {e}", file=sys.stderr)
         return 2
@@ -175,8 +174,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--to", type=lambda s: int(s.lstrip("v")), default=None,
                    help="the version to serve (N or vN; 0: the base model); default: the serving version's parent")
     p.add_argument("--reason", default=None, help="why, kept with the decision")
-    p.add_argument("--keep-experiences", action="store_true",
-                   help="train on what the rolled-back versions produced (default: discard their untrained experiences)")
     p.set_defaults(func=_rollback)
     return parser
 

@@ -733,48 +733,19 @@ def consumed_ids(*, engine: Engine, agent: str | None = None) -> list[tuple[str,
 # ---------------------------------------------------------------------------------------------
 # Releases: decisions about which version serves, and the online rewards they rest on.
 
-_OPEN = (ExperienceStatus.RECORDED.value, ExperienceStatus.REWARDED.value, ExperienceStatus.COMMITTED.value)
-
-
 def record_decision(
     *, engine: Engine, agent: str, version: int, decision: str, serving: int | None, actor: str,
-    reason: str | None = None, figures: dict[str, Any] | None = None, discard_version: bool = False,
-) -> tuple[ReleaseDecision, int]:
-    """Record a release decision; with ``discard_version``, in the same transaction the experiences
-    ``version`` produced that are not trained on yet are discarded (release.rejected_experiences).
-    Returns the decision and how many experiences were discarded."""
+    reason: str | None = None, figures: dict[str, Any] | None = None,
+) -> ReleaseDecision:
+    """Record a release decision (who decided what about which version, with the figures)."""
     now = utcnow()
-    discarded = 0
     with write_transaction(engine) as conn:
-        if discard_version:
-            e = experiences.c
-            discarded = _discard_open(conn, list(conn.scalars(
-                select(e.experience_id).where(e.agent == agent, e.model_version == version, e.status.in_(_OPEN)))))
         row_id = conn.execute(insert(release_decisions).values(
             agent=agent, version=version, decision=decision, serving=serving, actor=actor,
             reason=None if reason is None else reason[:2000], figures=figures, created_at=now,
         )).inserted_primary_key[0]
     return ReleaseDecision(id=int(row_id), agent=agent, version=version, decision=decision, serving=serving,
-                           actor=actor, reason=reason, figures=figures, created_at=now), discarded
-
-
-def discard_version(*, engine: Engine, agent: str, version: int) -> int:
-    """Discard the experiences ``version`` produced that are not trained on yet; returns how many."""
-    e = experiences.c
-    with write_transaction(engine) as conn:
-        ids = list(conn.scalars(select(e.experience_id).where(e.agent == agent, e.model_version == version,
-                                                              e.status.in_(_OPEN))))
-        return _discard_open(conn, ids)
-
-
-def _discard_open(conn: Connection, ids: Sequence[str]) -> int:
-    locked = _lock_rows(conn, ids)
-    open_ids = sorted(i for i, (status, _) in locked.items() if status in _OPEN)
-    n = 0
-    for chunk in iter_chunks(open_ids, 500):
-        n += conn.execute(update(experiences).where(experiences.c.experience_id.in_(chunk), experiences.c.status.in_(_OPEN))
-                          .values(status=ExperienceStatus.DISCARDED.value, updated_at=utcnow())).rowcount or 0
-    return n
+                           actor=actor, reason=reason, figures=figures, created_at=now)
 
 
 def list_decisions(*, engine: Engine, agent: str | None = None, version: int | None = None,

@@ -115,8 +115,9 @@ class ReleasePolicy(ConfigModel):
     guard: ServingGuardSection = Field(default_factory=ServingGuardSection)
     rejected_experiences: Literal["discard", "keep"] = Field(
         default="discard",
-        description="What the experiences a rejected or rolled-back version produced become: discard (never trained) or "
-        "keep (trained as usual: the clipped importance ratio against their recorded logprobs weighs them).",
+        description="What the experiences a rejected or rolled-back version produced become (applied by the Trainer, also "
+        "to those recorded after the decision): discard (never trained) or keep (trained as usual: the clipped "
+        "importance ratio against their recorded logprobs weighs them).",
     )
 
     @model_validator(mode="after")
@@ -278,27 +279,29 @@ TERMINAL_DECISIONS = ("promoted", "rejected", "rolled_back")
 
 
 def decide(*, root: str | Path, db: "Engine", agent: str, version: int, decision: str, serving: int | None,
-           actor: str, reason: str | None = None, figures: dict[str, Any] | None = None,
-           rejected_experiences: str = "keep", rolled_back: tuple[int, ...] = ()) -> "ReleaseDecision":
+           actor: str, reason: str | None = None, figures: dict[str, Any] | None = None) -> "ReleaseDecision":
     """Record ``decision`` about ``version`` and carry it out. ``promoted``: ``serving`` (= version)
     serves; ``rejected``: the candidate never serves; ``rolled_back``: ``serving`` (older) serves
-    again. With ``rejected_experiences=discard`` the experiences of the rejected version (or of the
-    ``rolled_back`` versions) not trained on yet are discarded in the same transaction."""
+    again. What the refused versions produced is the Trainer's to handle (``refused_versions``)."""
     from services.common import buffer
 
-    discard = rejected_experiences == "discard" and decision in ("rejected", "rolled_back")
-    doomed = (rolled_back or (version,)) if discard else ()
-    record, dropped = buffer.record_decision(engine=db, agent=agent, version=version, decision=decision, serving=serving,
-                                             actor=actor, reason=reason, figures=figures,
-                                             discard_version=version in doomed)
-    for v in doomed:
-        if v != version:
-            dropped += buffer.discard_version(engine=db, agent=agent, version=v)
-    if dropped:
-        log.info("agent %s: discarded %d experiences of v%s (release.rejected_experiences=discard)", agent, dropped,
-                 ", v".join(str(v) for v in doomed))
+    record = buffer.record_decision(engine=db, agent=agent, version=version, decision=decision, serving=serving,
+                                    actor=actor, reason=reason, figures=figures)
     carry_out(root, agent, record)
     return record
+
+
+def refused_versions(decisions: "list[ReleaseDecision]") -> set[int]:
+    """The versions whose experiences ``rejected_experiences=discard`` keeps out of training: those
+    rejected or rolled back (a rollback over several versions names them in ``figures.refused``),
+    less any promoted again since. ``decisions`` oldest first."""
+    refused: set[int] = set()
+    for d in decisions:
+        if d.decision in ("rejected", "rolled_back"):
+            refused |= {d.version, *((d.figures or {}).get("refused") or [])}
+        elif d.decision == "promoted":
+            refused.discard(d.version)
+    return refused
 
 
 def carry_out(root: str | Path, agent: str, d: "ReleaseDecision") -> None:
@@ -330,8 +333,8 @@ def rollback_target(root: str | Path, agent: str, serving: int) -> int:
     return older[-1] if older else 0
 
 
-def rollback(*, root: str | Path, db: "Engine", agent: str, to: int | None, actor: str, reason: str | None,
-             rejected_experiences: str) -> "ReleaseDecision":
+def rollback(*, root: str | Path, db: "Engine", agent: str, to: int | None, actor: str,
+             reason: str | None) -> "ReleaseDecision":
     """Move serving to ``to`` (default: ``rollback_target``), at once: LATEST is replaced, running
     Explorers hot-load it within their poll interval. Raises ValueError for a version that cannot serve."""
     from services.common import checkpoints
@@ -350,10 +353,9 @@ def rollback(*, root: str | Path, db: "Engine", agent: str, to: int | None, acto
             except CheckpointError:
                 raise ValueError(f"agent {agent} has no complete v{target} on disk (it was never published or was "
                                  "deleted by retention)") from None
-        decision = "rolled_back" if target < serving else "promoted"
-        doomed = tuple(v for v in checkpoints.list_versions(root, agent) if target < v <= serving) \
-            if decision == "rolled_back" else ()
-        return decide(root=root, db=db, agent=agent, version=serving if decision == "rolled_back" else target,
-                      decision=decision, serving=target, actor=actor, reason=reason,
-                      figures={"from": serving, "to": target}, rejected_experiences=rejected_experiences,
-                      rolled_back=doomed)
+        if target < serving:  # every version above the target that served or waited is refused
+            refused = [v for v in checkpoints.list_versions(root, agent) if target < v <= serving]
+            return decide(root=root, db=db, agent=agent, version=serving, decision="rolled_back", serving=target,
+                          actor=actor, reason=reason, figures={"from": serving, "to": target, "refused": refused})
+        return decide(root=root, db=db, agent=agent, version=target, decision="promoted", serving=target, actor=actor,
+                      reason=reason, figures={"from": serving, "to": target})

@@ -131,7 +131,7 @@ class ReleaseController:
             self._carry_out(agent, decided)
             return
         if policy.mode == "immediate":
-            self._decide(agent, candidate, "promoted", serving=candidate, actor="immediate", policy=policy,
+            self._decide(agent, candidate, "promoted", serving=candidate, actor="immediate",
                          reason="release.mode is immediate: a candidate serves at once")
         elif policy.mode == "gated":
             self._start_gate(agent, candidate, serving, policy, st)
@@ -176,16 +176,15 @@ class ReleaseController:
         agent's release lock now (the others skip the decision this time)."""
         return self._Leader(self, agent)
 
-    def _decide(self, agent: str, version: int, decision: str, *, serving: int | None, actor: str,
-                policy: ReleasePolicy, reason: str, figures: dict[str, Any] | None = None, locked: bool = False) -> None:
+    def _decide(self, agent: str, version: int, decision: str, *, serving: int | None, actor: str, reason: str, figures: dict[str, Any] | None = None, locked: bool = False) -> None:
         if not locked:
             with self._leader(agent) as leader:
                 if leader and self._terminal(agent, version) is None:
-                    self._decide(agent, version, decision, serving=serving, actor=actor, policy=policy, reason=reason,
+                    self._decide(agent, version, decision, serving=serving, actor=actor, reason=reason,
                                  figures=figures, locked=True)
             return
         d = decide(root=self.root, db=self.db, agent=agent, version=version, decision=decision, serving=serving,
-                   actor=actor, reason=reason, figures=figures, rejected_experiences=policy.rejected_experiences)
+                   actor=actor, reason=reason, figures=figures)
         self._after(agent, d)
         log.warning("agent %s: v%d %s by %s: %s", agent, version, decision.replace("_", " "), actor, reason)
 
@@ -235,12 +234,12 @@ class ReleaseController:
             try:
                 c, extra = await asyncio.wait_for(self._evaluate(agent, serving, candidate, gate, url), gate.timeout_s)
             except asyncio.TimeoutError:
-                self._decide(agent, candidate, "rejected", serving=serving, actor="gate", policy=policy, locked=True,
+                self._decide(agent, candidate, "rejected", serving=serving, actor="gate", locked=True,
                              reason=f"the evaluation took longer than release.gate.timeout_s={gate.timeout_s:g}")
                 return
             except Exception as e:  # a broken suite must not promote anything
                 log.exception("agent %s: the gate's evaluation of v%d failed", agent, candidate)
-                self._decide(agent, candidate, "rejected", serving=serving, actor="gate", policy=policy, locked=True,
+                self._decide(agent, candidate, "rejected", serving=serving, actor="gate", locked=True,
                              reason=f"the evaluation failed: {type(e).__name__}: {e}")
                 return
             figures = {**c.figures(), **extra, "tolerance": gate.tolerance, "seconds": round(time.monotonic() - t0, 1)}
@@ -249,7 +248,7 @@ class ReleaseController:
             why = (f"mean {c.mean_candidate:.3f} vs v{serving} {c.mean_serving:.3f} over {c.n_candidate} tasks: difference "
                    f"{c.diff:+.3f}, lower bound {c.lower:+.3f} {'>' if promote else '<='} -{gate.tolerance:g} ({c.test})")
             self._decide(agent, candidate, "promoted" if promote else "rejected", serving=candidate if promote else serving,
-                         actor="gate", policy=policy, reason=why, figures=figures, locked=True)
+                         actor="gate", reason=why, figures=figures, locked=True)
 
     async def _evaluate(self, agent: str, serving: int, candidate: int, gate: GateSection,
                         url: str) -> tuple[Comparison, dict[str, Any]]:
@@ -289,7 +288,7 @@ class ReleaseController:
             try:
                 await self.registry.set_canary(agent, candidate, cfg.share)
             except Exception as e:  # an unloadable candidate never serves
-                self._decide(agent, candidate, "rejected", serving=serving, actor="canary", policy=policy,
+                self._decide(agent, candidate, "rejected", serving=serving, actor="canary",
                              reason=f"the candidate cannot be loaded: {e}")
                 return
         st.phase = "canary"
@@ -323,10 +322,10 @@ class ReleaseController:
             why = f"undecided after {elapsed:.0f}s (release.canary.max_duration_s): on_timeout={cfg.on_timeout}"
         st.comparison = figures
         if outcome == "promote":
-            self._decide(agent, candidate, "promoted", serving=candidate, actor="canary", policy=policy, reason=why,
+            self._decide(agent, candidate, "promoted", serving=candidate, actor="canary", reason=why,
                          figures=figures)
         elif outcome == "reject":
-            self._decide(agent, candidate, "rolled_back", serving=serving, actor="canary", policy=policy, reason=why,
+            self._decide(agent, candidate, "rolled_back", serving=serving, actor="canary", reason=why,
                          figures=figures)
 
     def _canary_start(self, agent: str, candidate: int, serving: int, share: float):
@@ -338,7 +337,7 @@ class ReleaseController:
         with self._leader(agent) as leader:
             if not leader:
                 return None
-            d, _ = buffer.record_decision(engine=self.db, agent=agent, version=candidate, decision="canary_started",
+            d = buffer.record_decision(engine=self.db, agent=agent, version=candidate, decision="canary_started",
                                           serving=serving, actor="canary", figures={"share": share},
                                           reason=f"v{candidate} serves {share:.0%} of the traffic beside v{serving}")
         checkpoints.record_release(self.root, agent, candidate, d.as_entry())
@@ -380,7 +379,7 @@ class ReleaseController:
         with self._leader(agent) as leader:
             if not leader:
                 return
-            d, _ = buffer.record_decision(engine=self.db, agent=agent, version=serving, decision="alarm", serving=serving,
+            d = buffer.record_decision(engine=self.db, agent=agent, version=serving, decision="alarm", serving=serving,
                                           actor="guard", reason=why, figures=st.comparison)
             checkpoints.record_release(self.root, agent, serving, d.as_entry())
         self.metrics.release_decisions.labels(agent, "alarm").inc()
@@ -388,7 +387,7 @@ class ReleaseController:
         self.metrics.release_alarm.labels(agent).set(1)
         log.error("agent %s: ALARM on v%d: %s", agent, serving, why)
         if g.rollback:
-            self._decide(agent, serving, "rolled_back", serving=parent, actor="guard", policy=policy,
+            self._decide(agent, serving, "rolled_back", serving=parent, actor="guard",
                          reason=f"release.guard.rollback after the alarm: {why}", figures=st.comparison)
             await self.registry.sync(agent)
 
@@ -403,10 +402,9 @@ class ReleaseController:
         recorded, LATEST moved, and this replica serves it before answering (the others within their
         poll interval). Requests already running finish on their version."""
         self._known(agent)
-        policy = self.release.policy(agent)
         try:
             d = await asyncio.to_thread(rollback, root=self.root, db=self.db, agent=agent, to=to, actor=actor,
-                                        reason=reason or "by hand", rejected_experiences=policy.rejected_experiences)
+                                        reason=reason or "by hand")
         except ValueError as e:
             status = 409 if "already serves" in str(e) else 404
             raise APIError(status, str(e), param="to", code="version_not_servable") from None
@@ -414,7 +412,7 @@ class ReleaseController:
             raise APIError(409, f"agent {agent}: {e}".replace(str(self.root), "<checkpoints.root>"),
                            code="release_locked") from None
         self._after(agent, d)
-        for v in range(d.serving + 1, (d.figures or {}).get("from", d.version) + 1):
+        for v in (d.figures or {}).get("refused") or []:
             self.episodes.forget_version(agent, v)
         await self.registry.sync(agent)
         log.warning("agent %s: %s to v%d by %s (%s)", agent, d.decision.replace("_", " "), d.serving, actor, reason)
@@ -430,7 +428,6 @@ class ReleaseController:
                            f"{'none' if candidate is None else f'v{candidate}'})", param="version", code="not_a_candidate")
         serving = checkpoints.read_latest(self.root, agent) or 0
         promote = decision == "promote"
-        policy = self.release.policy(agent)
         with self._leader(agent) as leader:
             if not leader:
                 raise APIError(409, f"another release decision about agent {agent} is being taken; retry",
@@ -438,7 +435,7 @@ class ReleaseController:
             if self._terminal(agent, version) is not None:
                 raise APIError(409, f"v{version} was already decided", param="version", code="already_decided")
             self._decide(agent, version, "promoted" if promote else "rejected", serving=version if promote else serving,
-                         actor=actor, policy=policy, reason=reason or "by hand", locked=True)
+                         actor=actor, reason=reason or "by hand", locked=True)
         gate = self._gates.get(agent)
         if gate is not None and gate.candidate == version:
             gate.task.cancel()

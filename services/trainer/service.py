@@ -39,7 +39,7 @@ from services.common.checkpoints import CheckpointError
 from services.common.config import dump_config
 from services.common.faults import failpoint
 from services.common.records import TrainerStep
-from services.common.release import ReleasePolicy, held_out
+from services.common.release import ReleasePolicy, held_out, refused_versions
 from services.trainer.batches import (
     Norms,
     Selection,
@@ -224,7 +224,7 @@ class TrainerService:
             return
         mode = self._policy(agent).mode
         serving = checkpoints.read_latest(self.root, agent) or 0
-        d, _ = buffer.record_decision(
+        d = buffer.record_decision(
             engine=self.db, agent=agent, version=version, actor="trainer",
             decision="promoted" if mode == "immediate" else "candidate",
             serving=version if mode == "immediate" else serving,
@@ -417,6 +417,7 @@ class TrainerService:
         if turn is not None and turn.started_at is not None and self.cfg.trainer.schedule.frozen_experiences == "discard":
             rows = self._discard_frozen(agent, rows, turn.started_at)
         rows = self._hold_out(agent, rows)
+        rows = self._drop_refused(agent, rows)
         demos = buffer.fetch_committed(engine=self.db, agent=agent, limit=_MAX_DEMONSTRATIONS, demonstrations=True) \
             if self.cfg.algorithm.sft_coef > 0 else []
         if not rows and not demos:
@@ -476,6 +477,20 @@ class TrainerService:
             n = buffer.discard_experiences(engine=self.db, experience_ids=[r.experience_id for r in out])
             log.info("agent %s: held out %d experiences for the release gate's replay (release.gate.replay.holdout_share)",
                      agent, n)
+        dropped = {r.experience_id for r in out}
+        return [r for r in rows if r.experience_id not in dropped]
+
+    def _drop_refused(self, agent: str, rows: list) -> list:
+        """release.rejected_experiences=discard: what a rejected or rolled-back version produced is
+        never trained on, also what was recorded or rewarded after the decision (in-flight calls)."""
+        if self._policy(agent).rejected_experiences != "discard" or not rows:
+            return rows
+        refused = refused_versions(buffer.list_decisions(engine=self.db, agent=agent, limit=100_000))
+        out = [r for r in rows if r.model_version in refused]
+        if out:
+            n = buffer.discard_experiences(engine=self.db, experience_ids=[r.experience_id for r in out])
+            log.info("agent %s: discarded %d experiences of refused versions %s (release.rejected_experiences=discard)",
+                     agent, n, sorted({r.model_version for r in out}))
         dropped = {r.experience_id for r in out}
         return [r for r in rows if r.experience_id not in dropped]
 

@@ -13,6 +13,7 @@ from services.common.release import (
     confidence_sequence,
     held_out,
     paired_lower_bound,
+    refused_versions,
     routed_to_candidate,
     student_t_quantile,
     verdict,
@@ -112,3 +113,20 @@ def test_per_agent_policy_and_clear_config_errors():
         ReleaseSection.model_validate({"agents": {"planner": {"mode": "gated"}}})
     with pytest.raises(ValidationError, match="share"):
         ReleaseSection.model_validate({"canary": {"share": 1.5}})
+
+
+def test_refused_versions_follow_the_decisions_in_order():
+    from datetime import datetime, timezone
+
+    from services.common.records import ReleaseDecision
+
+    def d(i: int, decision: str, version: int, **figures) -> ReleaseDecision:
+        return ReleaseDecision(id=i, agent="a", version=version, decision=decision, serving=None, actor="t",
+                               reason=None, figures=figures or None, created_at=datetime.now(timezone.utc))
+
+    history = [d(1, "promoted", 1), d(2, "candidate", 2), d(3, "rejected", 2), d(4, "promoted", 3),
+               d(5, "promoted", 4), d(6, "rolled_back", 4, **{"from": 4, "to": 1, "refused": [2, 3, 4]})]
+    assert refused_versions(history) == {2, 3, 4}
+    # v3 promoted again by hand: its experiences are trainable again
+    assert refused_versions([*history, d(7, "promoted", 3)]) == {2, 4}
+    assert refused_versions([d(1, "alarm", 5), d(2, "canary_started", 6)]) == set()

@@ -1,0 +1,290 @@
+"""Safe releases on a real Explorer: the gate refuses a broken candidate, a canary rolls one back
+after serving only its share, a good one is promoted, a rollback by hand under load loses nothing,
+and a restarted Explorer resumes a canary from the database.
+
+The versions are real LoRA adapters on the tiny model: "good" answers the question right, "bad"
+answers it wrong. The gate's suite below is the runner SDK's Environment protocol.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from services.common import buffer, checkpoints
+from services.common.release import EVAL_TASK_PREFIX, refused_versions, routed_to_candidate
+from tests.integration.adapters import publish_adapter, train_reply_adapter
+
+pytestmark = pytest.mark.integration
+
+QUESTION = "What is 2+2?"
+ASK = [{"role": "user", "content": QUESTION}]
+RIGHT, WRONG = "4", "5"
+
+
+# ---------------------------------------------------------------------------------------------
+# The gate's evaluation suite (named by module:attr in the config).
+
+
+class AnswerEnv:
+    def __init__(self, task: int):
+        self.task = task
+
+    def reset(self) -> str:
+        return QUESTION
+
+    def step(self, action: str) -> tuple[str, float, bool, dict]:
+        return "", float((action or "").strip() == RIGHT), True, {}
+
+
+async def answer(client, observation: str) -> str:
+    return await client.complete(observation, temperature=0, max_tokens=4)
+
+
+def tasks() -> list[int]:
+    return list(range(4))
+
+
+SUITE = [
+    f"release.gate.suite.env={__name__}:AnswerEnv",
+    f"release.gate.suite.dataset={__name__}:tasks",
+    f"release.gate.suite.agent={__name__}:answer",
+    "release.poll_interval_s=0.2",
+]
+
+
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def adapters(tiny_model):
+    return {"good": train_reply_adapter(tiny_model, ASK, RIGHT), "bad": train_reply_adapter(tiny_model, ASK, WRONG)}
+
+
+def _candidate(adapters, root, kind: str, version: int, parent: int) -> None:
+    checkpoints.write_version(root, "guide", version, lambda d: adapters[kind].save_pretrained(d),
+                              {"step": version, "algorithm": "test", "parent_version": parent})
+    checkpoints.set_candidate(root, "guide", version)
+
+
+def _ask(ex, task_id: str | None = None):
+    extra = {"metadata": {"task_id": task_id}} if task_id else {}
+    r = ex.client.chat.completions.create(model="guide", messages=ASK, temperature=0, max_tokens=4, **extra)
+    return r, r.choices[0].message.content
+
+
+def _decision(ex, version: int, timeout: float = 120.0) -> dict:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        body = ex.http.get("/versions", params={"agent": "guide"}).json()
+        row = next((r for r in body["data"] if r["version"] == version), None)
+        final = [d for d in (row or {}).get("decisions", []) if d["decision"] in ("promoted", "rejected", "rolled_back")]
+        if final:
+            return final[-1]
+        time.sleep(0.2)
+    raise AssertionError(f"no release decision about v{version} within {timeout}s: {body}")
+
+
+def _traffic(ex, stop: threading.Event, log: list, failures: list, prefix: str, threads: int = 4) -> list[threading.Thread]:
+    """Clients that ask, score the answer and send its reward, each request its own task (episode)."""
+    counter = iter(range(10**9))
+    lock = threading.Lock()
+
+    def loop():
+        while not stop.is_set():
+            with lock:
+                task = f"{prefix}-{next(counter)}"
+            try:
+                r, text = _ask(ex, task)
+                ex.http.post("/feedback", json={"msg_ids": [r.id], "reward": float(text == RIGHT)}).raise_for_status()
+                log.append((task, text))
+            except Exception as e:  # any failed request is what these tests are about
+                failures.append(repr(e))
+
+    out = [threading.Thread(target=loop) for _ in range(threads)]
+    for t in out:
+        t.start()
+    return out
+
+
+def _served_by(ex, version: int) -> list:
+    """Traffic calls (not the gate's own) that ``version`` answered."""
+    db = ex.state.db
+    return [e for e in buffer.list_experiences(engine=db, agent="guide", limit=100_000)
+            if e.model_version == version and not (e.task_id or "").startswith(EVAL_TASK_PREFIX)]
+
+
+def test_gate_rejects_a_broken_candidate_and_promotes_a_good_one(make_explorer, tmp_path, adapters):
+    root = tmp_path / "explorer0" / "checkpoints"
+    publish_adapter(adapters["good"], root, "guide", 1)
+    ex = make_explorer("release.mode=gated", *SUITE)
+    assert _ask(ex)[1] == RIGHT  # v1 serves (and the Explorer learns its own address)
+
+    _candidate(adapters, root, "bad", 2, parent=1)
+    answers = [_ask(ex)[1] for _ in range(5)]  # users keep getting v1 while v2 is evaluated
+    rejected = _decision(ex, 2)
+    assert rejected["decision"] == "rejected" and rejected["by"] == "gate" and rejected["serving"] == 1
+    figures = rejected["figures"]
+    assert figures["mean_serving"] == 1.0 and figures["mean_candidate"] == 0.0 and figures["n_candidate"] == 4
+    assert "lower bound" in rejected["reason"]
+    assert set(answers) == {RIGHT} and _ask(ex)[1] == RIGHT
+    assert checkpoints.read_latest(root, "guide") == 1 and checkpoints.read_candidate(root, "guide") is None
+    assert _served_by(ex, 2) == []  # it never served a user
+    manifest = checkpoints.validate_version(root, "guide", 2).manifest()
+    assert [e["decision"] for e in manifest["release"]] == ["rejected"]
+
+    _candidate(adapters, root, "good", 3, parent=1)
+    promoted = _decision(ex, 3)
+    assert promoted["decision"] == "promoted" and promoted["serving"] == 3
+    assert checkpoints.read_latest(root, "guide") == 3
+    deadline = time.monotonic() + 10
+    while ex.http.get("/v1/models/guide").json()["version"] != 3 and time.monotonic() < deadline:
+        time.sleep(0.1)
+    r, text = _ask(ex)
+    assert text == RIGHT and ex.http.get(f"/experiences/{r.choices[0].model_extra['experience_id']}").json()["model_version"] == 3
+    metrics = ex.http.get("/metrics").text
+    assert 'kaizen_release_decisions_total{agent="guide",decision="rejected"} 1.0' in metrics
+    assert 'kaizen_release_decisions_total{agent="guide",decision="promoted"} 1.0' in metrics
+    listed = ex.http.get("/versions", params={"agent": "guide"}).json()
+    assert listed["serving"] == 3 and [r["version"] for r in listed["data"]] == [1, 2, 3]
+    assert ex.http.get("/versions", params={"agent": "nobody"}).json()["error"]["code"] == "agent_not_found"
+
+
+def test_canary_rolls_back_a_worse_candidate_after_its_share_only_then_promotes_a_good_one(make_explorer, tmp_path, adapters):
+    root = tmp_path / "explorer0" / "checkpoints"
+    publish_adapter(adapters["good"], root, "guide", 1)
+    share = 0.25
+    ex = make_explorer("release.mode=canary", f"release.canary.share={share}", "release.canary.min_episodes=8",
+                       "release.canary.tolerance=0.1", "release.poll_interval_s=0.2")
+    assert _ask(ex)[1] == RIGHT
+    _candidate(adapters, root, "bad", 2, parent=1)
+    deadline = time.monotonic() + 30
+    while ex.http.get("/v1/models/guide").json()["release"]["canary"] is None:
+        assert time.monotonic() < deadline, "the canary did not start"
+        time.sleep(0.1)
+
+    stop, log, failures = threading.Event(), [], []
+    threads = _traffic(ex, stop, log, failures, "user")
+    try:
+        decision = _decision(ex, 2, timeout=180)
+    finally:
+        stop.set()
+        for t in threads:
+            t.join(60)
+    assert failures == []
+    assert decision["decision"] == "rolled_back" and decision["by"] == "canary" and decision["serving"] == 1
+    # Only the tasks routed to the candidate met it, and each of its users' tasks stayed on it.
+    bad = _served_by(ex, 2)
+    assert bad and all(routed_to_candidate("guide", e.task_id, share) for e in bad)
+    assert not any(routed_to_candidate("guide", e.task_id, share) for e in _served_by(ex, 1) if e.task_id)
+    routed = sum(routed_to_candidate("guide", t, share) for t, _ in log)
+    assert 0.1 < routed / len(log) < 0.45
+    assert decision["figures"]["episodes"]["candidate"] >= 8 and decision["figures"]["upper"] < -0.1
+    # what it produced is the Trainer's to discard (release.rejected_experiences), late arrivals included
+    assert refused_versions(buffer.list_decisions(engine=ex.state.db, agent="guide")) == {2}
+    assert checkpoints.read_latest(root, "guide") == 1
+    after = [_ask(ex, f"later-{i}")[1] for i in range(20)]
+    assert set(after) == {RIGHT}  # every task back on v1, the candidate's included
+    metrics = ex.http.get("/metrics").text
+    assert 'kaizen_canary_share{agent="guide"} 0.0' in metrics
+    assert 'kaizen_release_decisions_total{agent="guide",decision="rolled_back"} 1.0' in metrics
+
+    _candidate(adapters, root, "good", 3, parent=1)
+    stop, log, failures = threading.Event(), [], []
+    threads = _traffic(ex, stop, log, failures, "user3")
+    try:
+        decision = _decision(ex, 3, timeout=300)
+    finally:
+        stop.set()
+        for t in threads:
+            t.join(60)
+    assert failures == []
+    assert decision["decision"] == "promoted" and decision["figures"]["lower"] > -0.1
+    assert checkpoints.read_latest(root, "guide") == 3
+
+
+def test_rollback_by_hand_under_load_loses_no_request(make_explorer, tmp_path, adapters):
+    root = tmp_path / "explorer0" / "checkpoints"
+    publish_adapter(adapters["good"], root, "guide", 1)
+    publish_adapter(adapters["bad"], root, "guide", 2)
+    ex = make_explorer()
+    assert _ask(ex)[1] == WRONG
+    stop, log, failures = threading.Event(), [], []
+    threads = _traffic(ex, stop, log, failures, "load")
+    time.sleep(1.0)
+    r = ex.http.post("/admin/rollback", json={"agent": "guide", "reason": "answers wrong"})
+    mark = len(log)
+    time.sleep(1.5)
+    stop.set()
+    for t in threads:
+        t.join(60)
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["serving"] == 1 and body["decision"]["decision"] == "rolled_back" and body["decision"]["by"] == "admin"
+    assert failures == [] and len(log) > mark + 4
+    assert {text for _, text in log[mark + 4:]} == {RIGHT}  # requests after the answer (bar those already running) get v1
+    assert checkpoints.read_latest(root, "guide") == 1
+    again = ex.http.post("/admin/rollback", json={"agent": "guide", "to": 1})
+    assert again.status_code == 409 and "already serves v1" in again.json()["error"]["message"]
+    missing = ex.http.post("/admin/rollback", json={"agent": "guide", "to": 9})
+    assert missing.status_code == 404 and str(root) not in missing.text
+    assert ex.http.post("/admin/rollback", json={"agent": "nobody"}).status_code == 404
+    assert ex.http.post("/admin/rollback", json={"agent": "guide", "to": -1}).status_code == 400
+
+
+def test_kaizen_rollback_command(tmp_path, adapters):
+    from services.cli import main
+
+    root, url = tmp_path / "ckpt", f"sqlite:///{tmp_path}/buffer.db"
+    publish_adapter(adapters["good"], root, "guide", 1)
+    publish_adapter(adapters["bad"], root, "guide", 2)
+    args = ["rollback", "--agent", "guide", "--checkpoints-root", str(root), "--buffer-url", url]
+    assert main([*args, "--to", "v9"]) == 2 and checkpoints.read_latest(root, "guide") == 2
+    assert main(args) == 0 and checkpoints.read_latest(root, "guide") == 1
+    db = buffer.create_buffer_engine(url)
+    [d] = buffer.list_decisions(engine=db, agent="guide")
+    assert (d.decision, d.version, d.serving, d.actor) == ("rolled_back", 2, 1, "cli")
+    assert checkpoints.validate_version(root, "guide", 2).manifest()["release"][0]["decision"] == "rolled_back"
+    assert main([*args, "--to", "0"]) == 0 and checkpoints.read_latest(root, "guide") == 0
+
+
+def test_restarted_explorer_resumes_the_canary_from_the_database(make_explorer, tmp_path, adapters):
+    root = tmp_path / "shared" / "checkpoints"
+    same = [f"buffer.url=sqlite:///{tmp_path}/shared/buffer.db", f"checkpoints.root={root}"]
+    publish_adapter(adapters["good"], root, "guide", 1)
+    canary = ["release.mode=canary", "release.canary.share=0.5", "release.canary.min_episodes=12",
+              "release.canary.tolerance=0.1", "release.poll_interval_s=0.2", *same]
+    ex1 = make_explorer(*canary)
+    assert _ask(ex1)[1] == RIGHT
+    _candidate(adapters, root, "bad", 2, parent=1)
+    deadline = time.monotonic() + 30
+    while ex1.http.get("/v1/models/guide").json()["release"]["canary"] is None:
+        assert time.monotonic() < deadline
+        time.sleep(0.1)
+    stop, log, failures = threading.Event(), [], []
+    threads = _traffic(ex1, stop, log, failures, "before", threads=2)
+    while len(_served_by(ex1, 2)) < 5:
+        time.sleep(0.05)
+    stop.set()
+    for t in threads:
+        t.join(60)
+    before = len(_served_by(ex1, 2))
+    assert before < 12 and failures == []
+    ex1.stop()
+
+    ex2 = make_explorer(*canary)
+    stop, log, failures = threading.Event(), [], []
+    threads = _traffic(ex2, stop, log, failures, "after", threads=2)
+    try:
+        decision = _decision(ex2, 2, timeout=180)
+    finally:
+        stop.set()
+        for t in threads:
+            t.join(60)
+    assert failures == [] and decision["decision"] == "rolled_back"
+    started = [d for d in buffer.list_decisions(engine=ex2.state.db, agent="guide") if d.decision == "canary_started"]
+    assert len(started) == 1  # the restarted Explorer continued the recorded canary, not a new one
+    assert decision["figures"]["episodes"]["candidate"] >= 12
+    assert len([e for e in _served_by(ex2, 2) if e.task_id.startswith("after")]) < decision["figures"]["episodes"]["candidate"]
