@@ -762,6 +762,12 @@ def list_decisions(*, engine: Engine, agent: str | None = None, version: int | N
     return rows[::-1]
 
 
+def newest_decided_version(*, engine: Engine, agent: str) -> int:
+    """The highest version any release decision names (0 without any)."""
+    with engine.connect() as conn:
+        return conn.scalar(select(func.max(release_decisions.c.version)).where(release_decisions.c.agent == agent)) or 0
+
+
 def recent_rewarded(*, engine: Engine, agent: str, limit: int) -> list[Experience]:
     """The newest ``limit`` rewarded calls of ``agent`` (traffic only: no demonstrations, no release
     evaluations), newest first."""

@@ -299,7 +299,11 @@ def read_candidate(root: str | Path, agent: str) -> int | None:
 
 
 def set_candidate(root: str | Path, agent: str, version: int) -> None:
-    """Name ``version`` the candidate (write-temp-and-rename)."""
+    """Name ``version`` the candidate (write-temp-and-rename). Without LATEST, LATEST is first
+    written as 0 (the base model serves), so a reader's fallback to the newest directory can never
+    serve a candidate."""
+    if read_latest(root, agent, fallback=False) is None:
+        set_latest(root, agent, 0)
     write_text_atomic(agent_dir(root, agent) / "CANDIDATE", f"{version}\n")
 
 

@@ -283,15 +283,13 @@ class TrainerService:
         if not state.exists():
             self.learners.save_state(agent, str(state), {"agent": agent, "step": step, "version": latest, "parent": latest})
         log.info("agent %s: starting at step %d from %s", agent, step, f"v{latest}" if latest else "the base model")
-        return AgentProgress(step=step, published=latest, next_version=self._newest_version(agent) + 1,
-                             state_path=str(state))
+        taken = max(self._newest_version(agent), last.version if last else 0)
+        return AgentProgress(step=step, published=latest, next_version=taken + 1, state_path=str(state))
 
     def _newest_version(self, agent: str) -> int:
-        """The newest version number ever taken (never reused: versions are immutable), on disk or decided."""
-        on_disk = checkpoints.list_versions(self.root, agent)
-        decided = buffer.list_decisions(engine=self.db, agent=agent, limit=1)
-        last = buffer.last_trainer_step(engine=self.db, agent=agent)
-        return max([0, *on_disk, *(d.version for d in decided), *([last.version] if last else [])])
+        """The newest version number published (on disk, or decided about since retention deleted
+        it): never reused, since versions are immutable and vLLM caches adapters by name."""
+        return max([0, *checkpoints.list_versions(self.root, agent), buffer.newest_decided_version(engine=self.db, agent=agent)])
 
     def _awaiting_release(self, agent: str, progress: AgentProgress) -> bool:
         """A candidate (this Trainer's, or one ``kaizen publish`` named) is awaiting its release
