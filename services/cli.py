@@ -6,7 +6,7 @@
     kaizen tiny-model PATH [--seed N]
     kaizen pretrained NAME PATH [--no-install]
     kaizen train    --config train.yaml [dotted.key=value ...]
-    kaizen publish  --agent NAME --adapter DIR --checkpoints-root ROOT [--base-model PATH] [--max-rank N] [--note TEXT]
+    kaizen publish  --agent NAME --adapter DIR --checkpoints-root ROOT [--base-model PATH] [--max-rank N] [--note TEXT] [--candidate]
     kaizen rollback --agent NAME --checkpoints-root ROOT --buffer-url URL [--to N] [--reason TEXT]
 """
 
@@ -95,8 +95,9 @@ def _publish(args: argparse.Namespace) -> int:
 
     setup_logging("warning")
     v = publish_adapter(args.adapter, agent=args.agent, checkpoints_root=args.checkpoints_root, base_model=args.base_model,
-                        max_rank=args.max_rank, note=args.note)
-    print(f"published {args.adapter} as {args.agent} v{v.version} at {v.path}")
+                        max_rank=args.max_rank, note=args.note, candidate=args.candidate)
+    what = "a candidate (the release policy decides whether it serves)" if args.candidate else "serving"
+    print(f"published {args.adapter} as {args.agent} v{v.version} at {v.path}, {what}")
     return 0
 
 
@@ -165,6 +166,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the model the Explorer serves (model.path); default: the one in the agent's newest manifest")
     p.add_argument("--max-rank", type=int, default=None, help="refuse ranks above this (the vllm engine's engine.vllm.max_lora_rank)")
     p.add_argument("--note", default=None, help="free text kept in the version's manifest")
+    p.add_argument("--candidate", action="store_true",
+                   help="publish it as a candidate: the Explorers' release gate or canary decides whether it serves")
     p.set_defaults(func=_publish)
 
     p = sub.add_parser("rollback", help="serve an older version of an agent now (default: the one the serving version was trained from)")

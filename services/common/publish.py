@@ -5,7 +5,8 @@
 ``publish_adapter`` checks the adapter against the base model before anything is written, then
 writes ``v<N+1>`` with a manifest and points LATEST at it, under the agent's publication lock, so a
 running Explorer hot-loads it like a version of the Trainer's, and a running Trainer of that agent
-continues from it (``Trainer._adopt_published``).
+continues from it (``TrainerService._follow_serving``). With ``candidate`` it is named in
+CANDIDATE instead, so the Explorers' release policy (gate or canary) decides whether it serves.
 
 The checks, each refused with a CheckpointError naming the problem:
 - the directory holds ``adapter_config.json`` and ``adapter_model.safetensors`` (a ``.bin`` is named);
@@ -152,7 +153,8 @@ def _check_trainer_can_continue(info: AdapterInfo, lora: dict[str, Any], agent: 
 
 
 def publish_adapter(adapter: str | Path, *, agent: str, checkpoints_root: str | Path, base_model: str | None = None,
-                    max_rank: int | None = None, note: str | None = None, lock_timeout_s: float = 600.0) -> AdapterVersion:
+                    max_rank: int | None = None, note: str | None = None, lock_timeout_s: float = 600.0,
+                    candidate: bool = False) -> AdapterVersion:
     """Check ``adapter`` and publish it as ``agent``'s next version; returns that version.
 
     ``base_model``: the model the Explorer serves (``model.path``); by default the one named in the
@@ -196,4 +198,8 @@ def publish_adapter(adapter: str | Path, *, agent: str, checkpoints_root: str | 
             "experience_ids": [],
             "experience_count": 0,
         }
-        return checkpoints.publish_version(root, agent, version, write, manifest)
+        if not candidate:
+            return checkpoints.publish_version(root, agent, version, write, manifest)
+        published = checkpoints.write_version(root, agent, version, write, manifest)
+        checkpoints.set_candidate(root, agent, version)
+        return published

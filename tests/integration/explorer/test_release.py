@@ -116,7 +116,7 @@ def _served_by(ex, version: int) -> list:
             if e.model_version == version and not (e.task_id or "").startswith(EVAL_TASK_PREFIX)]
 
 
-def test_gate_rejects_a_broken_candidate_and_promotes_a_good_one(make_explorer, tmp_path, adapters):
+def test_gate_rejects_a_broken_candidate_and_promotes_a_good_one(make_explorer, tmp_path, adapters, tiny_model):
     root = tmp_path / "explorer0" / "checkpoints"
     publish_adapter(adapters["good"], root, "guide", 1)
     ex = make_explorer("release.mode=gated", *SUITE)
@@ -135,7 +135,13 @@ def test_gate_rejects_a_broken_candidate_and_promotes_a_good_one(make_explorer, 
     manifest = checkpoints.validate_version(root, "guide", 2).manifest()
     assert [e["decision"] for e in manifest["release"]] == ["rejected"]
 
-    _candidate(adapters, root, "good", 3, parent=1)
+    # an adapter trained elsewhere goes through the same gate: kaizen publish --candidate
+    from services.common.publish import publish_adapter as publish_checked
+
+    adapters["good"].save_pretrained(tmp_path / "outside")
+    assert publish_checked(tmp_path / "outside", agent="guide", checkpoints_root=root, base_model=str(tiny_model),
+                           candidate=True).version == 3
+    assert checkpoints.read_latest(root, "guide") == 1 and checkpoints.read_candidate(root, "guide") == 3
     promoted = _decision(ex, 3)
     assert promoted["decision"] == "promoted" and promoted["serving"] == 3
     assert checkpoints.read_latest(root, "guide") == 3
