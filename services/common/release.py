@@ -106,6 +106,7 @@ class ServingGuardSection(ConfigModel):
     min_episodes: int = Field(default=30, ge=2, description="Rewarded episodes each version needs before an alarm.")
     window: int = Field(default=2000, ge=10, description="Most recent rewarded episodes of each version compared.")
     rollback: bool = Field(default=False, description="On the alarm, also roll back to the predecessor.")
+    check_interval_s: float = Field(default=10.0, gt=0, description="Seconds between two looks at the online rewards.")
 
 
 class ReleasePolicy(ConfigModel):

@@ -68,3 +68,39 @@ async def run_episode(client, problem: tools_task.Problem, *, model: str, task_i
         ep.messages.append({"role": "assistant", "content": ep.final})
     ep.reward = tools_task.reward(problem.answer, ep.final)
     return ep
+
+
+# The release gate's suite (the Explorer's release.gate.suite names these): problems of their own
+# seed, one greedy episode each, so two versions are compared on the same answers.
+
+
+def gate_problems() -> list[tools_task.Problem]:
+    import random
+
+    rng = random.Random(1_000_003)
+    return [tools_task.make_problem(rng) for _ in range(32)]
+
+
+class GateEnv:
+    """One problem per episode: the observation is the problem, the action the agent's final reply."""
+
+    def __init__(self, problem: tools_task.Problem):
+        self.problem = problem
+
+    def reset(self) -> tools_task.Problem:
+        return self.problem
+
+    def step(self, final: str | None):
+        return None, tools_task.reward(self.problem.answer, final), True, {}
+
+
+async def gate_agent(client, problem: tools_task.Problem) -> str | None:
+    """The agent app's episode on the version the gate pins (``client.model`` is ``agent@vN``)."""
+    openai_client = client.openai()
+    try:
+        ep = await run_episode(openai_client, problem, model=client.model, temperature=0.0)
+    finally:
+        await openai_client.close()
+    if ep.error is not None:
+        raise RuntimeError(ep.error)
+    return ep.final

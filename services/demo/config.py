@@ -112,6 +112,11 @@ class DemoConfig(ConfigModel):
         default=None, gt=0,
         description="Hard limit of the online loop when min_new_versions extends it (default: 4 x duration_s).")
     progress_every_s: float = Field(default=5.0, gt=0, description="Seconds between progress lines.")
+    release_check: bool = Field(
+        default=True,
+        description="At the end, publish a deliberately broken copy and an exact copy of the serving adapter as "
+        "candidates and show the Explorer's release gate deciding each (the online loop itself runs in release.mode "
+        "immediate).")
     tools: ToolsSection = Field(default_factory=ToolsSection)
     parity: ParitySection = Field(default_factory=ParitySection)
     explorer: dict[str, Any] = Field(default_factory=dict, description="Extra Explorer config (merged over the demo's).")

@@ -19,7 +19,7 @@ import httpx
 from runner_sdk import EnvironmentRunner
 from services.demo import parity_task
 from services.demo.config import DemoConfig
-from services.demo.run import EvalResult, OnlineLoop, Round, Stack, merge, new_run_dir, say
+from services.demo.run import EvalResult, OnlineLoop, Round, Stack, gate_section, merge, new_run_dir, release_check, say
 
 
 class ParityDemo:
@@ -33,6 +33,9 @@ class ParityDemo:
 
     def explorer_config(self) -> dict:
         base = {"model": {"path": self.cfg.model_path}, "engine": {"kind": "hf", "max_batch_size": 64, "torch_threads": 1}}
+        if self.cfg.release_check:
+            base["release"] = gate_section("services.demo.parity_task:ParityEnv", "services.demo.parity_task:gate_numbers",
+                                           "services.demo.parity_task:gate_agent")
         return self.stack.explorer_config(base, self.cfg.explorer)
 
     def trainer_config(self) -> dict:
@@ -150,6 +153,8 @@ def run_parity(cfg: DemoConfig) -> int:
         evals.append(asyncio.run(demo.evaluate("after online loop", final_version)))
         serving = stack.serving()
         explorer_requests = stack.http_statuses()
+        stack.stop("trainer")
+        release = release_check(stack, cfg.model_path) if cfg.release_check else []
     finally:
         stack.stop()
     from services.demo.report import Stage, report
@@ -160,4 +165,4 @@ def run_parity(cfg: DemoConfig) -> int:
     stages.append(Stage(evals[-1], "online loop", f"v{demo.start_version} -> v{evals[-1].version}, same run, measured through the Explorer"))
     return report(cfg, stack, loop, stages, serving=serving, explorer_requests=explorer_requests,
                   seconds=time.monotonic() - t_start, metric="reward", interval="mean ± 95% CI over questions",
-                  title="tiny model on CPU")
+                  title="tiny model on CPU", release=release)

@@ -99,9 +99,11 @@ def plot(stages: list[Stage], loop, rows: list[dict], path: Path, *, metric: str
 
 
 def report(cfg, stack, loop, stages: list[Stage], *, serving: dict, explorer_requests: dict, seconds: float,
-           metric: str, interval: str, title: str, control: Stage | None = None) -> int:
+           metric: str, interval: str, title: str, control: Stage | None = None, release: list[dict] | None = None) -> int:
     """``control``: a control arm measured on the same questions, compared with the last stage (its
-    gain_name names what the last stage had and the control arm lacked)."""
+    gain_name names what the last stage had and the control arm lacked). ``release``: the release
+    check's decisions (run.release_check), whose candidates are not counted as published versions."""
+    release = release or []
     rows, counts, last = _traffic_rows(stack)
     versions = checkpoints.list_versions(stack.root, stack.agent)
     png = stack.run / "reward.png"
@@ -127,7 +129,7 @@ def report(cfg, stack, loop, stages: list[Stage], *, serving: dict, explorer_req
         "",
         f"  experiences recorded {total} (rewarded {len(rows)}, trained on {counts.get('consumed', 0)}, "
         f"discarded {counts.get('discarded', 0)})",
-        f"  trainer steps {last.step if last else 0}, versions published {len(versions)}, "
+        f"  trainer steps {last.step if last else 0}, versions published {len(versions) - len(release)}, "
         f"versions hot-loaded by the Explorer {serving['reloads']}, failed requests {loop.failed_requests}",
         f"  wall time {seconds:.0f}s; plot {png}",
     ]
@@ -135,6 +137,9 @@ def report(cfg, stack, loop, stages: list[Stage], *, serving: dict, explorer_req
     if guard["checked"]:
         lines.insert(-1, f"  guard (an update that makes the demonstrations' NLL jump is undone): {guard['checked']} steps "
                          f"checked, {guard['redone']} redone at half the learning rate, {guard['refused']} refused")
+    if release:
+        lines.insert(-1, "  release check (the gate on hand-published candidates): " + ", ".join(
+            f"v{d['version']} {d['candidate']} {d['decision']}" for d in release))
     print("\n".join(lines), flush=True)
     (stack.run / "summary.json").write_text(json.dumps({
         "task": cfg.task,
@@ -143,8 +148,9 @@ def report(cfg, stack, loop, stages: list[Stage], *, serving: dict, explorer_req
                    "per_prompt": s.result.per_prompt} for s in shown],  # for pooling runs (several seeds)
         "gains": gains,
         "experiences": counts, "rewarded": len(rows), "trainer_steps": last.step if last else 0,
-        "versions_published": len(versions), "reloads": serving["reloads"], "failed_requests": loop.failed_requests,
+        "versions_published": len(versions) - len(release), "reloads": serving["reloads"], "failed_requests": loop.failed_requests,
         "guard": guard,
+        "release_check": release,
         "explorer_requests": explorer_requests,
         "wall_seconds": seconds, "rounds": [asdict(r) for r in loop.rounds],
     }, indent=2))

@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import shutil
 import signal
 import socket
 import statistics
@@ -27,7 +28,7 @@ from typing import Awaitable, Callable
 import httpx
 import yaml
 
-from services.common import buffer
+from services.common import buffer, checkpoints
 from services.common.config import load_config
 from services.demo.config import DemoConfig
 from services.explorer.config import ExplorerConfig
@@ -245,6 +246,58 @@ class OnlineLoop:
         say(f"  [{time.monotonic() - self.t0:5.0f}s] episodes {sum(r.episodes for r in self.rounds):5d}"
             f" | reward (last rounds) {reward:.2f} | trainer steps {last.step if last else 0:3d}"
             f" | serving v{m['version']} (reloads {m['reloads']}) | failed {self.failed_requests}")
+
+
+def gate_section(env: str, dataset: str, agent: str) -> dict:
+    """The demo Explorer's release policy: its Trainer publishes straight to LATEST (release.mode
+    immediate, the online loop as it always ran), while candidates published by hand (``kaizen
+    publish --candidate``, the release check below) go through a gate on this suite."""
+    return {"mode": "gated", "poll_interval_s": 0.5,
+            "gate": {"suite": {"env": env, "dataset": dataset, "agent": agent, "concurrency": 16}, "tolerance": 0.1}}
+
+
+def release_check(stack: Stack, model_path: str, timeout_s: float = 600) -> list[dict]:
+    """The release gate at work, once the Trainer is stopped: two candidates are published as ``kaizen
+    publish --candidate`` would, a deliberately broken copy of the serving adapter (its LoRA B
+    weights negated and scaled by 4) and an exact copy; the Explorer's gate scores each against the
+    serving version on the gate suite (one-sided paired t-test) and promotes or rejects it. One line
+    per decision; returns the decisions."""
+    from safetensors.torch import load_file, save_file
+
+    from services.common.publish import publish_adapter
+
+    serving = stack.serving()["version"]
+    if serving == 0:
+        say("- release check skipped: the base model serves (no adapter to copy)")
+        return []
+    say(f"- release check: two candidates beside v{serving}, decided by the Explorer's gate (paired t-test, tolerance 0.1)")
+    src = checkpoints.version_dir(stack.root, stack.agent, serving)
+    decisions = []
+    for name, label, scale in (("broken", "a deliberately broken copy", -4.0), ("copy", "an exact copy", 1.0)):
+        d = stack.run / f"candidate-{name}"
+        d.mkdir(exist_ok=True)
+        shutil.copyfile(src / "adapter_config.json", d / "adapter_config.json")
+        weights = load_file(str(src / "adapter_model.safetensors"))
+        save_file({k: v * scale if "lora_B" in k else v for k, v in weights.items()}, str(d / "adapter_model.safetensors"))
+        version = publish_adapter(d, agent=stack.agent, checkpoints_root=stack.root, base_model=model_path, candidate=True,
+                                  note=f"demo release check: {label} of v{serving}").version
+        decision = _wait_for_decision(stack, version, timeout_s)
+        say(f"  gate: v{version} ({label} of v{serving}) {decision['decision']}: {decision['reason']}")
+        decisions.append({"candidate": label, **decision})
+    return decisions
+
+
+def _wait_for_decision(stack: Stack, version: int, timeout_s: float) -> dict:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        stack.check_alive()
+        rows = httpx.get(f"{stack.url}/versions", params={"agent": stack.agent}, timeout=10).json()["data"]
+        row = next((r for r in rows if r["version"] == version), {})
+        final = [d for d in row.get("decisions", []) if d["decision"] in ("promoted", "rejected")]
+        if final:
+            return final[-1]
+        time.sleep(0.5)
+    raise TimeoutError(f"the gate did not decide about v{version} within {timeout_s:.0f} s; see {stack.run}/explorer.log")
 
 
 def run_demo(config_path: str | None, overrides: list[str]) -> int:

@@ -28,7 +28,7 @@ from runner_sdk import ExplorerClient
 from services.common import buffer
 from services.demo import agent_app, tools_task
 from services.demo.config import DemoConfig
-from services.demo.run import EvalResult, OnlineLoop, Round, Stack, merge, new_run_dir, say
+from services.demo.run import EvalResult, OnlineLoop, Round, Stack, gate_section, merge, new_run_dir, release_check, say
 
 MODEL_NAME = "smollm2-135m-instruct"
 
@@ -62,6 +62,9 @@ class ToolsDemo:
                 "engine": {"kind": "hf", "max_batch_size": 32, "torch_threads": 1}}
         if self.t.control:  # the control arm is served beside the agent, from the same checkpoint root
             base["agents"] = {"names": [self.cfg.agent, self.control_agent], "default": self.cfg.agent}
+        if self.cfg.release_check:
+            base["release"] = gate_section("services.demo.agent_app:GateEnv", "services.demo.agent_app:gate_problems",
+                                           "services.demo.agent_app:gate_agent")
         return self.stack.explorer_config(base, self.cfg.explorer)
 
     def trainer_config(self) -> dict:
@@ -290,6 +293,7 @@ def run_tools(cfg: DemoConfig) -> int:
         evals += asyncio.run(_final_and_control(demo, trainer_cfg, cold_steps, final_version))
         serving = stack.serving()
         explorer_requests = stack.http_statuses()
+        release = release_check(stack, cfg.model_path) if cfg.release_check else []
     finally:
         stack.stop()
     from services.demo.report import Stage, report
@@ -307,4 +311,4 @@ def run_tools(cfg: DemoConfig) -> int:
     return report(cfg, stack, loop, stages, control=control, serving=serving, explorer_requests=explorer_requests,
                   seconds=time.monotonic() - t_start, metric="success",
                   interval="share of problems whose final answer is right, Wilson 95% interval",
-                  title="SmolLM2-135M-Instruct with a calculator tool, on CPU")
+                  title="SmolLM2-135M-Instruct with a calculator tool, on CPU", release=release)

@@ -73,8 +73,7 @@ class _GateRun:
 
 class ReleaseController:
     def __init__(self, *, release: ReleaseSection, root: str, registry: AdapterRegistry, db: DBEngine,
-                 metrics: ExplorerMetrics, episodes: EpisodePins, api_key: str, base_url: Callable[[], str | None],
-                 guard_interval_s: float = 10.0):
+                 metrics: ExplorerMetrics, episodes: EpisodePins, api_key: str, base_url: Callable[[], str | None]):
         self.release = release
         self.root = root
         self.registry = registry
@@ -83,7 +82,6 @@ class ReleaseController:
         self.episodes = episodes
         self.api_key = api_key  # this Explorer's own key for its evaluations
         self.base_url = base_url
-        self.guard_interval_s = guard_interval_s
         self.status: dict[str, AgentRelease] = {}
         self._gates: dict[str, _GateRun] = {}
         self._baseline: dict[tuple, list[float]] = {}  # (agent, serving version, what) -> per-task scores
@@ -349,22 +347,22 @@ class ReleaseController:
 
     async def _guard(self, agent: str, serving: int, policy: ReleasePolicy, st: AgentRelease) -> None:
         now = time.monotonic()
-        if serving == 0 or now - self._guard_checked.get(agent, 0.0) < self.guard_interval_s:
+        g = policy.guard
+        if serving == 0 or now - self._guard_checked.get(agent, 0.0) < g.check_interval_s:
             return
         self._guard_checked[agent] = now
-        g = policy.guard
+        # the alarm is about the version serving now (a rollback since clears it)
+        st.alarm = any(d.decision == "alarm" for d in buffer.list_decisions(engine=self.db, agent=agent, version=serving,
+                                                                            limit=50))
+        self.metrics.release_alarm.labels(agent).set(1 if st.alarm else 0)
+        if st.alarm:
+            return
         try:
             parent = checkpoints.validate_version(self.root, agent, serving).manifest().get("parent_version")
         except CheckpointError:
             return
         if not isinstance(parent, int) or parent == serving:
             return
-        if any(d.decision == "alarm" for d in buffer.list_decisions(engine=self.db, agent=agent, version=serving, limit=50)):
-            st.alarm = True
-            self.metrics.release_alarm.labels(agent).set(1)
-            return
-        st.alarm = False
-        self.metrics.release_alarm.labels(agent).set(0)
         now_r = buffer.version_rewards(engine=self.db, agent=agent, version=serving, limit=g.window)
         before = buffer.version_rewards(engine=self.db, agent=agent, version=parent, limit=g.window)
         if min(len(now_r), len(before)) < g.min_episodes:

@@ -20,6 +20,7 @@ import pytest
 from sqlalchemy import select
 
 from services.common import buffer, checkpoints
+from services.common.release import EVAL_TASK_PREFIX
 from tests.helpers import REPO
 
 pytestmark = pytest.mark.integration
@@ -77,12 +78,31 @@ def traffic(demo_run) -> list[dict]:
     engine = buffer.create_buffer_engine(f"sqlite:///{demo_run / 'buffer.db'}", create_tables=False)
     e = buffer.experiences.c
     q = (select(e.seq, e.experience_id, e.agent, e.model_version, e.task_id, e.reward, e.status, e.trained_in, e.created_at)
-         .where(e.task_id.is_not(None)).order_by(e.created_at, e.seq))
+         .where(e.task_id.is_not(None), ~e.task_id.startswith(EVAL_TASK_PREFIX)).order_by(e.created_at, e.seq))
     try:
         with engine.connect() as conn:
             return [dict(r._mapping) for r in conn.execute(q)]
     finally:
         engine.dispose()
+
+
+def test_release_check_shows_the_gate_rejecting_a_broken_candidate_and_promoting_a_copy(demo_run, summary):
+    checks = summary["release_check"]
+    assert [(d["candidate"], d["decision"], d["by"]) for d in checks] == [
+        ("a deliberately broken copy", "rejected", "gate"), ("an exact copy", "promoted", "gate")]
+    broken, copy = checks
+    assert broken["figures"]["mean_candidate"] < broken["figures"]["mean_serving"]
+    assert copy["figures"]["diff"] == 0  # greedy answers of the same weights
+    out = (demo_run.parent.parent / "demo.out").read_text()
+    assert f"gate: v{broken['version']} (a deliberately broken copy" in out and f"gate: v{copy['version']} (an exact copy" in out
+    # the broken one never served: no experience outside the gate's own evaluation was produced by it
+    engine = buffer.create_buffer_engine(f"sqlite:///{demo_run / 'buffer.db'}", create_tables=False)
+    try:
+        by_broken = [x for x in buffer.list_experiences(engine=engine, agent=AGENT, limit=100_000)
+                     if x.model_version == broken["version"] and not (x.task_id or "").startswith(EVAL_TASK_PREFIX)]
+    finally:
+        engine.dispose()
+    assert by_broken == []
 
 
 def test_no_request_failed(summary, traffic):

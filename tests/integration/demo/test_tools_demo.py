@@ -22,6 +22,7 @@ import yaml
 from sqlalchemy import select
 
 from services.common import buffer
+from services.common.release import EVAL_TASK_PREFIX
 from services.demo import tools_task
 from tests.helpers import REPO
 
@@ -82,6 +83,15 @@ def test_three_held_out_measurements_and_the_report(demo_run):
     assert (demo_run / "reward.png").stat().st_size > 10_000
 
 
+def test_the_release_check_rejects_the_broken_candidate(demo_run):
+    """The gate's suite on SmolLM2 (the agent app's tool loop, pinned to each version): the broken
+    copy is rejected; the exact copy is decided too (greedy answers in bfloat16 may differ by batch)."""
+    checks = json.loads((demo_run / "summary.json").read_text())["release_check"]
+    assert [(d["candidate"], d["by"]) for d in checks] == [("a deliberately broken copy", "gate"), ("an exact copy", "gate")]
+    assert checks[0]["decision"] == "rejected" and checks[0]["figures"]["n_candidate"] == 32
+    assert checks[1]["decision"] in ("promoted", "rejected")
+
+
 def test_the_demonstrations_were_stored_and_trained_on_first(demo_run, rows):
     demos = [r for r in rows if "demonstration" in ((r["feedback"] or {}).get("labels") or [])]
     assert len(demos) == len(tools_task.demonstrations()) and {r["status"] for r in demos} == {"committed"}
@@ -97,7 +107,7 @@ def test_the_demonstrations_were_stored_and_trained_on_first(demo_run, rows):
 
 
 def test_every_episode_was_rewarded_as_a_whole_and_committed(rows):
-    traffic = [r for r in rows if r["task_id"] is not None]
+    traffic = [r for r in rows if r["task_id"] is not None and not r["task_id"].startswith(EVAL_TASK_PREFIX)]
     episodes: dict[tuple, list[dict]] = defaultdict(list)
     for r in traffic:
         episodes[(r["task_id"], r["run_id"])].append(r)
@@ -113,7 +123,7 @@ def test_every_episode_was_rewarded_as_a_whole_and_committed(rows):
 
 
 def test_a_call_after_a_tool_result_was_prompted_with_the_whole_conversation(rows):
-    traffic = [r for r in rows if r["task_id"] is not None]
+    traffic = [r for r in rows if r["task_id"] is not None and not r["task_id"].startswith(EVAL_TASK_PREFIX)]
     by_episode: dict[tuple, list[dict]] = defaultdict(list)
     for r in traffic:
         by_episode[(r["task_id"], r["run_id"])].append(r)

@@ -271,7 +271,9 @@ def test_restarted_explorer_resumes_the_canary_from_the_database(make_explorer, 
         time.sleep(0.1)
     stop, log, failures = threading.Event(), [], []
     threads = _traffic(ex1, stop, log, failures, "before", threads=2)
+    deadline = time.monotonic() + 60
     while len(_served_by(ex1, 2)) < 5:
+        assert time.monotonic() < deadline and not failures, failures[:3]
         time.sleep(0.05)
     stop.set()
     for t in threads:
@@ -294,3 +296,37 @@ def test_restarted_explorer_resumes_the_canary_from_the_database(make_explorer, 
     assert len(started) == 1  # the restarted Explorer continued the recorded canary, not a new one
     assert decision["figures"]["episodes"]["candidate"] >= 12
     assert len([e for e in _served_by(ex2, 2) if e.task_id.startswith("after")]) < decision["figures"]["episodes"]["candidate"]
+
+
+def test_guard_raises_an_alarm_and_rolls_back_a_worse_version_in_immediate_mode(make_explorer, tmp_path, adapters):
+    root = tmp_path / "explorer0" / "checkpoints"
+    publish_adapter(adapters["good"], root, "guide", 1)
+    ex = make_explorer("release.guard.min_episodes=10", "release.guard.margin=0.1", "release.guard.rollback=true",
+                       "release.guard.check_interval_s=1",
+                       "release.poll_interval_s=0.2")
+    stop, log, failures = threading.Event(), [], []
+    threads = _traffic(ex, stop, log, failures, "v1")
+    deadline = time.monotonic() + 60
+    while len(_served_by(ex, 1)) < 12:
+        assert time.monotonic() < deadline and not failures, failures[:3]
+        time.sleep(0.05)
+    stop.set()
+    for t in threads:
+        t.join(60)
+    checkpoints.publish_version(root, "guide", 2, lambda d: adapters["bad"].save_pretrained(d),
+                                {"step": 2, "algorithm": "test", "parent_version": 1})  # immediate: it serves at once
+    stop, log, failures = threading.Event(), [], []
+    threads = _traffic(ex, stop, log, failures, "v2")
+    try:
+        decision = _decision(ex, 2, timeout=120)
+    finally:
+        stop.set()
+        for t in threads:
+            t.join(60)
+    assert failures == []
+    assert decision["decision"] == "rolled_back" and decision["by"] == "guard" and decision["serving"] == 1
+    kinds = [d["decision"] for d in ex.http.get("/versions", params={"agent": "guide"}).json()["data"][1]["decisions"]]
+    assert kinds == ["alarm", "rolled_back"]
+    assert checkpoints.read_latest(root, "guide") == 1
+    assert 'kaizen_release_decisions_total{agent="guide",decision="alarm"} 1.0' in ex.http.get("/metrics").text
+    assert {_ask(ex, f"after-{i}")[1] for i in range(5)} == {RIGHT}
