@@ -14,7 +14,7 @@ import time
 import pytest
 
 from services.common import buffer, checkpoints
-from services.common.release import EVAL_TASK_PREFIX, refused_versions, routed_to_candidate
+from services.common.release import EVAL_TASK_PREFIX, held_out, refused_versions, routed_to_candidate
 from tests.integration.adapters import publish_adapter, train_reply_adapter
 
 pytestmark = pytest.mark.integration
@@ -330,3 +330,30 @@ def test_guard_raises_an_alarm_and_rolls_back_a_worse_version_in_immediate_mode(
     assert checkpoints.read_latest(root, "guide") == 1
     assert 'kaizen_release_decisions_total{agent="guide",decision="alarm"} 1.0' in ex.http.get("/metrics").text
     assert {_ask(ex, f"after-{i}")[1] for i in range(5)} == {RIGHT}
+
+
+def test_gate_on_a_replay_of_held_out_traffic(make_explorer, tmp_path, adapters):
+    """No suite: the gate replays held-out rewarded calls (their recorded messages) on both versions
+    and scores the answers with the application's reward and the `expected` its feedback carried."""
+    root = tmp_path / "explorer0" / "checkpoints"
+    publish_adapter(adapters["good"], root, "guide", 1)
+    ex = make_explorer("release.mode=gated", "release.gate.replay.holdout_share=0.5",
+                       "release.gate.replay.reward=runner_sdk.rewards:ExactMatch", "release.gate.replay.items=8",
+                       "release.poll_interval_s=0.2")
+    for i in range(24):  # 11 of these tasks hash into the held-out half
+        r, text = _ask(ex, f"user-{i}")
+        ex.http.post("/feedback", json={"msg_ids": [r.id], "reward": float(text == RIGHT), "expected": RIGHT}).raise_for_status()
+    held = [f"user-{i}" for i in range(24) if held_out("guide", f"user-{i}", 0.5)]
+    assert len(held) >= 8
+
+    _candidate(adapters, root, "bad", 2, parent=1)
+    rejected = _decision(ex, 2)
+    assert rejected["decision"] == "rejected" and rejected["figures"]["eval"] == "replay"
+    replayed = rejected["figures"]["items"]
+    assert len(replayed) == 8
+    tasks = {ex.http.get(f"/experiences/{i}").json()["task_id"] for i in replayed}
+    assert tasks <= set(held)  # only held-out traffic, which the Trainer never trains on
+    assert rejected["figures"]["mean_serving"] == 1.0 and rejected["figures"]["mean_candidate"] == 0.0
+
+    _candidate(adapters, root, "good", 3, parent=1)
+    assert _decision(ex, 3)["decision"] == "promoted"
