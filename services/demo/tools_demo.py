@@ -43,6 +43,14 @@ def wilson(successes: float, n: int, z: float = 1.96) -> tuple[float, float]:
     return max(0.0, centre - half), min(1.0, centre + half)
 
 
+def _dtype() -> str:
+    """bfloat16 where the CPU computes it natively (AVX-512 BF16, AMX: the demo's figures were measured
+    so), else float32: emulated bfloat16 made a Trainer step about 50x slower on an AVX2-only CPU."""
+    from services.common.models import cpu_has_native_bf16
+
+    return "bfloat16" if cpu_has_native_bf16() else "float32"
+
+
 class ToolsDemo:
     def __init__(self, cfg: DemoConfig, stack: Stack):
         self.cfg = cfg
@@ -57,8 +65,8 @@ class ToolsDemo:
     # ------------------------------------------------------------------ configs
 
     def explorer_config(self) -> dict:
-        # bfloat16 as the Trainer (this CPU has AVX-512 BF16); prompts' shared system prompt is prefilled once
-        base = {"model": {"path": self.cfg.model_path, "dtype": "bfloat16"},
+        # the same dtype as the Trainer; the shared system prompt is prefilled once
+        base = {"model": {"path": self.cfg.model_path, "dtype": _dtype()},
                 "engine": {"kind": "hf", "max_batch_size": 32, "torch_threads": 1}}
         if self.t.control:  # the control arm is served beside the agent, from the same checkpoint root
             base["agents"] = {"names": [self.cfg.agent, self.control_agent], "default": self.cfg.agent}
@@ -70,7 +78,7 @@ class ToolsDemo:
     def trainer_config(self) -> dict:
         tr = self.t.traffic
         base = {
-            "model": {"path": self.cfg.model_path, "dtype": "bfloat16"},
+            "model": {"path": self.cfg.model_path, "dtype": _dtype()},
             "algorithm": {"name": "grpo", "kl_metric": False, "group_size": tr.repeat, "min_group_size": 2,
                           "group_wait_s": 30.0, "small_groups": "batch",
                           # the cold start: 4 steps on 4 demonstrations each (about 3 s a step); every later step
