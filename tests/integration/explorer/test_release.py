@@ -109,6 +109,18 @@ def _traffic(ex, stop: threading.Event, log: list, failures: list, prefix: str, 
     return out
 
 
+def _decision_under_traffic(ex, version: int, prefix: str, *, timeout: float = 180, threads: int = 4) -> tuple[dict, list, list]:
+    """Traffic (as ``_traffic``) until ``version`` is decided: (the decision, (task, answer) log, failures)."""
+    stop, log, failures = threading.Event(), [], []
+    running = _traffic(ex, stop, log, failures, prefix, threads=threads)
+    try:
+        return _decision(ex, version, timeout=timeout), log, failures
+    finally:
+        stop.set()
+        for t in running:
+            t.join(60)
+
+
 def _served_by(ex, version: int) -> list:
     """Traffic calls (not the gate's own) that ``version`` answered."""
     db = ex.state.db
@@ -171,14 +183,7 @@ def test_canary_rolls_back_a_worse_candidate_after_its_share_only_then_promotes_
         assert time.monotonic() < deadline, "the canary did not start"
         time.sleep(0.1)
 
-    stop, log, failures = threading.Event(), [], []
-    threads = _traffic(ex, stop, log, failures, "user")
-    try:
-        decision = _decision(ex, 2, timeout=180)
-    finally:
-        stop.set()
-        for t in threads:
-            t.join(60)
+    decision, log, failures = _decision_under_traffic(ex, 2, "user", timeout=180)
     assert failures == []
     assert decision["decision"] == "rolled_back" and decision["by"] == "canary" and decision["serving"] == 1
     # Only the tasks routed to the candidate met it, and each of its users' tasks stayed on it.
@@ -198,14 +203,7 @@ def test_canary_rolls_back_a_worse_candidate_after_its_share_only_then_promotes_
     assert 'kaizen_release_decisions_total{agent="guide",decision="rolled_back"} 1.0' in metrics
 
     _candidate(adapters, root, "good", 3, parent=1)
-    stop, log, failures = threading.Event(), [], []
-    threads = _traffic(ex, stop, log, failures, "user3")
-    try:
-        decision = _decision(ex, 3, timeout=300)
-    finally:
-        stop.set()
-        for t in threads:
-            t.join(60)
+    decision, log, failures = _decision_under_traffic(ex, 3, "user3", timeout=300)
     assert failures == []
     assert decision["decision"] == "promoted" and decision["figures"]["lower"] > -0.1
     assert checkpoints.read_latest(root, "guide") == 3
@@ -283,14 +281,7 @@ def test_restarted_explorer_resumes_the_canary_from_the_database(make_explorer, 
     ex1.stop()
 
     ex2 = make_explorer(*canary)
-    stop, log, failures = threading.Event(), [], []
-    threads = _traffic(ex2, stop, log, failures, "after", threads=2)
-    try:
-        decision = _decision(ex2, 2, timeout=180)
-    finally:
-        stop.set()
-        for t in threads:
-            t.join(60)
+    decision, log, failures = _decision_under_traffic(ex2, 2, "after", timeout=180, threads=2)
     assert failures == [] and decision["decision"] == "rolled_back"
     started = [d for d in buffer.list_decisions(engine=ex2.state.db, agent="guide") if d.decision == "canary_started"]
     assert len(started) == 1  # the restarted Explorer continued the recorded canary, not a new one
@@ -315,14 +306,7 @@ def test_guard_raises_an_alarm_and_rolls_back_a_worse_version_in_immediate_mode(
         t.join(60)
     checkpoints.publish_version(root, "guide", 2, lambda d: adapters["bad"].save_pretrained(d),
                                 {"step": 2, "algorithm": "test", "parent_version": 1})  # immediate: it serves at once
-    stop, log, failures = threading.Event(), [], []
-    threads = _traffic(ex, stop, log, failures, "v2")
-    try:
-        decision = _decision(ex, 2, timeout=120)
-    finally:
-        stop.set()
-        for t in threads:
-            t.join(60)
+    decision, log, failures = _decision_under_traffic(ex, 2, "v2", timeout=120)
     assert failures == []
     assert decision["decision"] == "rolled_back" and decision["by"] == "guard" and decision["serving"] == 1
     kinds = [d["decision"] for d in ex.http.get("/versions", params={"agent": "guide"}).json()["data"][1]["decisions"]]
