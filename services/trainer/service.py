@@ -193,25 +193,22 @@ class TrainerService:
         """The version the database says is complete (its last step closed it) whose publication did
         not finish: the trainer died between that step's commit and the end of its publication.
         ``_publish`` records this Trainer's release decision about a version (``promoted`` in
-        immediate mode, ``candidate`` otherwise) before it moves the pointer (LATEST or CANDIDATE), so
-        a publication is finished once that decision is recorded and, while it is still the agent's
-        newest decision, its pointer names the version."""
+        immediate mode, ``candidate`` otherwise) before it moves the pointer (LATEST or CANDIDATE).
+        Finished: LATEST or CANDIDATE names it or a newer version (``kaizen publish`` may have moved
+        them on since), or a decision taken after this Trainer's (a rejection, a rollback) settled it."""
         if not last or last.step % self.cfg.save_interval:
             return None
         v = last.version
         decided = buffer.list_decisions(engine=self.db, agent=agent, version=v)
         mine = [d for d in decided if d.actor == "trainer"]
-        if not mine:
-            if decided:  # decided about by someone else since (a rollback): nothing left to publish
+        if decided and not mine:
+            return None  # decided about by someone else (a rollback)
+        if mine:
+            newest = buffer.list_decisions(engine=self.db, agent=agent, limit=1)
+            if newest and newest[-1].id != mine[-1].id:
                 return None
-            latest = checkpoints.read_latest(self.root, agent, fallback=False) or 0
-            return v if latest < v and checkpoints.read_candidate(self.root, agent) != v else None
-        newest = buffer.list_decisions(engine=self.db, agent=agent, limit=1)
-        if newest and newest[-1].id != mine[-1].id:
-            return None  # decided since (promoted, rejected, rolled back)
-        pointer = checkpoints.read_latest(self.root, agent, fallback=False) if mine[-1].decision == "promoted" \
-            else checkpoints.read_candidate(self.root, agent)
-        return None if pointer == v else v
+        latest = checkpoints.read_latest(self.root, agent, fallback=False) or 0
+        return v if max(latest, checkpoints.read_candidate(self.root, agent) or 0) < v else None
 
     def _policy(self, agent: str) -> ReleasePolicy:
         return self.cfg.release.policy(agent)
@@ -315,8 +312,8 @@ class TrainerService:
         if latest == progress.published:
             return
         state, how = self._load_version(agent, latest)
-        log.warning("agent %s: continuing from v%d, which serves now (the learners were at v%d): from %s", agent, latest,
-                    progress.published, how)
+        log.warning("agent %s: continuing from v%d, %s (it serves now; the learners were at v%d)", agent, latest, how,
+                    progress.published)
         progress.published, progress.state_path = latest, (str(state) if state is not None else None)
         progress.next_version = max(progress.next_version, self._newest_version(agent) + 1)
 
@@ -326,7 +323,7 @@ class TrainerService:
         state = self._state_of(agent, version)
         if state is not None:
             self.learners.load_state(agent, str(state))
-            return state, f"its trainer state {state.name}"
+            return state, f"its own trainer state {state.name}"
         if version > 0:
             self.learners.adopt_adapter(agent, str(checkpoints.version_dir(self.root, agent, version)))
             source = "published from elsewhere (kaizen publish)" if self._published_elsewhere(agent, version) else "its adapter"

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import threading
 import time
+from datetime import datetime, timezone
 
 import pytest
 
@@ -121,6 +122,10 @@ def _decision_under_traffic(ex, version: int, prefix: str, *, timeout: float = 1
             t.join(60)
 
 
+def _aware(t: datetime) -> datetime:
+    return t if t.tzinfo else t.replace(tzinfo=timezone.utc)
+
+
 def _served_by(ex, version: int) -> list:
     """Traffic calls (not the gate's own) that ``version`` answered."""
     db = ex.state.db
@@ -189,7 +194,9 @@ def test_canary_rolls_back_a_worse_candidate_after_its_share_only_then_promotes_
     # Only the tasks routed to the candidate met it, and each of its users' tasks stayed on it.
     bad = _served_by(ex, 2)
     assert bad and all(routed_to_candidate("guide", e.task_id, share) for e in bad)
-    assert not any(routed_to_candidate("guide", e.task_id, share) for e in _served_by(ex, 1) if e.task_id)
+    decided_at = _aware(datetime.fromisoformat(decision["at"]))
+    assert not any(routed_to_candidate("guide", e.task_id, share) for e in _served_by(ex, 1)
+                   if e.task_id and _aware(e.created_at) < decided_at)  # after the rollback, v1 serves every task
     routed = sum(routed_to_candidate("guide", t, share) for t, _ in log)
     assert 0.1 < routed / len(log) < 0.45
     assert decision["figures"]["episodes"]["candidate"] >= 8 and decision["figures"]["upper"] < -0.1

@@ -53,7 +53,7 @@ def test_trainer_publishes_candidates_waits_and_continues_from_what_serves(tiny_
     finally:
         proc.kill()
     log = log_path.read_text()
-    assert "continuing from v0, which serves now (the learners were at v1): from the base model" in log
+    assert "continuing from v0, the base model, with a fresh optimizer (it serves now; the learners were at v1)" in log
     assert checkpoints.read_candidate(root, AGENT) == 2
     assert checkpoints.validate_version(root, AGENT, 2).manifest()["parent_version"] == 0
 
@@ -64,7 +64,7 @@ def test_trainer_publishes_candidates_waits_and_continues_from_what_serves(tiny_
     decide(root=root, db=db, agent=AGENT, version=3, decision="rejected", serving=2, actor="test")
     late = fill_buffer(url, tiny_model, n=2, prompts=PROMPTS[:4], model_version=3, seed=7)  # v3's calls, arriving late
     log = _train(tiny_model, tmp_path, ray_address, *CANARY, "--max-steps", "1")
-    assert "continuing from v2, which serves now (the learners were at v3): from its trainer state step-00000002" in log
+    assert "continuing from v2, its own trainer state step-00000002 (it serves now; the learners were at v3)" in log
     manifest = checkpoints.validate_version(root, AGENT, 4).manifest()
     assert manifest["parent_version"] == 2
     v2, v3, v4 = (_adapter(tmp_path, v) for v in (2, 3, 4))
