@@ -167,6 +167,8 @@ _SQLITE_BUSY_TIMEOUT_S = 60.0
 def create_buffer_engine(url: str, *, create_tables: bool = True, busy_timeout_s: float = _SQLITE_BUSY_TIMEOUT_S) -> Engine:
     """An Engine on ``url`` with the settings every service needs, tables created if missing.
 
+    Errors and logs never show statement parameters: they hold users' prompts and answers.
+
     ``busy_timeout_s``: SQLite only, how long a statement waits for another process's write lock.
     """
     parsed = make_url(url)
@@ -179,10 +181,11 @@ def create_buffer_engine(url: str, *, create_tables: bool = True, busy_timeout_s
         if database and database != ":memory:" and not database.startswith("file:"):
             Path(database).expanduser().resolve().parent.mkdir(parents=True, exist_ok=True)
         # sqlite3's `timeout` is SQLite's busy timeout: how long a statement waits for another writer.
-        engine = create_engine(url, connect_args={"timeout": busy_timeout_s, "check_same_thread": False})
+        engine = create_engine(url, connect_args={"timeout": busy_timeout_s, "check_same_thread": False},
+                               hide_parameters=True)
         _configure_sqlite(engine)
     else:
-        engine = create_engine(url, pool_pre_ping=True, pool_size=8, max_overflow=8)
+        engine = create_engine(url, pool_pre_ping=True, pool_size=8, max_overflow=8, hide_parameters=True)
     if create_tables:
         _create_tables(engine)
     return engine

@@ -184,11 +184,22 @@ def _fsync_tree(path: Path) -> None:
         _fsync_dir(p)
 
 
+FILE_MODE, DIR_MODE = 0o644, 0o755  # published files are read by other processes, maybe as other users
+
+
+def _make_readable(tree: Path) -> None:
+    """mkdtemp makes 0700 directories and some writers 0600 files: open them to readers."""
+    tree.chmod(DIR_MODE)
+    for p in tree.rglob("*"):
+        p.chmod(DIR_MODE if p.is_dir() else FILE_MODE)
+
+
 def write_text_atomic(path: Path, text: str) -> None:
     """Replace ``path`` by write-temp, fsync, rename, fsync dir."""
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
     try:
+        os.fchmod(fd, FILE_MODE)  # mkstemp's 0600 would hide it from an Explorer running as another user
         with os.fdopen(fd, "w") as f:
             f.write(text)
             f.flush()
@@ -209,6 +220,7 @@ def write_dir_atomic(final: Path, write: Callable[[Path], None]) -> Path:
     tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{final.name}-", dir=parent))
     try:
         write(tmp)
+        _make_readable(tmp)
         _fsync_tree(tmp)
         os.rename(tmp, final)
         _fsync_dir(parent)
@@ -406,6 +418,7 @@ def delete_version(root: str | Path, agent: str, version: int) -> None:
 # Serving files: each Explorer replica says which versions it still reads; retention keeps them.
 
 SERVING_STALE_S = 120.0  # a replica that has not refreshed its serving file for this long is gone
+SERVING_GONE_S = 3600.0  # ... and after this long its file is deleted
 
 
 def serving_dir(root: str | Path, agent: str) -> Path:
@@ -435,6 +448,9 @@ def versions_in_use(root: str | Path, agent: str, *, now: float | None = None) -
             body = json.loads(f.read_text())
         except (OSError, ValueError):
             continue
-        if now - float(body.get("updated_at", 0)) <= SERVING_STALE_S:
+        age = now - float(body.get("updated_at", 0))
+        if age <= SERVING_STALE_S:
             used.update(int(v) for v in body.get("versions", []))
+        elif age > SERVING_GONE_S:  # a replica killed long ago: its file would stay forever
+            f.unlink(missing_ok=True)
     return used

@@ -286,7 +286,8 @@ class AdapterRegistry:
             try:
                 v = checkpoints.validate_version(self.root, agent, version)
             except CheckpointError as e:
-                raise UnknownModel(f"{agent}@v{version}: {e}") from None
+                log.info("pinned %s@v%d is not servable: %s", agent, version, e)  # paths stay in the log
+                raise UnknownModel(f"{agent}@v{version}") from None
             ref = self._new_ref(agent, version, v.path)
             await self._engine.add_adapter(ref)
             handle = AdapterHandle(agent=agent, version=version, ref=ref, retired=True)

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 import secrets
 import time
@@ -25,7 +24,8 @@ from services.explorer.config import ExplorerConfig
 from services.explorer.demonstrations import DemonstrationService
 from services.explorer.deps import require_api_key
 from services.explorer.engines import Engine, build_engine
-from services.explorer.errors import error_body, install_error_handlers
+from services.explorer.edge import EdgeMiddleware
+from services.explorer.errors import install_error_handlers
 from services.explorer.feedback import FeedbackService
 from services.explorer.metrics import ExplorerMetrics
 from services.explorer.journal import DEAD_LETTERS, Journal
@@ -37,10 +37,6 @@ from services.explorer.routes import chat, demonstrations, experiences, feedback
 from services.explorer.service import ChatService
 
 log = logging.getLogger(__name__)
-
-_ROUTES = ("/v1/chat/completions", "/v1/responses", "/v1/messages", "/v1/completions", "/feedback", "/commit",
-           "/demonstrations", "/experiences", "/v1/models", "/versions", "/admin", "/health", "/metrics")
-
 
 @dataclass
 class ExplorerState:
@@ -68,68 +64,6 @@ class ExplorerState:
         if self.served_at:
             return self.served_at
         return f"http://127.0.0.1:{self.config.server.port}" if self.config.server.port else None
-
-
-class EdgeMiddleware:
-    """Pure ASGI: refuses oversized bodies with 413 and counts requests by route and status."""
-
-    def __init__(self, app, *, max_body_bytes: int, metrics: ExplorerMetrics, state: "ExplorerState"):
-        self.app = app
-        self.max = max_body_bytes
-        self.metrics = metrics
-        self.state = state
-
-    async def __call__(self, scope, receive, send):
-        if scope["type"] != "http":
-            return await self.app(scope, receive, send)
-        if self.state.served_at is None and scope.get("server"):
-            host, port = scope["server"][:2]
-            self.state.served_at = f"http://{'127.0.0.1' if host in ('0.0.0.0', '::') else host}:{port}"
-        path = scope.get("path", "")
-        route = next((r for r in _ROUTES if path == r or path.startswith(r + "/")), "other")
-        state = {"code": 500, "started": False, "refused": False}
-
-        async def send_wrapper(message):
-            if state["refused"]:
-                return  # we already answered 413; the app's own answer is dropped
-            if message["type"] == "http.response.start":
-                state["code"], state["started"] = message["status"], True
-            await send(message)
-
-        async def refuse():
-            state["refused"] = True
-            state["code"] = 413
-            body = json.dumps(
-                error_body(413, f"request body is larger than the limit of {self.max} bytes", code="body_too_large")
-            ).encode()
-            await send({"type": "http.response.start", "status": 413,
-                        "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
-            await send({"type": "http.response.body", "body": body})
-
-        length = dict(scope.get("headers") or []).get(b"content-length")
-        if length is not None and length.isdigit() and int(length) > self.max:
-            await refuse()
-        else:
-            seen = 0
-
-            async def receive_wrapper():
-                nonlocal seen
-                if state["refused"]:
-                    return {"type": "http.disconnect"}
-                message = await receive()
-                if message["type"] == "http.request":
-                    seen += len(message.get("body", b""))
-                    if seen > self.max and not state["started"]:
-                        await refuse()
-                        return {"type": "http.disconnect"}
-                return message
-
-            try:
-                await self.app(scope, receive_wrapper, send_wrapper)
-            except Exception:
-                if not state["refused"]:
-                    raise
-        self.metrics.requests.labels(route, str(state["code"])).inc()
 
 
 def create_app(config: ExplorerConfig, *, engine: Engine | None = None) -> FastAPI:
@@ -205,7 +139,8 @@ def create_app(config: ExplorerConfig, *, engine: Engine | None = None) -> FastA
             registry.remove_serving_files()
             db.dispose()
 
-    app = FastAPI(title="Kaizen Explorer", lifespan=lifespan, docs_url=None, redoc_url=None)
+    # /openapi.json is served by routes/health.py, behind the key like every other route but /health.
+    app = FastAPI(title="Kaizen Explorer", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.kaizen = state
     install_error_handlers(app)
     auth = [Depends(require_api_key)]
@@ -213,5 +148,7 @@ def create_app(config: ExplorerConfig, *, engine: Engine | None = None) -> FastA
     for r in (chat.router, translated.router, feedback.router, demonstrations.router, experiences.router, models.router,
               releases.router, health.metrics_router):
         app.include_router(r, dependencies=auth)
-    app.add_middleware(EdgeMiddleware, max_body_bytes=config.server.max_body_bytes, metrics=metrics, state=state)
+    server = config.server
+    app.add_middleware(EdgeMiddleware, max_body_bytes=server.max_body_bytes, body_timeout_s=server.body_timeout_s,
+                       max_concurrent=server.max_concurrent_requests, metrics=metrics, state=state)
     return app

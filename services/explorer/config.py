@@ -71,6 +71,25 @@ class ServerSection(ConfigModel):
         "expiry (httpx and the openai client: 5 s), so a client never reuses a connection the server is closing "
         "at that moment (uvicorn's 5 s default raced them: ReadError under load).",
     )
+    max_prompt_chars: int | None = Field(
+        default=None, ge=1,
+        description="Prompts (message text, tool call arguments and tool definitions) longer than this many characters "
+        "get 400 before they are rendered or tokenized. Default: 16 characters per token of the model's context.",
+    )
+    max_stored_bytes: int = Field(
+        default=64 * 1024 * 1024, ge=1024,
+        description="A request whose record would exceed this many bytes in the buffer (its prompt stored once per "
+        "choice, n times) gets 400: one request may not multiply into gigabytes of stored data.",
+    )
+    max_concurrent_requests: int = Field(
+        default=1024, ge=1,
+        description="Requests handled at once (/health and /metrics aside); more get 503 with Retry-After.",
+    )
+    body_timeout_s: float = Field(
+        default=30.0, gt=0,
+        description="A request whose body has not fully arrived this long after the last piece gets 408 (stalled uploads "
+        "do not hold a connection open).",
+    )
     log_level: str = Field(default="info", description="debug, info, warning, error.")
     self_url: str | None = Field(
         default=None,

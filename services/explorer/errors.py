@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import secrets
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -47,6 +48,14 @@ class APIError(Exception):
 
 def error_body(status: int, message: str, *, param: str | None = None, code: str | None = None) -> dict[str, Any]:
     return {"error": {"message": message, "type": _TYPES.get(status, "server_error"), "param": param, "code": code}}
+
+
+def logged_error(what: str, exc: BaseException) -> str:
+    """Log ``exc`` in full under a fresh error id and return "error id <id>" for the client: a 500
+    names no paths, SQL or other internals, and an operator finds the details by the id."""
+    error_id = secrets.token_hex(6)
+    log.error("%s %s: %s", what, error_id, exc, exc_info=exc)
+    return f"error id {error_id}"
 
 
 def error_response(status: int, message: str, *, param: str | None = None, code: str | None = None, headers=None) -> JSONResponse:
@@ -117,8 +126,8 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(EngineError)
     async def _engine(_: Request, exc: EngineError):
-        log.error("engine error: %s", exc)
-        return error_response(500, str(exc), code="engine_error")
+        return error_response(500, f"the engine failed on this request ({logged_error('engine error', exc)})",
+                              code="engine_error")
 
     @app.exception_handler(RecordsNotWritten)
     async def _not_written(_: Request, exc: RecordsNotWritten):
@@ -135,10 +144,6 @@ def install_error_handlers(app: FastAPI) -> None:
             log.warning("buffer unavailable: %s", exc)
             return error_response(503, f"the experience buffer is unavailable ({type(exc.orig).__name__}); retry later",
                                   code="buffer_unavailable", headers={"Retry-After": "1"})
-        log.exception("database error")
-        return error_response(500, f"database error: {type(exc.orig).__name__}", code="internal_error")
+        return error_response(500, f"database error ({logged_error('database error', exc)})", code="internal_error")
 
-    @app.exception_handler(Exception)
-    async def _unexpected(_: Request, exc: Exception):
-        log.exception("unhandled error")
-        return error_response(500, f"internal error: {type(exc).__name__}: {exc}", code="internal_error")
+    # Any other exception is answered by services/explorer/edge.py (a 500 with an error id).

@@ -48,6 +48,9 @@ class _Lenient(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
 
+STOP_MAX_CHARS = 1000
+
+
 def check_storable(value: Any, param: str) -> None:
     """400 naming the first string in ``value`` that the buffer cannot store."""
     bad = find_unstorable(value, param)
@@ -173,6 +176,9 @@ class ChatCompletionRequest(_Recorded):
     def _check_stop(cls, v: str | list[str] | None) -> str | list[str] | None:
         if isinstance(v, list) and len(v) > 16:
             raise ValueError("at most 16 stop sequences")
+        # Stop sequences are stored with every choice of every call: unbounded ones multiply storage.
+        if any(len(x) > STOP_MAX_CHARS for x in ([v] if isinstance(v, str) else v or ())):
+            raise ValueError(f"a stop sequence may be at most {STOP_MAX_CHARS} characters long")
         return v
 
 

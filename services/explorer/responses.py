@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import json
 from collections import OrderedDict
+from functools import partial
 from typing import Any, AsyncIterator, Mapping
 
 from sqlalchemy.engine import Engine as DBEngine
@@ -29,7 +30,7 @@ from services.common.ids import experience_id
 from services.explorer.errors import APIError
 from services.explorer.protocol import ChatCompletion, ResponsesRequest
 from services.explorer.recorder import Recorder
-from services.explorer.service import ChatService, PreparedChat
+from services.explorer.service import ChatService, PreparedChat, off_loop
 
 _TEXT_PARTS = ("input_text", "output_text", "text")
 _UNSTORED_MAX = 100_000
@@ -159,7 +160,7 @@ class ResponsesService:
             "return_token_ids": req.return_token_ids, "stream": req.stream,
             "stream_options": {"include_usage": True} if req.stream else None,
         }
-        return self.chat.prepare_translated(body, headers, id_prefix="resp")
+        return await off_loop(partial(self.chat.prepare_translated, id_prefix="resp"), body, headers)
 
     async def _history(self, response_id: str) -> list[dict[str, Any]]:
         if response_id in self._unstored:

@@ -27,7 +27,7 @@ from services.explorer.adapters import AdapterHandle, AdapterRegistry, UnknownMo
 from services.explorer.config import ExplorerConfig
 from services.explorer.engines.base import ChoiceUpdate, Engine, GenerateRequest, SamplingParams
 from services.explorer.episodes import EpisodePins
-from services.explorer.errors import APIError, error_body
+from services.explorer.errors import APIError, error_body, logged_error
 from services.explorer.metrics import ExplorerMetrics
 from services.explorer.protocol import (
     ChatCompletion,
@@ -131,6 +131,29 @@ def normalize_messages(messages: list[Message]) -> list[dict[str, Any]]:
     return out
 
 
+_CHARS_PER_TOKEN = 16  # a bound on how many characters a token covers, for refusing prompts before tokenizing
+_INLINE_BODY_BYTES = 64 * 1024  # smaller bodies are rendered and tokenized on the event loop (a thread costs more)
+
+
+def _prompt_chars(messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> int:
+    """The characters the chat template renders from: contents, tool calls, names, tool definitions."""
+    n = len(json.dumps(tools)) if tools else 0
+    for m in messages:
+        n += len(m.get("content") or "") + len(m.get("name") or "")
+        for c in m.get("tool_calls") or ():
+            n += len(c["function"]["name"]) + len(c["function"]["arguments"])
+    return n
+
+
+async def off_loop(prepare: Callable[..., "PreparedChat"], body: Any, headers: Mapping[str, str]) -> "PreparedChat":
+    """``prepare(body, headers)``; on a worker thread when the body is large, since rendering and
+    tokenizing a big prompt takes long enough to stall every other request on the event loop."""
+    size = headers.get("content-length")
+    if size is not None and size.isdigit() and int(size) <= _INLINE_BODY_BYTES:
+        return prepare(body, headers)
+    return await asyncio.to_thread(prepare, body, headers)
+
+
 def _grouping(req: ChatCompletionRequest, headers: Mapping[str, str]) -> tuple[str | None, str | None]:
     meta = req.metadata or {}
     task = meta.get("task_id", headers.get("x-task-id"))
@@ -223,6 +246,7 @@ class ChatService:
             raise APIError(400, f"tool_choice names unknown function {tool_choice['function']['name']!r}", param="tool_choice")
         if tool_choice == "none":
             tools = None
+        self._check_size(req, _prompt_chars(messages, tools), what="messages")
         constraint = _response_grammar(req, tools, tool_choice)
         try:
             text = self.engine.tokenizer.apply_chat_template(
@@ -239,6 +263,7 @@ class ChatService:
         token ids). Its sampling settings come from ``req``, whose messages are not used; the record
         keeps the prompt as one message of role ``prompt``."""
         self._check(req)
+        self._check_size(req, len(prompt), what="prompt")
         if isinstance(prompt, str):
             ids, text = self.engine.tokenizer.encode(prompt, add_special_tokens=False), prompt
         else:
@@ -259,8 +284,24 @@ class ChatService:
             raise APIError(400, "logit_bias is not supported by this server", param="logit_bias", code="unsupported_parameter")
         if req.top_logprobs and not req.logprobs:
             raise APIError(400, "top_logprobs requires logprobs to be true", param="top_logprobs")
+        if (req.n or 1) > self.engine.max_batch_size:
+            raise APIError(400, f"n is {req.n}; this engine generates at most {self.engine.max_batch_size} choices at once",
+                           param="n", code="invalid_value")
         if not self.recorder.has_capacity(req.n or 1):
             raise APIError(503, "the experience buffer is unreachable and the backlog is full; retry later", code="buffer_unavailable")
+
+    def _check_size(self, req: ChatCompletionRequest, chars: int, *, what: str) -> None:
+        """Refuse, before the costly templating and tokenizing, a prompt no context can hold and a
+        request that would store too much (its prompt is stored with each of its n choices)."""
+        limit = self.config.server.max_prompt_chars or _CHARS_PER_TOKEN * self.engine.max_model_len
+        if chars > limit:
+            raise APIError(400, f"the {what} are {chars:,} characters long; this server takes at most {limit:,}",
+                           param=what, code="context_length_exceeded")
+        n, budget = req.n or 1, self.config.server.max_stored_bytes
+        if n * chars > budget:
+            raise APIError(400, f"n={n} choices of a {chars:,}-character prompt would store about {n * chars:,} bytes; "
+                           f"at most {budget:,} are allowed per request (lower n or shorten the {what})",
+                           param="n", code="request_too_large")
 
     def _prepared(self, req: ChatCompletionRequest, headers: Mapping[str, str], *, messages: list[dict[str, Any]],
                   tools: list[dict[str, Any]] | None, prompt_ids: list[int], grammar: str | None, what: str,
@@ -429,17 +470,23 @@ class ChatService:
                         choices[u.index].add(u)
         finally:
             self.registry.release(handle)
-        out_choices, messages_out = [], []
-        for c in choices:
-            message, finish = self._message(p, c)
-            messages_out.append(message)
-            out_choices.append(Choice(
-                index=c.index, message=message, finish_reason=finish, experience_id=answer.experience_id(c.index),
-                logprobs=self._logprobs(c) if p.request.logprobs else None,
-                token_ids=c.token_ids if p.request.return_token_ids else None,
-            ))
         if any(c.finish_reason == "abort" for c in choices):
             raise APIError(499, "the client closed the request", code="client_closed")  # nobody to answer
+
+        def build() -> tuple[list[Choice], list[ResponseMessage]]:
+            out_choices, messages_out = [], []
+            for c in choices:
+                message, finish = self._message(p, c)
+                messages_out.append(message)
+                out_choices.append(Choice(
+                    index=c.index, message=message, finish_reason=finish, experience_id=answer.experience_id(c.index),
+                    logprobs=self._logprobs(c) if p.request.logprobs else None,
+                    token_ids=c.token_ids if p.request.return_token_ids else None,
+                ))
+            return out_choices, messages_out
+
+        # Decoding every token (and its top alternatives) for logprobs can take a second at n=32: off the loop.
+        out_choices, messages_out = await asyncio.to_thread(build) if p.request.logprobs else build()
         self._record(p, handle, answer.completion_id, choices, messages_out, answer.leased_at)
         self._account(handle, p, choices, t0, stream=False)
         return ChatCompletion(
@@ -486,7 +533,8 @@ class ChatService:
         except APIError as e:
             yield b"data: " + json.dumps(error_body(e.status, e.message, param=e.param, code=e.code)).encode() + b"\n\n"
         except Exception as e:
-            yield b"data: " + json.dumps(error_body(500, f"stream failed: {e}", code="engine_error")).encode() + b"\n\n"
+            message = f"the stream failed ({logged_error('stream failed', e)})"
+            yield b"data: " + json.dumps(error_body(500, message, code="engine_error")).encode() + b"\n\n"
         finally:
             await chunks.aclose()  # a client gone: close the generation now, not when collected
         yield b"data: [DONE]\n\n"
@@ -534,11 +582,6 @@ class ChatService:
                         ))
                 if out:
                     yield chunk(out)
-        except APIError:
-            raise
-        except Exception:
-            log.exception("stream %s failed", answer.completion_id)
-            raise
         finally:
             self.registry.release(handle)
         if any(c.finish_reason == "abort" for c in choices):

@@ -95,6 +95,7 @@ class Engine(Protocol):
 
     tokenizer: Any
     max_model_len: int
+    max_batch_size: int  # the most choices (n) one request may ask for
 
     async def start(self) -> None: ...
 

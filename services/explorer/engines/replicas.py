@@ -23,6 +23,7 @@ class ReplicatedEngine:
         self._owner: dict[str, int] = {}
         self.tokenizer: Any = None
         self.max_model_len = 0
+        self.max_batch_size = min(e.max_batch_size for e in self.engines)
 
     async def start(self) -> None:
         # One after another: engines that spawn processes (vLLM) must not race on the environment,

@@ -2,22 +2,26 @@
 
 from __future__ import annotations
 
+import asyncio
+
 from fastapi import APIRouter, Request
 from starlette.responses import Response, StreamingResponse
 
 from services.explorer.deps import ChatDep
 from services.explorer.protocol import ChatCompletionRequest
+from services.explorer.service import off_loop
 
 router = APIRouter()
 
 
 @router.post("/v1/chat/completions")
 async def chat_completions(body: ChatCompletionRequest, request: Request, chat: ChatDep):
-    prepared = chat.prepare(body, request.headers)
+    prepared = await off_loop(chat.prepare, body, request.headers)
     if body.stream:
         chunks = await chat.stream(prepared)
         return StreamingResponse(
             chunks, media_type="text/event-stream", headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
         )
     answer = await chat.complete(prepared, receive=request.receive)
-    return Response(answer.model_dump_json(), media_type="application/json")
+    text = await asyncio.to_thread(answer.model_dump_json) if body.logprobs else answer.model_dump_json()  # can be MBs
+    return Response(text, media_type="application/json")

@@ -33,7 +33,7 @@ async def list_experiences(
     agent: str | None = None,
     completion_id: str | None = None,
     limit: int = Query(default=100, ge=1, le=1000),
-    offset: int = Query(default=0, ge=0),
+    offset: int = Query(default=0, ge=0, le=2**63 - 1),  # the databases' largest integer
     order: str = "asc",
 ):
     check_storable({"task_id": task_id, "agent": agent, "completion_id": completion_id}, "query")

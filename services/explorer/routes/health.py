@@ -1,4 +1,4 @@
-"""GET /health (no auth) and GET /metrics (Prometheus text format; JSON on request)."""
+"""GET /health (no auth), GET /metrics (Prometheus text format; JSON on request) and GET /openapi.json."""
 
 from __future__ import annotations
 
@@ -90,3 +90,8 @@ async def metrics(k: StateDep, request: Request):
     if _wants_json(request):
         return _as_json(k, text.decode())
     return Response(text, media_type="text/plain; version=0.0.4; charset=utf-8")
+
+
+@metrics_router.get("/openapi.json", include_in_schema=False)
+async def openapi(request: Request):
+    return request.app.openapi()

@@ -12,11 +12,11 @@ router = APIRouter()
 
 def _models(k) -> list[dict]:
     created = int(k.started_at)
-    data = [{"id": k.registry.base_name, "object": "model", "created": created, "owned_by": "kaizen", "root": k.config.model.path, "parent": None}]
+    data = [{"id": k.registry.base_name, "object": "model", "created": created, "owned_by": "kaizen", "root": k.registry.base_name, "parent": None}]
     for a in k.registry.describe():
         data.append({
             "id": a["agent"], "object": "model", "created": int(a["loaded_at"]), "owned_by": "kaizen",
-            "root": k.config.model.path, "parent": k.registry.base_name,
+            "root": k.registry.base_name, "parent": k.registry.base_name,
             # Extensions, not in the OpenAI spec
             "version": a["version"], "adapter": a["adapter"], "reloads": a["reloads"], "last_reload_s": a["last_reload_s"],
             "release": {**k.releases.describe(a["agent"]), "canary": a["canary"]},

@@ -9,15 +9,17 @@ from fastapi import APIRouter, Request
 from starlette.responses import JSONResponse, StreamingResponse
 
 from services.explorer.deps import CompletionsDep, MessagesDep, ResponsesDep
+from services.explorer.service import off_loop
 from services.explorer.protocol import CompletionRequest, MessagesRequest, ResponsesRequest
 
 router = APIRouter()
 
 
 async def _answer(service, body, request: Request):
-    prepared = service.prepare(body, request.headers)
-    if inspect.isawaitable(prepared):
-        prepared = await prepared
+    if inspect.iscoroutinefunction(service.prepare):
+        prepared = await service.prepare(body, request.headers)  # it moves its own heavy part off the loop
+    else:
+        prepared = await off_loop(service.prepare, body, request.headers)
     if body.stream:
         return StreamingResponse(await service.stream(body, prepared), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})

@@ -107,16 +107,20 @@ def test_api_keys(make_explorer):
     assert anon.get("/v1/models", headers={"Authorization": "Bearer k-one"}).status_code == 200
 
 
-def test_engine_failure_is_a_500_not_a_hang(explorer):
+def test_engine_failure_is_a_500_not_a_hang(explorer, caplog):
+    """The client gets an error id, the log the details (a 500 names no internals)."""
     engine = explorer.state.engine
     real_forward = engine._forward
-    engine._forward = lambda *a, **k: (_ for _ in ()).throw(RuntimeError("simulated device fault"))
+    engine._forward = lambda *a, **k: (_ for _ in ()).throw(RuntimeError("simulated device fault at /secret/path"))
     try:
         r = explorer.http.post("/v1/chat/completions", json=OK)
-        err = _assert_openai_error(r, 500, None, "simulated device fault")
-        assert err["type"] == "server_error"
+        err = _assert_openai_error(r, 500, None, "error id ")
+        assert err["type"] == "server_error" and "/secret" not in r.text and "device fault" not in r.text
+        error_id = err["message"].split("error id ")[1].rstrip(")")
+        assert any(error_id in rec.getMessage() and "device fault" in rec.getMessage() for rec in caplog.records)
         s = explorer.http.post("/v1/chat/completions", json={**OK, "stream": True})
-        assert s.status_code == 200 and "simulated device fault" in s.text and s.text.rstrip().endswith("data: [DONE]")
+        assert s.status_code == 200 and "error id " in s.text and "/secret" not in s.text
+        assert s.text.rstrip().endswith("data: [DONE]")
     finally:
         engine._forward = real_forward
     assert explorer.http.post("/v1/chat/completions", json=OK).status_code == 200  # the engine lives on

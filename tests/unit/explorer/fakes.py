@@ -34,6 +34,7 @@ class FakeEngine:
     replies: list[str] = field(default_factory=lambda: ["hello"])  # choice i answers replies[i % len]
     seconds_per_token: float = 0.0
     max_model_len: int = 4096
+    max_batch_size: int = 32
     tokenizer: Any = field(default_factory=CharTokenizer)
     requests: list[GenerateRequest] = field(default_factory=list)
     aborted: set[str] = field(default_factory=set)
