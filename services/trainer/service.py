@@ -53,6 +53,7 @@ from services.trainer.batches import (
 from services.trainer.config import TrainerConfig
 from services.trainer.metrics import MetricsSink
 from services.trainer.recipes import recipe_for
+from services.trainer.ray_cluster import LocalRayCluster
 from services.trainer.retention import prune_versions
 from services.trainer.schedule import Turn, current_turn, next_agent
 from services.trainer.stats import StepStats
@@ -141,7 +142,7 @@ class TrainerService:
         self.agents: dict[str, AgentProgress] = {}
         self.stop_event = threading.Event()
         self.steps_this_run = 0
-        self._started_ray = False
+        self._ray: LocalRayCluster | None = None  # the cluster this Trainer started (none when it joined one)
         # round_robin: a turn passed on for want of data, until the next recorded step (newest step, turn)
         self._passed: tuple[Any, Turn] | None = None
         self._waiting: tuple[Any, float] | None = None  # ((newest step, agent), since) of the turn waiting for data
@@ -161,19 +162,18 @@ class TrainerService:
                 # process, so it must not starve behind an Explorer sharing the machine. "local": a
                 # cluster of its own, never one that /tmp/ray/ray_current_cluster names (another
                 # process's, or a dead one's).
-                ray.init(address="local", object_store_memory=256 * 1024 * 1024, _system_config={"worker_niceness": 0},
-                         **kwargs)
-                self._started_ray = True
+                self._ray = LocalRayCluster(self.cfg.trainer.run_dir)
+                self._ray.start(object_store_memory=256 * 1024 * 1024, _system_config={"worker_niceness": 0}, **kwargs)
         self.learners = LearnerGroup(self.cfg)
+        if self._ray is not None:
+            self._ray.track()  # the learner actors' processes too
         self._recover()
 
     def close(self) -> None:
         self.metrics.close()
         self.db.dispose()
-        if self._started_ray:
-            import ray
-
-            ray.shutdown()
+        if self._ray is not None:
+            self._ray.shutdown()
 
     # ------------------------------------------------------------------ agents
 
