@@ -121,6 +121,8 @@ release_decisions = Table(
 Index("ix_release_decisions_agent_id", release_decisions.c.agent, release_decisions.c.id)
 # Per-version reward statistics (canary, guard) without scanning an agent's whole history.
 Index("ix_experiences_agent_version", experiences.c.agent, experiences.c.model_version)
+# A version's lineage (the experiences it was trained on) at publication, without a scan.
+Index("ix_experiences_agent_trained_in", experiences.c.agent, experiences.c.trained_in, experiences.c.status)
 
 # Who did what through the admin and feedback endpoints.
 audit_log = Table(
@@ -722,13 +724,16 @@ def publishing_steps(*, engine: Engine, agent: str, save_interval: int) -> dict[
         return {v: ref for v, step, ref in conn.execute(q) if step % save_interval == 0}
 
 
-def consumed_ids(*, engine: Engine, agent: str | None = None) -> list[tuple[str, int]]:
-    """(experience_id, trained_in) of every consumed experience (lineage and tests)."""
+def consumed_ids(*, engine: Engine, agent: str | None = None, trained_in: int | None = None) -> list[tuple[str, int]]:
+    """(experience_id, trained_in) of the consumed experiences, of one agent and one version when
+    given (a version's lineage: an index lookup, whatever the size of the agent's history)."""
     q = select(experiences.c.experience_id, experiences.c.trained_in).where(
         experiences.c.status == ExperienceStatus.CONSUMED.value
     )
     if agent is not None:
         q = q.where(experiences.c.agent == agent)
+    if trained_in is not None:
+        q = q.where(experiences.c.trained_in == trained_in)
     with engine.connect() as conn:
         return [(e, v) for e, v in conn.execute(q)]
 

@@ -46,7 +46,10 @@ class ParityDemo:
             "lora": {"r": 16, "alpha": 32},
             "optim": {"lr": 1e-3},
             "train_batch_size": tr.tasks_per_batch * tr.repeat,
-            "staleness": {"max_staleness": 4, "policy": "discard"},
+            "staleness": {"max_staleness": 4, "policy": "discard",
+                          # steps of one size: its figures were measured so, and on 2 cores a catch-up step several
+                          # batches long would let more traffic pile up meanwhile
+                          "catch_up_max_rows": 0},
             "trainer": {"micro_batch_size": 64, "torch_threads": 1},
         }
         return self.stack.trainer_config(base, self.cfg.trainer)

@@ -89,7 +89,10 @@ class ToolsDemo:
             "optim": {"lr": 1e-3},
             # calls per step: about two per episode (the calculator call, then the answer)
             "train_batch_size": tr.tasks_per_batch * tr.repeat * 2,
-            "staleness": {"max_staleness": 2, "policy": "discard"},
+            "staleness": {"max_staleness": 2, "policy": "discard",
+                          # steps of one size: its figures were measured so, and on 2 cores a catch-up step several
+                          # batches long would let more traffic pile up meanwhile
+                          "catch_up_max_rows": 0},
             # 8 sequences per forward/backward; their shared system prompt (about 170 tokens) is computed once
             "trainer": {"micro_batch_size": 8, "torch_threads": 1},
         }

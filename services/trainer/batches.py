@@ -95,6 +95,7 @@ class Selection:
     guard: list[TrainItem] = field(default_factory=list)  # scored around the update (TrainerConfig.guard)
     context: list[TrainItem] = field(default_factory=list)  # teammates' calls in the items' episodes
     team_episodes: int = 0  # episodes of the items' tasks that set group statistics without this agent in them
+    catch_up: bool = False  # a larger step, taken on a backlog (catch_up_size)
 
     @property
     def ready(self) -> bool:
@@ -199,6 +200,38 @@ def select_batch(
         sel.demonstrations = [demonstration_item(d) for d in in_turn(demonstrations, a.demo_batch_size, step)]
         sel.guard = [demonstration_item(d) for d in demonstrations[: cfg.guard.demonstrations]]
     return sel
+
+
+def catch_up_size(rows: list[CommittedExperience], *, cfg: "TrainerConfig", current_version: int, step: int) -> int:
+    """How many experiences the next step takes: ``train_batch_size``, or more when a backlog waits.
+
+    A row made by version m is trainable while ``current_version - m <= max_staleness``; with a
+    publication every ``save_interval`` steps (the next one after this step when ``step + 1`` is a
+    multiple), it has ``steps_left = (S - step % S) + (max_staleness - lag) * S`` steps left,
+    this one included. Taking the oldest first, b per step trains every row in time when, for every
+    k, the rows with at most k steps left number at most b * k. So b = max_k ceil(count(<= k) / k),
+    at least train_batch_size and at most ``staleness.catch_up_max_rows``.
+
+    Example (S=1, max_staleness=4, batch 16): 800 rows of v0 all have 5 steps left, so b = 160 and
+    5 steps train all of them; without catch-up, 5 steps of 16 train 80 and 720 go stale.
+    """
+    st, base = cfg.staleness, cfg.train_batch_size
+    if st.catch_up_max_rows <= base or len(rows) <= base:
+        return base
+    S = cfg.save_interval
+    in_version = S - step % S
+    left: dict[int, int] = {}  # steps left -> rows
+    for r in rows:
+        lag = current_version - int(r.model_version)
+        if r.reward is None or lag > st.max_staleness:
+            continue
+        k = in_version + (st.max_staleness - max(lag, 0)) * S
+        left[k] = left.get(k, 0) + 1
+    need, seen = base, 0
+    for k in sorted(left):
+        seen += left[k]
+        need = max(need, -(-seen // k))
+    return min(need, st.catch_up_max_rows)
 
 
 def in_turn(demos: Sequence[T], size: int, step: int) -> list[T]:

@@ -113,6 +113,14 @@ class StalenessSection(ConfigModel):
     max_staleness: int = Field(default=4, ge=0, description="Experiences from more versions back than this are stale.")
     policy: Literal["discard", "downweight"] = Field(default="discard", description="What happens to stale experiences.")
     downweight: float = Field(default=0.5, gt=0, le=1, description="downweight: factor per version beyond max_staleness.")
+    catch_up_max_rows: int = Field(
+        default=1024, ge=0,
+        description="Catch-up on a backlog (a Trainer that was down, or slower than the traffic): while more committed "
+        "experiences wait than the coming steps can take before they pass max_staleness, a step takes as many as "
+        "it needs so that every one is trained in time, up to this many (train_batch_size at least). No trained "
+        "batch is ever more than max_staleness versions off the policy that made it; what still cannot be "
+        "trained in time is stale as before. 0: off (steps of train_batch_size, a backlog mostly goes stale).",
+    )
 
 
 class CheckpointsTrainerSection(CheckpointsSection):

@@ -46,6 +46,7 @@ from services.trainer.batches import (
     TeamEpisodes,
     TrainItem,
     aware,
+    catch_up_size,
     context_item,
     episodes_of,
     select_batch,
@@ -407,7 +408,7 @@ class TrainerService:
         return 0
 
     def _poll_agent(self, agent: str, turn: Turn | None = None) -> bool:
-        window = max(self.cfg.train_batch_size * 8, 256)
+        window = max(self.cfg.train_batch_size * 8, 256, self.cfg.staleness.catch_up_max_rows)
         rows = buffer.fetch_committed(engine=self.db, agent=agent, limit=window)
         if turn is not None and turn.started_at is not None and self.cfg.trainer.schedule.frozen_experiences == "discard":
             rows = self._discard_frozen(agent, rows, turn.started_at)
@@ -428,8 +429,7 @@ class TrainerService:
                 return False
             self._follow_serving(agent, progress)
             team = self._team_episodes(rows) if self.recipe.team_rewards and self.cfg.algorithm.team_credit else None
-            selection = select_batch(rows, cfg=self.cfg, current_version=progress.published, demonstrations=demos,
-                                     step=progress.step, team=team)
+            selection = self._select(agent, progress, rows, demos, team)
             if selection.items and self.recipe.uses_critic and self.cfg.algorithm.team_credit:
                 selection.context = self._teammates_turns(agent, selection.items)
             if not selection.ready:
@@ -438,6 +438,26 @@ class TrainerService:
                     self._log_discards(agent, selection, n)
                 return False
             return self._train(agent, progress, selection)
+
+    def _select(self, agent: str, progress: AgentProgress, rows: list, demos: list, team) -> Selection:
+        """The next batch; larger than train_batch_size while a backlog would otherwise go stale
+        (``catch_up_size``), unless the recipe cannot fill the larger one (GRPO's whole groups)."""
+        size = catch_up_size(rows, cfg=self.cfg, current_version=progress.published, step=progress.step)
+
+        def select(cfg: TrainerConfig) -> Selection:
+            return select_batch(rows, cfg=cfg, current_version=progress.published, demonstrations=demos,
+                                step=progress.step, team=team)
+
+        if size > self.cfg.train_batch_size:
+            selection = select(self.cfg.model_copy(update={"train_batch_size": size}))
+            if selection.ready:
+                log.info("agent %s: catching up on a backlog of %d committed experiences: this step takes %d "
+                         "(staleness.catch_up_max_rows=%d; each is trained within max_staleness=%d versions of its own)",
+                         agent, len(rows), len(selection.items), self.cfg.staleness.catch_up_max_rows,
+                         self.cfg.staleness.max_staleness)
+                selection.catch_up = True
+                return selection
+        return select(self.cfg)
 
     def _team_episodes(self, rows: list) -> TeamEpisodes:
         """The team's rewarded episodes of the tasks these rows belong to (GRPO's group statistics)."""
@@ -540,7 +560,7 @@ class TrainerService:
     def _publish(self, agent: str, progress: AgentProgress, version: int, guard: dict[str, Any] | None = None) -> None:
         """``guard``: what the guard did in the step that made this version (a refused step's version
         has its parent's weights)."""
-        lineage = sorted(e for e, v in buffer.consumed_ids(engine=self.db, agent=agent) if v == version)
+        lineage = sorted(e for e, _ in buffer.consumed_ids(engine=self.db, agent=agent, trained_in=version))
         manifest = {
             "step": progress.step,
             "base_model": self.cfg.model.path,
@@ -599,7 +619,7 @@ class TrainerService:
             "grad_norm": total.grad_norm, "lr": total.lr,
             "staleness_mean": statistics.fmean(lags), "staleness_max": max(lags),
             "stale_downweighted": selection.stale_downweighted, "discarded": len(selection.discarded),
-            "small_groups": selection.small_groups,
+            "small_groups": selection.small_groups, "catch_up": selection.catch_up,
             "team_episodes": selection.team_episodes, "teammate_turns": len(selection.context),
             "logprob_mismatch": total.mismatch_sum / tokens,
         }

@@ -214,3 +214,24 @@ def test_trainer_continues_from_an_adapter_published_from_elsewhere(tiny_model, 
     db = buffer.create_buffer_engine(url)
     assert sorted({v for _, v in buffer.consumed_ids(engine=db)}) == [1, 3, 4]
     db.dispose()
+
+
+def test_a_backlog_is_trained_not_thrown_away(tiny_model, sampled_db, ray_address, tmp_path):
+    """192 committed experiences of v0 wait (the Trainer was down). Defaults (max_staleness 4, a
+    version per step): catch-up trains all of them in 5 steps, each within 4 versions of
+    v0 (whole GRPO groups: 40, 40, 40, 36, 36); with catch-up off, 5 steps of 16 train 80 and the other 112 are past max_staleness."""
+    runs = {}
+    for name, extra in (("catch_up", ()), ("off", ("staleness.catch_up_max_rows=0",))):
+        run = tmp_path / name
+        url = _copy_db(sampled_db, run)
+        log = _train(tiny_model, run, ray_address, "staleness.max_staleness=4", *extra, "--max-steps", "5")
+        db = buffer.create_buffer_engine(url)
+        steps = [buffer.last_trainer_step(engine=db, agent="default")]
+        runs[name] = (buffer.count_by_status(engine=db), steps[0], log)
+        db.dispose()
+    counts, last, log = runs["catch_up"]
+    assert counts == {"consumed": 192}, counts
+    assert (last.step, last.version) == (5, 5) and last.metrics["catch_up"] and last.metrics["staleness_max"] <= 4
+    assert "catching up on a backlog of 192 committed experiences: this step takes 40" in log  # 10 GRPO groups of 4
+    counts, last, _ = runs["off"]
+    assert counts == {"consumed": 80, "committed": 112} and last.version == 5  # v5 - v0 > max_staleness: stale

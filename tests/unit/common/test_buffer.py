@@ -103,6 +103,8 @@ def test_consume_batch_is_atomic_with_its_step(db):
                          discarded=["c2-0"], state_ref="s1", metrics={"loss": 0.5})
     assert buffer.count_by_status(engine=db) == {"consumed": 2, "discarded": 1}
     assert sorted(buffer.consumed_ids(engine=db)) == [("c1-0", 1), ("c1-1", 1)]
+    assert sorted(buffer.consumed_ids(engine=db, agent="a", trained_in=1)) == [("c1-0", 1), ("c1-1", 1)]
+    assert buffer.consumed_ids(engine=db, agent="a", trained_in=2) == []
     last = buffer.last_trainer_step(engine=db, agent="a")
     assert (last.step, last.version, last.state_ref, last.consumed) == (1, 1, "s1", 2)
     with pytest.raises(buffer.BatchChanged):  # already consumed: never twice
@@ -167,3 +169,17 @@ def test_a_database_made_by_an_older_version_gains_the_new_columns(buffer_url):
     assert {"release_decisions", "audit_log"} <= set(inspect(engine).get_table_names())
     engine.dispose()
     create_buffer_engine(buffer_url).dispose()  # a second start changes nothing
+
+
+def test_a_versions_lineage_is_an_index_lookup(tmp_path):
+    """Publishing reads the new version's lineage; on a buffer of millions of rows that must not
+    scan the agent's history (it did: every consumed id, filtered in Python)."""
+    from sqlalchemy import text
+
+    db = buffer.create_buffer_engine(f"sqlite:///{tmp_path}/b.db")
+    q = buffer.select(buffer.experiences.c.experience_id).where(
+        buffer.experiences.c.status == "consumed", buffer.experiences.c.agent == "a", buffer.experiences.c.trained_in == 3)
+    sql = str(q.compile(db, compile_kwargs={"literal_binds": True}))
+    with db.connect() as conn:
+        plan = " ".join(str(row[-1]) for row in conn.execute(text(f"EXPLAIN QUERY PLAN {sql}")))
+    assert "ix_experiences_agent_trained_in" in plan, plan

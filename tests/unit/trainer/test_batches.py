@@ -170,3 +170,34 @@ def test_the_guard_set_is_the_same_first_demonstrations_every_step():
     off = cfg("algorithm.name=grpo", "algorithm.cold_start_steps=2", "guard.demonstrations=0")
     assert select_batch([], cfg=off, current_version=0, now=NOW, demonstrations=demos, step=0).guard == []
     assert select_batch([], cfg=c, current_version=0, now=NOW, step=0).guard == []  # no demonstrations, no guard
+
+
+def test_catch_up_sizes_steps_so_a_backlog_is_trained_before_it_goes_stale():
+    from services.trainer.batches import catch_up_size
+
+    c = cfg("train_batch_size=16", "staleness.max_staleness=4", "save_interval=1")
+    # The case: 800 rows of v0, Trainer at v0. Each has 4 - 0 + 1 = 5 steps left: 800 / 5 = 160.
+    assert catch_up_size([row(i) for i in range(800)], cfg=c, current_version=0, step=0) == 160
+    # No backlog: the plain batch.
+    assert catch_up_size([row(i) for i in range(20)], cfg=c, current_version=0, step=0) == 16
+    # 30 rows of v0 at v4 (1 step left) and 40 of v4 (5 steps): k=1 needs 30, k=5 needs ceil(70/5)=14: 30.
+    rows = [row(i, version=0) for i in range(30)] + [row(30 + i, version=4) for i in range(40)]
+    assert catch_up_size(rows, cfg=c, current_version=4, step=9) == 30
+    # Rows already stale or without a reward count for nothing.
+    rows = [row(i, version=0) for i in range(50)] + [row(50 + i, reward=None, version=4) for i in range(50)]
+    assert catch_up_size(rows, cfg=c, current_version=5, step=9) == 16
+    # save_interval 2, max_staleness 1, at step 3 (1 step until the next publication): v0 rows at v0
+    # have 1 + 1 * 2 = 3 steps left: 90 / 3 = 30.
+    c2 = cfg("train_batch_size=8", "staleness.max_staleness=1", "save_interval=2")
+    assert catch_up_size([row(i) for i in range(90)], cfg=c2, current_version=0, step=3) == 30
+    # Capped, and off with 0.
+    assert catch_up_size([row(i) for i in range(800)], cfg=cfg("staleness.catch_up_max_rows=100"), current_version=0,
+                         step=0) == 100
+    assert catch_up_size([row(i) for i in range(800)], cfg=cfg("staleness.catch_up_max_rows=0"), current_version=0,
+                         step=0) == 16
+
+
+def test_a_catch_up_batch_is_taken_oldest_first():
+    c = cfg("algorithm.name=ppo", "train_batch_size=40")
+    sel = select_batch([row(i) for i in range(100)], cfg=c, current_version=0, now=NOW)
+    assert [i.experience_id for i in sel.items] == [f"e{i}" for i in range(40)]
