@@ -8,6 +8,8 @@
     kaizen train    --config train.yaml [dotted.key=value ...]
     kaizen publish  --agent NAME --adapter DIR --checkpoints-root ROOT [--base-model PATH] [--max-rank N] [--note TEXT] [--candidate]
     kaizen rollback --agent NAME --checkpoints-root ROOT --buffer-url URL [--to N] [--reason TEXT]
+    kaizen key new  --name NAME [--scopes chat,feedback] [--agents a,b] [--requests-per-min N] [--tokens-per-min N]
+    kaizen key hash              (a key on standard input -> its sha256, for auth.keys)
 """
 
 from __future__ import annotations
@@ -178,7 +180,50 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the version to serve (N or vN; 0: the base model); default: the serving version's parent")
     p.add_argument("--reason", default=None, help="why, kept with the decision")
     p.set_defaults(func=_rollback)
+
+    p = sub.add_parser("key", help="make an API key for auth.keys (new), or hash one (hash)")
+    p.add_argument("action", choices=["new", "hash"])
+    p.add_argument("--name", help="who holds it (new)")
+    p.add_argument("--scopes", default="chat,feedback", help="comma-separated: chat, feedback, read, admin")
+    p.add_argument("--agents", default=None, help="comma-separated agents it may use (default: all)")
+    p.add_argument("--requests-per-min", type=int, default=None)
+    p.add_argument("--tokens-per-min", type=int, default=None)
+    p.set_defaults(func=_key)
     return parser
+
+
+def _key(args: argparse.Namespace) -> int:
+    import json
+
+    from services.explorer.access import key_digest, new_key
+    from services.explorer.config import SCOPES, ApiKeySection
+
+    if args.action == "hash":
+        key = sys.stdin.readline().strip()
+        if not key:
+            print("kaizen key hash: give the key on standard input", file=sys.stderr)
+            return 2
+        print(key_digest(key))
+        return 0
+    if not args.name:
+        print("kaizen key new: --name is required", file=sys.stderr)
+        return 2
+    entry = {"name": args.name, "sha256": "", "scopes": [s for s in args.scopes.split(",") if s]}
+    if args.agents:
+        entry["agents"] = [a for a in args.agents.split(",") if a]
+    for k in ("requests_per_min", "tokens_per_min"):
+        if getattr(args, k) is not None:
+            entry[k] = getattr(args, k)
+    key = new_key()
+    entry["sha256"] = key_digest(key)
+    try:
+        ApiKeySection.model_validate(entry)
+    except ValueError as e:
+        raise ConfigError(f"{e} (scopes: {', '.join(SCOPES)})") from None
+    print(f"key (shown once; give it to its holder, it is stored nowhere): {key}", file=sys.stderr)
+    print("auth.keys entry for the Explorer's config:", file=sys.stderr)
+    print("  - " + json.dumps(entry))
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -23,6 +23,7 @@ from typing import Any, Iterable, Iterator, Sequence
 from sqlalchemy import (
     JSON,
     BigInteger,
+    Boolean,
     Column,
     DateTime,
     Float,
@@ -85,9 +86,13 @@ experiences = Table(
     # Added after the first release: _migrate adds them to older databases (nullable, no default).
     Column("user_id", String(256), index=True),  # whose traffic this is (metadata.user_id or a header)
     Column("request_id", String(64)),  # the HTTP request that produced it (X-Request-Id, also in the logs)
+    Column("trainable", Boolean),  # false: never trained (consent, redaction); null: trainable
+    Column("privacy", JSON),  # redactions and consent: what was done to this record and why
+    Column("purged_at", DateTime(timezone=True)),  # when retention removed its raw text (purge_text)
 )
 
 # Index used by the Trainer's poll: committed rows of one agent in arrival order.
+Index("ix_experiences_created_purged", experiences.c.created_at, experiences.c.purged_at)
 Index("ix_experiences_agent_status_seq", experiences.c.agent, experiences.c.status, experiences.c.seq)
 
 trainer_steps = Table(
@@ -148,6 +153,14 @@ class UnknownIds(BufferError):
     def __init__(self, ids: Sequence[str]):
         self.ids = list(ids)
         super().__init__(f"unknown id(s): {', '.join(self.ids)}")
+
+
+class ForbiddenAgents(BufferError):
+    """The request names experiences of agents its API key may not use."""
+
+    def __init__(self, agents: Sequence[str]):
+        self.agents = sorted(agents)
+        super().__init__(f"this API key may not use agent(s) {', '.join(map(repr, self.agents))}")
 
 
 class AlreadyConsumed(BufferError):
@@ -398,11 +411,15 @@ def apply_feedback(
     feedback: dict[str, Any],
     task_id: str | None = None,
     run_id: str | None = None,
+    agents: Sequence[str] | None = None,
+    audit: dict[str, Any] | None = None,
 ) -> FeedbackResult:
     """Set the reward of every experience the ids name, all or nothing.
 
     Raises UnknownIds if any id names nothing, AlreadyConsumed if any experience was already
-    trained on (or discarded); in both cases nothing changes.
+    trained on (or discarded), ForbiddenAgents if ``agents`` is given and an experience belongs to
+    another agent; in each case nothing changes. ``audit``: a row for ``audit_log`` (actor, action,
+    target, details), written in the same transaction.
     """
     with write_transaction(engine) as conn:
         found = _resolve(conn, msg_ids, lock=True)
@@ -410,6 +427,7 @@ def apply_feedback(
         if unknown:
             raise UnknownIds(unknown)
         targets = sorted({e for rows in found.values() for e, _ in rows})
+        _check_agents(conn, targets, agents)
         frozen = sorted({e for rows in found.values() for e, s in rows if s in TERMINAL})
         if frozen:
             raise AlreadyConsumed(frozen)
@@ -431,17 +449,58 @@ def apply_feedback(
                 .where(base, experiences.c.status != ExperienceStatus.RECORDED.value)
                 .values(**values)
             )
+        _audit(conn, audit, count=len(targets))
     return FeedbackResult(experience_ids=targets)
 
 
+def _check_agents(conn: Connection, experience_ids: Sequence[str], agents: Sequence[str] | None) -> None:
+    if agents is None:
+        return
+    found: set[str] = set()
+    for chunk in iter_chunks(list(experience_ids), 500):
+        found.update(conn.scalars(select(experiences.c.agent).where(experiences.c.experience_id.in_(chunk)).distinct()))
+    if others := found - set(agents):
+        raise ForbiddenAgents(others)
+
+
+def _audit(conn: Connection, audit: dict[str, Any] | None, **details: Any) -> None:
+    if audit is not None:
+        conn.execute(insert(audit_log).values(
+            actor=audit["actor"], action=audit["action"], target=audit.get("target"),
+            details={**(audit.get("details") or {}), **details}, created_at=utcnow()))
+
+
+def record_audit(*, engine: Engine, actor: str, action: str, target: Any = None, details: dict[str, Any] | None = None) -> None:
+    """One row of the audit log (admin actions; feedback and commits write theirs in their own transaction)."""
+    with write_transaction(engine) as conn:
+        _audit(conn, {"actor": actor, "action": action, "target": target, "details": details})
+
+
+def list_audit(*, engine: Engine, limit: int = 100, actor: str | None = None, action: str | None = None) -> list[dict[str, Any]]:
+    """The newest ``limit`` audit rows, newest first."""
+    q = select(audit_log).order_by(audit_log.c.id.desc()).limit(limit)
+    if actor is not None:
+        q = q.where(audit_log.c.actor == actor)
+    if action is not None:
+        q = q.where(audit_log.c.action == action)
+    with engine.connect() as conn:
+        rows = [dict(r._mapping) for r in conn.execute(q)]
+    for r in rows:  # SQLite hands back naive datetimes: they were written in UTC
+        t = r["created_at"]
+        r["created_at"] = (t if t.tzinfo else t.replace(tzinfo=timezone.utc)).isoformat()
+    return rows
+
+
 def commit_experiences(
-    *, engine: Engine, task_id: str | None = None, msg_ids: Sequence[str] | None = None
+    *, engine: Engine, task_id: str | None = None, msg_ids: Sequence[str] | None = None,
+    agents: Sequence[str] | None = None, audit: dict[str, Any] | None = None,
 ) -> int:
     """Mark rewarded experiences committed (visible to the Trainer); returns how many.
 
     With ``msg_ids``, only the experiences they name (unknown ids raise UnknownIds and change
     nothing); with ``task_id``, only that task's; with neither, every rewarded experience. An
-    empty ``msg_ids`` names nothing and commits nothing.
+    empty ``msg_ids`` names nothing and commits nothing. ``agents``: only these agents' rows
+    (ids of another agent's raise ForbiddenAgents). ``audit``: as in ``apply_feedback``.
     """
     if msg_ids is not None and not msg_ids:
         return 0
@@ -449,12 +508,16 @@ def commit_experiences(
         conds = [experiences.c.status == ExperienceStatus.REWARDED.value]
         if task_id is not None:
             conds.append(experiences.c.task_id == task_id)
+        if agents is not None:
+            conds.append(experiences.c.agent.in_(list(agents)))
+        untrainable = experiences.c.trainable.is_(False)
         if msg_ids:
             found = _resolve(conn, msg_ids, lock=False)
             unknown = [i for i, rows in found.items() if not rows]
             if unknown:
                 raise UnknownIds(unknown)
             targets = {e for rows in found.values() for e, _ in rows}
+            _check_agents(conn, sorted(targets), agents)
         else:
             targets = set(conn.scalars(select(experiences.c.experience_id).where(and_(*conds))))
         # Lock first, in the common order, then update only what is still rewarded once locked.
@@ -462,12 +525,14 @@ def commit_experiences(
         chosen = sorted(e for e, (status, _) in locked.items() if status == ExperienceStatus.REWARDED.value)
         n = 0
         for chunk in iter_chunks(chosen, 500):
+            mine = and_(*conds, experiences.c.experience_id.in_(chunk))
             result = conn.execute(
-                update(experiences)
-                .where(and_(*conds), experiences.c.experience_id.in_(chunk))
-                .values(**_now_row(status=ExperienceStatus.COMMITTED.value))
+                update(experiences).where(mine, ~untrainable).values(**_now_row(status=ExperienceStatus.COMMITTED.value))
             )
             n += result.rowcount or 0
+            # Recorded for audit only (no consent, or redacted without ids): done with, never trained.
+            conn.execute(update(experiences).where(mine, untrainable).values(**_now_row(status=ExperienceStatus.DISCARDED.value)))
+        _audit(conn, audit, committed=n)
         return n
 
 
@@ -483,6 +548,62 @@ def get_experience(*, engine: Engine, experience_id: str) -> Experience | None:
             select(experiences).where(experiences.c.experience_id == experience_id)
         ).first()
     return _row_to_experience(row) if row else None
+
+
+# ---------------------------------------------------------------------------------------------
+# Governance: retention of raw text, and deleting a user's data.
+
+_PURGED_TEXT = dict(prompt_token_ids=[], response_token_ids=[], response_logprobs=[], messages=[], response={},
+                    tools=None)
+
+
+def purge_text(*, engine: Engine, before: datetime, limit: int = 5_000) -> int:
+    """Remove the raw text of experiences created before ``before``: messages, response, tools and
+    the token ids (which decode to the same text). Rewards, versions, agents, task and user ids,
+    statuses and lineage stay, so aggregates and ``trained_in`` still answer. Rows not trained yet
+    can no longer be, and become discarded. At most ``limit`` rows per call (call until it returns 0)."""
+    e = experiences.c
+    with write_transaction(engine) as conn:
+        ids = list(conn.scalars(select(e.experience_id).where(e.created_at < before, e.purged_at.is_(None))
+                                .order_by(e.seq).limit(limit)))
+        if not ids:
+            return 0
+        locked = _lock_rows(conn, ids)
+        now = utcnow()
+        for chunk in iter_chunks(sorted(locked), 500):
+            base = e.experience_id.in_(chunk)
+            conn.execute(update(experiences).where(base, e.status.in_(TERMINAL))
+                         .values(**_PURGED_TEXT, trainable=False, purged_at=now, updated_at=now))
+            conn.execute(update(experiences).where(base, e.status.notin_(TERMINAL))
+                         .values(**_PURGED_TEXT, trainable=False, purged_at=now, updated_at=now,
+                                 status=ExperienceStatus.DISCARDED.value))
+        return len(locked)
+
+
+def delete_user_data(*, engine: Engine, user_id: str, audit: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Delete every experience of ``user_id`` (whatever its status: not-yet-trained batches included;
+    a Trainer step that had read one is refused at its commit and retried without it). Returns
+    what was removed, by status and agent, and which published versions were already trained on
+    some of it (that cannot be taken out of an adapter; it is named so it can be retrained)."""
+    e = experiences.c
+    with write_transaction(engine) as conn:
+        rows = list(conn.execute(select(e.experience_id, e.status, e.agent, e.trained_in).where(e.user_id == user_id)))
+        _lock_rows(conn, [r.experience_id for r in rows])
+        by_status: dict[str, int] = {}
+        trained: dict[tuple[str, int], int] = {}
+        for r in rows:
+            by_status[r.status] = by_status.get(r.status, 0) + 1
+            if r.status == ExperienceStatus.CONSUMED.value and r.trained_in is not None:
+                trained[(r.agent, r.trained_in)] = trained.get((r.agent, r.trained_in), 0) + 1
+        for chunk in iter_chunks([r.experience_id for r in rows], 500):
+            conn.execute(experiences.delete().where(e.experience_id.in_(chunk)))
+        report = {
+            "user_id": user_id, "deleted": len(rows), "by_status": by_status,
+            "in_published_versions": [{"agent": a, "version": v, "experiences": n} for (a, v), n in sorted(trained.items())],
+        }
+        _audit(conn, audit, deleted=len(rows), by_status=by_status,
+               in_published_versions=report["in_published_versions"])
+        return report
 
 
 def list_experiences(
@@ -548,6 +669,15 @@ def count_by_status(*, engine: Engine, agent: str | None = None) -> dict[str, in
         q = q.where(experiences.c.agent == agent)
     with engine.connect() as conn:
         return {status: n for status, n in conn.execute(q)}
+
+
+def committed_backlog(*, engine: Engine) -> dict[str, int]:
+    """Committed rollouts waiting for the Trainer, per agent (demonstrations, which stay committed, aside)."""
+    e = experiences.c
+    q = (select(e.agent, func.count()).where(e.status == ExperienceStatus.COMMITTED.value, ~_DEMONSTRATION)
+         .group_by(e.agent))
+    with engine.connect() as conn:
+        return {agent: n for agent, n in conn.execute(q)}
 
 
 # ---------------------------------------------------------------------------------------------

@@ -56,6 +56,11 @@ class Experience(BaseModel):
     updated_at: datetime | None = None
     user_id: str | None = Field(default=None, description="Whose traffic this is (metadata.user_id or X-User-Id).")
     request_id: str | None = Field(default=None, description="The HTTP request that produced it (X-Request-Id).")
+    trainable: bool | None = Field(
+        default=None, description="False: recorded for audit, never trained (no consent, or redacted without its ids).")
+    privacy: dict[str, Any] | None = Field(
+        default=None, description="What was done for privacy: redacted patterns, ids dropped, consent.")
+    purged_at: datetime | None = Field(default=None, description="When retention removed its raw text.")
 
 
 @dataclass(frozen=True)

@@ -234,6 +234,13 @@ class AdapterRegistry:
             return self.default_agent
         return model if model in self.agents else None
 
+    def agent_named(self, model: str) -> str | None:
+        """The agent a model name belongs to, pinned names (``agent@vN``) included; None: unknown."""
+        if (agent := self.agent_of(model)) is not None:
+            return agent
+        m = _PINNED.match(model)
+        return m["agent"] if m else None
+
     def resolve(self, model: str, route_key: str | None = None) -> tuple[str, AdapterHandle | None, int | None]:
         """(agent, handle or None if a pinned version must be loaded first, pinned version).
         ``route_key`` (the call's task_id) decides whether a canary's candidate serves it."""

@@ -12,17 +12,21 @@ import logging
 import secrets
 import time
 from dataclasses import dataclass, field
+from datetime import datetime, timedelta, timezone
 from pathlib import Path
 from fastapi import Depends, FastAPI
 from sqlalchemy.engine import Engine as DBEngine
 
+from services.common import buffer
 from services.common.buffer import create_buffer_engine
 from services.common.config import dump_config
 from services.explorer.adapters import AdapterRegistry
 from services.explorer.completions import CompletionsService
 from services.explorer.config import ExplorerConfig
 from services.explorer.demonstrations import DemonstrationService
-from services.explorer.deps import require_api_key
+from services.explorer.access import Access
+from services.explorer.backpressure import Backpressure
+from services.explorer.deps import authenticate, require
 from services.explorer.engines import Engine, build_engine
 from services.explorer.edge import EdgeMiddleware
 from services.explorer.errors import install_error_handlers
@@ -33,7 +37,9 @@ from services.explorer.recorder import Recorder
 from services.explorer.messages import MessagesService
 from services.explorer.release import ReleaseController
 from services.explorer.responses import ResponsesService
-from services.explorer.routes import chat, demonstrations, experiences, feedback, health, models, releases, translated
+from services.explorer.routes import (
+    chat, demonstrations, experiences, feedback, health, models, privacy, releases, translated,
+)
 from services.explorer.service import ChatService
 
 log = logging.getLogger(__name__)
@@ -53,7 +59,7 @@ class ExplorerState:
     feedback: FeedbackService
     demonstrations: DemonstrationService
     releases: ReleaseController
-    api_keys: list[bytes]
+    access: Access
     started_at: float = field(default_factory=time.time)
     tasks: list[asyncio.Task] = field(default_factory=list)
     served_at: str | None = None  # http://host:port of the first request's socket (the release gate calls itself there)
@@ -64,6 +70,23 @@ class ExplorerState:
         if self.served_at:
             return self.served_at
         return f"http://127.0.0.1:{self.config.server.port}" if self.config.server.port else None
+
+
+async def _retention(state: ExplorerState) -> None:
+    """privacy.retention_days: purge the raw text of older experiences now and every purge_interval_s."""
+    cfg = state.config.privacy
+    while True:
+        cutoff = datetime.now(timezone.utc) - timedelta(days=cfg.retention_days)
+        total = 0
+        try:
+            while n := await asyncio.to_thread(buffer.purge_text, engine=state.db, before=cutoff):
+                total += n
+        except Exception:  # the buffer may be down: try again next time
+            log.exception("retention: purging text older than %s failed", cutoff.isoformat())
+        if total:
+            state.metrics.purged_experiences.inc(total)
+            log.info("retention: purged the text of %d experiences recorded before %s", total, cutoff.isoformat())
+        await asyncio.sleep(cfg.purge_interval_s)
 
 
 def create_app(config: ExplorerConfig, *, engine: Engine | None = None) -> FastAPI:
@@ -116,8 +139,15 @@ def create_app(config: ExplorerConfig, *, engine: Engine | None = None) -> FastA
         releases=ReleaseController(release=config.release, root=config.checkpoints.root, registry=registry, db=db,
                                    metrics=metrics, episodes=chat_service.episodes, api_key=internal_key,
                                    base_url=self_url),
-        api_keys=[k.encode() for k in config.auth.api_keys] + ([internal_key.encode()] if config.auth.api_keys else []),
+        access=Access(config.auth, internal_key=internal_key),
     )
+    chat_service.quotas = state.access.quotas
+    backpressure = Backpressure(config.backpressure, db=db, metrics=metrics)
+    if backpressure.enabled:
+        chat_service.backpressure = backpressure
+    if config.auth.api_keys:
+        log.warning("auth.api_keys holds %d plain keys with every scope; auth.keys stores keys hashed, with scopes "
+                    "(kaizen key new)", len(config.auth.api_keys))
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -128,6 +158,10 @@ def create_app(config: ExplorerConfig, *, engine: Engine | None = None) -> FastA
         if config.reload.enabled:
             state.tasks.append(asyncio.create_task(registry.watch(config.reload.poll_interval_s), name="adapter-watch"))
             state.tasks.append(asyncio.create_task(state.releases.run(), name="release-controller"))
+        if backpressure.enabled:
+            state.tasks.append(asyncio.create_task(backpressure.run(), name="backpressure"))
+        if config.privacy.retention_days is not None:
+            state.tasks.append(asyncio.create_task(_retention(state), name="retention"))
         try:
             yield
         finally:
@@ -143,11 +177,14 @@ def create_app(config: ExplorerConfig, *, engine: Engine | None = None) -> FastA
     app = FastAPI(title="Kaizen Explorer", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.kaizen = state
     install_error_handlers(app)
-    auth = [Depends(require_api_key)]
     app.include_router(health.router)  # /health alone needs no key
-    for r in (chat.router, translated.router, feedback.router, demonstrations.router, experiences.router, models.router,
-              releases.router, health.metrics_router):
-        app.include_router(r, dependencies=auth)
+    scoped = {"chat": (chat.router, translated.router), "feedback": (feedback.router, demonstrations.router),
+              "read": (experiences.router, health.metrics_router), ("chat", "read"): (models.router,)}
+    for scopes, routers in scoped.items():
+        for r in routers:
+            app.include_router(r, dependencies=[Depends(require(*((scopes,) if isinstance(scopes, str) else scopes)))])
+    for r in (releases.router, privacy.router):  # scopes per route: read, admin
+        app.include_router(r, dependencies=[Depends(authenticate)])
     server = config.server
     app.add_middleware(EdgeMiddleware, max_body_bytes=server.max_body_bytes, body_timeout_s=server.body_timeout_s,
                        max_concurrent=server.max_concurrent_requests, metrics=metrics, state=state)

@@ -98,8 +98,45 @@ class ServerSection(ConfigModel):
     )
 
 
+SCOPES = ("chat", "feedback", "read", "admin")
+
+
+class ApiKeySection(ConfigModel):
+    """One API key, stored as its SHA-256 (``kaizen key new`` makes a key and prints this entry)."""
+
+    name: str = Field(min_length=1, max_length=128, description="Who holds it: the audit log and metrics name it.")
+    sha256: str = Field(pattern=r"^[0-9a-f]{64}$", description="Hex SHA-256 of the key; the key itself is never stored.")
+    scopes: list[Literal["chat", "feedback", "read", "admin"]] = Field(
+        default_factory=lambda: ["chat", "feedback"],
+        description="chat: the model APIs and /v1/models; feedback: /feedback, /commit, /demonstrations; read: "
+        "/experiences, /versions, /metrics, /openapi.json, /v1/models; admin: /admin/* (rollback, release decisions, "
+        "the audit log) and deleting experiences.",
+    )
+    agents: list[str] | None = Field(default=None, description="The agents it may use (chat, feedback, commits); absent: all.")
+    requests_per_min: int | None = Field(default=None, ge=1, description="Requests a minute before 429 (absent: no limit).")
+    tokens_per_min: int | None = Field(
+        default=None, ge=1, description="Prompt and completion tokens a minute before 429 (absent: no limit).")
+    train: bool = Field(default=True, description="Whether its traffic may be trained on (metadata.train overrides per request).")
+
+
 class AuthSection(ConfigModel):
-    api_keys: list[str] = Field(default_factory=list, description="Accepted bearer keys; empty: no auth.")
+    keys: list[ApiKeySection] = Field(default_factory=list, description="API keys, hashed, with scopes, agents and quotas.")
+    api_keys: list[str] = Field(
+        default_factory=list,
+        description="Plain keys with every scope (older configs; prefer keys, which are stored hashed). Empty, with "
+        "no keys either: no auth.",
+    )
+
+    @model_validator(mode="after")
+    def _unique(self) -> "AuthSection":
+        names = [k.name for k in self.keys]
+        if len(set(names)) != len(names):
+            raise ValueError("auth.keys: each key needs a name of its own")
+        for k in self.keys:
+            for agent in k.agents or ():
+                if not AGENT_NAME.match(agent):
+                    raise ValueError(f"auth.keys[{k.name}].agents: invalid agent name {agent!r}")
+        return self
 
 
 class AgentsSection(ConfigModel):
@@ -167,6 +204,47 @@ class RecorderSection(ConfigModel):
         return Path("kaizen-journal")
 
 
+class PrivacySection(ConfigModel):
+    """What the buffer keeps of users' traffic (services/explorer/privacy.py)."""
+
+    redact: list[Literal["email", "phone", "card"]] = Field(
+        default_factory=list,
+        description="Built-in patterns replaced in the stored messages and response text: e-mail addresses, phone "
+        "numbers (9+ digits with separators or a +), card numbers (13-19 digits passing the Luhn check).",
+    )
+    redactor: str | None = Field(
+        default=None, description="module:function, (text: str) -> str, applied after the built-in patterns.")
+    redacted_ids: Literal["drop", "keep"] = Field(
+        default="drop",
+        description="An experience whose text a redaction changed: drop (its token ids and logprobs are not stored, "
+        "since they decode to the unredacted text, and it is never trained) or keep (ids stored as generated and "
+        "trained on; its privacy record says the text and ids differ).",
+    )
+    user_id_header: str = Field(default="x-user-id", description="Header naming the user (metadata.user_id wins).")
+    retention_days: float | None = Field(
+        default=None, gt=0,
+        description="Raw text (messages, responses, token ids) of experiences older than this is purged; rewards, "
+        "versions and lineage stay. Absent: kept.",
+    )
+    purge_interval_s: float = Field(default=3600.0, gt=0, description="How often retention runs.")
+
+
+class BackpressureSection(ConfigModel):
+    """What the Explorer does with an agent's traffic while its Trainer is far behind."""
+
+    max_backlog: int | None = Field(
+        default=None, ge=1,
+        description="Committed experiences waiting for the Trainer (per agent) beyond which the agent is under "
+        "back-pressure. Absent: never.",
+    )
+    mode: Literal["reject", "unrecorded"] = Field(
+        default="reject",
+        description="reject: its chats get 429 with Retry-After (clients back off; nothing is recorded that would go "
+        "stale); unrecorded: they are answered but not recorded (answers say X-Kaizen-Recorded: false).",
+    )
+    check_interval_s: float = Field(default=5.0, gt=0, description="How often the backlog is counted.")
+
+
 class ExplorerConfig(ConfigModel):
     model: ModelSection
     engine: EngineSection = Field(default_factory=EngineSection)
@@ -178,3 +256,5 @@ class ExplorerConfig(ConfigModel):
     reload: ReloadSection = Field(default_factory=ReloadSection)
     recorder: RecorderSection = Field(default_factory=RecorderSection)
     release: ReleaseSection = Field(default_factory=ReleaseSection)
+    privacy: PrivacySection = Field(default_factory=PrivacySection)
+    backpressure: BackpressureSection = Field(default_factory=BackpressureSection)

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-import hmac
+import math
 from typing import TYPE_CHECKING, Annotated
 
 from fastapi import Depends, Request
 
+from services.explorer.access import Access, Principal
 from services.explorer.errors import APIError
 from services.explorer.completions import CompletionsService
 from services.explorer.feedback import FeedbackService
@@ -47,23 +48,48 @@ async def get_releases(request: Request) -> "ReleaseController":
     return request.app.state.kaizen.releases
 
 
-async def require_api_key(request: Request) -> None:
-    keys: list[bytes] = request.app.state.kaizen.api_keys
-    if not keys:
-        return
-    header = request.headers.get("authorization", "")
-    scheme, _, token = header.partition(" ")
-    if scheme.lower() != "bearer" or not token:
-        token = request.headers.get("x-api-key", "")  # Anthropic's clients send their key so
-    if not token:
-        raise APIError(401, "missing API key: send Authorization: Bearer <key> (or X-Api-Key: <key>)",
-                       code="invalid_api_key")
-    presented = token.strip().encode()
-    ok = False
-    for key in keys:  # compare with every key, in constant time each, so timing reveals nothing
-        ok |= hmac.compare_digest(presented, key)
-    if not ok:
-        raise APIError(401, "incorrect API key", code="invalid_api_key")
+async def authenticate(request: Request) -> Principal:
+    """The caller, from ``Authorization: Bearer <key>`` (or ``X-Api-Key``, as Anthropic's clients
+    send it); 401 without a valid key, 429 when its request quota is spent. Without configured keys
+    everyone is the anonymous principal with every scope."""
+    state = request.app.state.kaizen
+    access: Access = state.access
+    if not access.enabled:
+        principal = access.anonymous
+    else:
+        header = request.headers.get("authorization", "")
+        scheme, _, token = header.partition(" ")
+        if scheme.lower() != "bearer" or not token:
+            token = request.headers.get("x-api-key", "")
+        if not token:
+            raise APIError(401, "missing API key: send Authorization: Bearer <key> (or X-Api-Key: <key>)",
+                           code="invalid_api_key")
+        principal = access.identify(token)
+        if principal is None:
+            raise APIError(401, "incorrect API key", code="invalid_api_key")
+    wait = access.quotas.admit(principal)
+    if wait is not None:
+        state.metrics.quota_refusals.labels(principal.name).inc()
+        raise APIError(429, f"the quota of API key {principal.name!r} is spent for now; retry in {math.ceil(wait)} s",
+                       code="rate_limit_exceeded", headers={"Retry-After": str(max(1, math.ceil(wait)))})
+    request.state.principal = principal
+    return principal
+
+
+PrincipalDep = Annotated[Principal, Depends(authenticate)]
+
+
+def require(*scopes: str):
+    """A dependency: the caller's key holds one of ``scopes`` (403 otherwise)."""
+
+    async def check(principal: PrincipalDep) -> Principal:
+        if not principal.scopes.intersection(scopes):
+            need = " or ".join(repr(s) for s in scopes)
+            raise APIError(403, f"API key {principal.name!r} lacks the {need} scope this endpoint needs",
+                           code="insufficient_scope")
+        return principal
+
+    return check
 
 
 StateDep = Annotated["ExplorerState", Depends(get_state)]

@@ -12,7 +12,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from sqlalchemy.exc import DBAPIError, InterfaceError, OperationalError
 from starlette.responses import JSONResponse
 
-from services.common.buffer import AlreadyConsumed, UnknownIds
+from services.common.buffer import AlreadyConsumed, ForbiddenAgents, UnknownIds
 from services.explorer.engines.base import EngineError, EngineOverloaded
 from services.explorer.recorder import RecordsNotWritten, RecordsSetAside
 
@@ -115,6 +115,10 @@ def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(UnknownIds)
     async def _unknown(_: Request, exc: UnknownIds):
         return error_response(404, str(exc), param="msg_ids", code="unknown_id")
+
+    @app.exception_handler(ForbiddenAgents)
+    async def _forbidden(_: Request, exc: ForbiddenAgents):
+        return error_response(403, f"{exc}; nothing was changed", param="msg_ids", code="agent_not_allowed")
 
     @app.exception_handler(AlreadyConsumed)
     async def _consumed(_: Request, exc: AlreadyConsumed):

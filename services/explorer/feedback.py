@@ -19,6 +19,7 @@ from sqlalchemy.engine import Engine
 from services.common import buffer
 from services.common.buffer import UnknownIds
 from services.common.ids import id_age_seconds
+from services.explorer.access import Principal, audit_entry, check_agent, ids_target
 from services.explorer.metrics import ExplorerMetrics
 from services.explorer.protocol import CommitRequest, FeedbackRequest
 from services.explorer.recorder import Recorder
@@ -50,8 +51,9 @@ class FeedbackService:
             await asyncio.sleep(delay)
             delay = min(delay * 2, 0.5)
 
-    async def feedback(self, req: FeedbackRequest) -> dict[str, Any]:
+    async def feedback(self, req: FeedbackRequest, principal: Principal) -> dict[str, Any]:
         if req.episode:
+            check_agent(principal, req.agent, "agent")
             ids = await self._episode(req.task_id, str(req.run_id), req.agent)
         else:
             ids = list(dict.fromkeys(req.msg_ids))
@@ -72,6 +74,9 @@ class FeedbackService:
             feedback=note,
             task_id=req.task_id,
             run_id=None if req.run_id is None else str(req.run_id),
+            agents=principal.agent_list,
+            audit=audit_entry(principal, "feedback", {"task_id": req.task_id, "run_id": req.run_id} if req.episode
+                              else ids_target(ids), reward=req.reward),
         )
         self._metrics.feedback.inc(len(result.experience_ids))
         return {"status": "success", "updated": len(result.experience_ids), "experience_ids": result.experience_ids}
@@ -85,11 +90,13 @@ class FeedbackService:
             raise UnknownIds([f"episode task_id={task_id!r} run_id={run_id!r}" + (f" agent={agent!r}" if agent else "")])
         return ids
 
-    async def commit(self, req: CommitRequest) -> dict[str, Any]:
+    async def commit(self, req: CommitRequest, principal: Principal) -> dict[str, Any]:
         # Without ids, nothing in flight can qualify: only rewarded rows commit, and a reward
         # is only ever set on a row that is already written.
         if req.msg_ids:
             await self._settle(list(req.msg_ids))
-        n = await asyncio.to_thread(buffer.commit_experiences, engine=self._db, task_id=req.task_id, msg_ids=req.msg_ids)
+        target = ids_target(list(req.msg_ids)) if req.msg_ids else {"task_id": req.task_id}
+        n = await asyncio.to_thread(buffer.commit_experiences, engine=self._db, task_id=req.task_id, msg_ids=req.msg_ids,
+                                    agents=principal.agent_list, audit=audit_entry(principal, "commit", target))
         self._metrics.committed.inc(n)
         return {"status": "success", "committed": n}

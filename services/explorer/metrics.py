@@ -12,6 +12,17 @@ class ExplorerMetrics:
         r = self.registry = CollectorRegistry()
         self.requests = Counter("kaizen_requests", "HTTP requests by route and status", ["route", "status"], registry=r)
         self.completions = Counter("kaizen_completions", "Chat completions served", ["agent"], registry=r)
+        self.backlog = Gauge("kaizen_backlog", "Committed experiences waiting for the Trainer", ["agent"], registry=r)
+        self.backpressure = Gauge("kaizen_backpressure", "1 while the agent is under back-pressure (mode: reject or "
+                                  "unrecorded)", ["agent", "mode"], registry=r)
+        self.unrecorded = Counter("kaizen_unrecorded_completions", "Answers not recorded (back-pressure)", ["agent"],
+                                  registry=r)
+        self.purged_experiences = Counter("kaizen_purged_experiences", "Experiences whose raw text retention purged",
+                                          registry=r)
+        self.deleted_experiences = Counter("kaizen_deleted_experiences", "Experiences deleted on request (user data)",
+                                           registry=r)
+        self.quota_refusals = Counter("kaizen_quota_refusals", "Requests refused with 429 by their API key's quota", ["key"],
+                                      registry=r)
         self.prompt_tokens = Counter("kaizen_prompt_tokens", "Prompt tokens consumed", ["agent"], registry=r)
         self.completion_tokens = Counter("kaizen_completion_tokens", "Tokens generated", ["agent"], registry=r)
         self.latency = Histogram(

@@ -171,6 +171,10 @@ class ResponsesService:
         exp = await asyncio.to_thread(buffer.get_experience, engine=self._db, experience_id=eid)
         if exp is None:
             raise APIError(404, f"no response {response_id!r}", param="previous_response_id", code="response_not_found")
+        if exp.purged_at is not None:
+            raise APIError(404, f"response {response_id!r} is past the retention period (privacy.retention_days): its "
+                           "text was purged", param="previous_response_id", code="response_not_found")
+        # With privacy.redact on, the stored turns are the redacted ones, and so is what continues from them.
         reply = {k: v for k, v in exp.response.items() if k in ("role", "content", "tool_calls")}
         return [*exp.messages, reply]
 

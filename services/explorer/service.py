@@ -11,6 +11,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import math
 import time
 from datetime import datetime, timezone
 from dataclasses import dataclass, field
@@ -23,12 +24,15 @@ from services.common import grammar
 from services.common.grammar import GrammarError
 from services.common.ids import experience_id, new_id
 from services.common.records import Experience
+from services.explorer.access import Principal, Quotas, check_agent
+from services.explorer.backpressure import Backpressure
 from services.explorer.adapters import AdapterHandle, AdapterRegistry, UnknownModel
 from services.explorer.config import ExplorerConfig
 from services.explorer.engines.base import ChoiceUpdate, Engine, GenerateRequest, SamplingParams
 from services.explorer.episodes import EpisodePins
 from services.explorer.errors import APIError, error_body, logged_error
 from services.explorer.metrics import ExplorerMetrics
+from services.explorer.privacy import Redactor, consent
 from services.explorer.protocol import (
     ChatCompletion,
     ChatCompletionChunk,
@@ -66,6 +70,11 @@ class PreparedChat:
     run_id: str | None
     episode_pin: bool = True  # serve the version this episode's first call used
     id_prefix: str = "chatcmpl"  # of the completion id (the Responses API's are resp_...)
+    principal: Principal | None = None  # the caller's key (admit): its agents and token quota
+    user_id: str | None = None  # metadata.user_id or the privacy.user_id_header header
+    request_id: str | None = None  # X-Request-Id, when the client sent one
+    train: bool = True  # consent: False records for audit only (metadata.train, or the key's default)
+    record: bool = True  # False: answered, not recorded (back-pressure in mode unrecorded)
 
 
 @dataclass
@@ -145,6 +154,11 @@ def _prompt_chars(messages: list[dict[str, Any]], tools: list[dict[str, Any]] | 
     return n
 
 
+def recorded_header(p: "PreparedChat") -> dict[str, str]:
+    """Answers that are not recorded say so (their experience ids take no feedback)."""
+    return {} if p.record else {"X-Kaizen-Recorded": "false"}
+
+
 async def off_loop(prepare: Callable[..., "PreparedChat"], body: Any, headers: Mapping[str, str]) -> "PreparedChat":
     """``prepare(body, headers)``; on a worker thread when the body is large, since rendering and
     tokenizing a big prompt takes long enough to stall every other request on the event loop."""
@@ -168,6 +182,25 @@ def _grouping(req: ChatCompletionRequest, headers: Mapping[str, str]) -> tuple[s
             check_storable(value, f"metadata.{name}")  # headers too
         out.append(value)
     return out[0], out[1]
+
+
+def _identifier(value: Any, param: str, limit: int) -> str | None:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (str, int)):
+        raise APIError(400, f"{param} must be a string or an integer", param=param)
+    value = str(value)
+    if len(value) > limit:
+        raise APIError(400, f"{param} is {len(value)} characters long; at most {limit} are allowed", param=param)
+    check_storable(value, param)
+    return value
+
+
+def _user_id(req: ChatCompletionRequest, headers: Mapping[str, str], header: str) -> str | None:
+    meta = req.metadata or {}
+    if "user_id" in meta:
+        return _identifier(meta["user_id"], "metadata.user_id", 256)
+    return _identifier(headers.get(header), header, 256)
 
 
 def _response_grammar(req: ChatCompletionRequest, tools: list[dict[str, Any]] | None, tool_choice: Any) -> str | None:
@@ -229,11 +262,31 @@ class ChatService:
         self.registry = registry
         self.recorder = recorder
         self.metrics = metrics
+        self.quotas: Quotas | None = None  # the API keys' token quotas (app.py sets them)
+        self.redactor = Redactor(config.privacy)
+        self.backpressure: Backpressure | None = None  # app.py sets it when backpressure.max_backlog is set
         r = config.reload
         self.episodes = EpisodePins(ttl_s=r.episode_pin_s, max_episodes=r.episode_pin_max)
         registry.held_versions = self.episodes.held
 
     # ------------------------------------------------------------------ preparation
+
+    def admit(self, p: PreparedChat, principal: Principal) -> PreparedChat:
+        """403 when the caller's key may not use the agent ``p`` names; its tokens will count
+        against the key's quota."""
+        agent = self.registry.agent_named(p.model)
+        check_agent(principal, agent)
+        p.principal = principal
+        p.train = consent(p.request.metadata, principal.train)
+        bp = self.backpressure
+        if bp is not None and agent in bp.active and principal.name != "release-gate":
+            if bp.cfg.mode == "reject":
+                wait = max(1, math.ceil(bp.cfg.check_interval_s))
+                raise APIError(429, f"agent {agent!r} is under back-pressure: its Trainer is far behind (more than "
+                               f"{bp.cfg.max_backlog} committed experiences wait); retry later", code="trainer_behind",
+                               headers={"Retry-After": str(wait)})
+            p.record = False
+        return p
 
     def prepare(self, req: ChatCompletionRequest, headers: Mapping[str, str]) -> PreparedChat:
         self._check(req)
@@ -338,7 +391,9 @@ class ChatService:
         return PreparedChat(
             request=req, model=req.model, messages=messages, tools=tools, parse_tools=bool(tools), prompt_ids=prompt_ids,
             params=params, n=req.n or 1, task_id=task_id, run_id=run_id, episode_pin=_episode_pin(req, headers),
-            id_prefix=id_prefix,
+            id_prefix=id_prefix, user_id=_user_id(req, headers, self.config.privacy.user_id_header),
+            request_id=_identifier(headers.get("x-request-id"), "X-Request-Id", 64),
+            train=consent(req.metadata, True),
         )
 
     @staticmethod
@@ -410,7 +465,9 @@ class ChatService:
 
     def _record(self, p: PreparedChat, handle: AdapterHandle, completion_id: str, choices: list[_Choice],
                 messages_out: list[ResponseMessage], leased_at: datetime) -> None:
-        if self.config.recorder.enabled:
+        if not p.record:
+            self.metrics.unrecorded.labels(handle.agent).inc()
+        elif self.config.recorder.enabled:
             t0 = time.perf_counter()
             self.recorder.record(self._records(p, handle, completion_id, choices, messages_out, leased_at))
             self.metrics.record_handoff.observe(time.perf_counter() - t0)
@@ -422,7 +479,7 @@ class ChatService:
         """One record per choice; created_at is when the version was leased, so ordering by it
         orders experiences by the version that produced them."""
         sampling = p.params.as_record()
-        return [
+        records = [
             Experience(
                 experience_id=experience_id(completion_id, c.index),
                 completion_id=completion_id,
@@ -439,15 +496,23 @@ class ChatService:
                 finish_reason=c.finish_reason,
                 sampling=sampling,
                 created_at=leased_at,
+                user_id=p.user_id,
+                request_id=p.request_id,
+                trainable=None if p.train else False,
+                privacy=None if p.train else {"train": False},
             )
             for c, msg in zip(choices, messages_out)
         ]
+        return [self.redactor.apply(e) for e in records] if self.redactor.enabled else records
 
     def _account(self, handle: AdapterHandle, p: PreparedChat, choices: list[_Choice], t0: float, stream: bool) -> None:
         m = self.metrics
         m.completions.labels(handle.agent).inc()
         m.prompt_tokens.labels(handle.agent).inc(len(p.prompt_ids))
-        m.completion_tokens.labels(handle.agent).inc(sum(len(c.token_ids) for c in choices))
+        completion = sum(len(c.token_ids) for c in choices)
+        m.completion_tokens.labels(handle.agent).inc(completion)
+        if p.principal is not None and self.quotas is not None:
+            self.quotas.charge_tokens(p.principal, len(p.prompt_ids) + completion)
         m.latency.labels("true" if stream else "false").observe(time.perf_counter() - t0)
 
     def _engine_request(self, p: PreparedChat, handle: AdapterHandle, completion_id: str, stream: bool) -> GenerateRequest:

@@ -8,7 +8,8 @@ from fastapi import APIRouter, Query
 
 from services.common import buffer
 from services.common.records import ExperienceStatus
-from services.explorer.deps import StateDep
+from services.explorer.access import check_agent
+from services.explorer.deps import PrincipalDep, StateDep
 from services.explorer.errors import APIError
 from services.explorer.protocol import check_storable
 
@@ -16,11 +17,11 @@ router = APIRouter()
 
 
 @router.get("/experiences/{experience_id}")
-async def get_experience(experience_id: str, k: StateDep):
+async def get_experience(experience_id: str, k: StateDep, principal: PrincipalDep):
     check_storable(experience_id, "experience_id")
     await k.recorder.wait_written([experience_id], k.config.recorder.feedback_wait_s)
     exp = await asyncio.to_thread(buffer.get_experience, engine=k.db, experience_id=experience_id)
-    if exp is None:
+    if exp is None or not principal.may_use(exp.agent):  # another agent's: as if it did not exist
         raise APIError(404, f"no experience {experience_id!r}", param="experience_id", code="unknown_id")
     return exp.model_dump(mode="json")
 
@@ -28,6 +29,7 @@ async def get_experience(experience_id: str, k: StateDep):
 @router.get("/experiences")
 async def list_experiences(
     k: StateDep,
+    principal: PrincipalDep,
     task_id: str | None = None,
     status: str | None = None,
     agent: str | None = None,
@@ -37,6 +39,10 @@ async def list_experiences(
     order: str = "asc",
 ):
     check_storable({"task_id": task_id, "agent": agent, "completion_id": completion_id}, "query")
+    if principal.agents is not None and agent is None:
+        raise APIError(403, f"API key {principal.name!r} may read only agents {principal.agent_list}: pass agent=",
+                       param="agent", code="agent_not_allowed")
+    check_agent(principal, agent, "agent")
     if status is not None and status not in {s.value for s in ExperienceStatus}:
         allowed = ", ".join(s.value for s in ExperienceStatus)
         raise APIError(400, f"unknown status {status!r}; use one of {allowed}", param="status")

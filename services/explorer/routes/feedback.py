@@ -4,17 +4,17 @@ from __future__ import annotations
 
 from fastapi import APIRouter, Body
 
-from services.explorer.deps import FeedbackDep
+from services.explorer.deps import FeedbackDep, PrincipalDep
 from services.explorer.protocol import CommitRequest, FeedbackRequest
 
 router = APIRouter()
 
 
 @router.post("/feedback")
-async def feedback(body: FeedbackRequest, service: FeedbackDep):
-    return await service.feedback(body)
+async def feedback(body: FeedbackRequest, service: FeedbackDep, principal: PrincipalDep):
+    return await service.feedback(body, principal)
 
 
 @router.post("/commit")
-async def commit(service: FeedbackDep, body: CommitRequest | None = Body(default=None)):
-    return await service.commit(body or CommitRequest())
+async def commit(service: FeedbackDep, principal: PrincipalDep, body: CommitRequest | None = Body(default=None)):
+    return await service.commit(body or CommitRequest(), principal)

@@ -8,34 +8,36 @@ import inspect
 from fastapi import APIRouter, Request
 from starlette.responses import JSONResponse, StreamingResponse
 
-from services.explorer.deps import CompletionsDep, MessagesDep, ResponsesDep
-from services.explorer.service import off_loop
+from services.explorer.access import Principal
+from services.explorer.deps import CompletionsDep, MessagesDep, PrincipalDep, ResponsesDep
+from services.explorer.service import off_loop, recorded_header
 from services.explorer.protocol import CompletionRequest, MessagesRequest, ResponsesRequest
 
 router = APIRouter()
 
 
-async def _answer(service, body, request: Request):
+async def _answer(service, body, request: Request, principal: Principal):
     if inspect.iscoroutinefunction(service.prepare):
         prepared = await service.prepare(body, request.headers)  # it moves its own heavy part off the loop
     else:
         prepared = await off_loop(service.prepare, body, request.headers)
+    service.chat.admit(prepared, principal)
     if body.stream:
         return StreamingResponse(await service.stream(body, prepared), media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-    return JSONResponse(await service.complete(body, prepared, receive=request.receive))
+                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no", **recorded_header(prepared)})
+    return JSONResponse(await service.complete(body, prepared, receive=request.receive), headers=recorded_header(prepared))
 
 
 @router.post("/v1/responses")
-async def create_response(body: ResponsesRequest, request: Request, responses: ResponsesDep):
-    return await _answer(responses, body, request)
+async def create_response(body: ResponsesRequest, request: Request, responses: ResponsesDep, principal: PrincipalDep):
+    return await _answer(responses, body, request, principal)
 
 
 @router.post("/v1/messages")
-async def create_message(body: MessagesRequest, request: Request, messages: MessagesDep):
-    return await _answer(messages, body, request)
+async def create_message(body: MessagesRequest, request: Request, messages: MessagesDep, principal: PrincipalDep):
+    return await _answer(messages, body, request, principal)
 
 
 @router.post("/v1/completions")
-async def create_completion(body: CompletionRequest, request: Request, completions: CompletionsDep):
-    return await _answer(completions, body, request)
+async def create_completion(body: CompletionRequest, request: Request, completions: CompletionsDep, principal: PrincipalDep):
+    return await _answer(completions, body, request, principal)

@@ -233,7 +233,7 @@ def test_rollback_by_hand_under_load_loses_no_request(make_explorer, tmp_path, a
         t.join(60)
     assert r.status_code == 200, r.text
     body = r.json()
-    assert body["serving"] == 1 and body["decision"]["decision"] == "rolled_back" and body["decision"]["by"] == "admin"
+    assert body["serving"] == 1 and body["decision"]["decision"] == "rolled_back" and body["decision"]["by"] == "admin:anonymous"
     assert failures == [] and len(log) > mark + 4
     assert {text for _, text in log[mark + 4:]} == {RIGHT}  # requests after the answer (bar those already running) get v1
     assert checkpoints.read_latest(root, "guide") == 1

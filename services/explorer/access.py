@@ -1,0 +1,152 @@
+"""Who may call what: API keys with scopes, the agents they may use, and per-key quotas.
+
+Keys are configured as SHA-256 digests (``auth.keys``; ``kaizen key new`` makes one). A presented
+key is hashed and compared with every configured digest in constant time, so neither the config
+nor the timing reveals a key. Each route needs a scope (``chat``, ``feedback``, ``read``,
+``admin``); a key limited to some agents gets 403 for any other agent's model or experiences. Quotas
+are token buckets per key (requests and tokens a minute), refilled continuously; an empty bucket
+answers 429 with the seconds until it holds enough again in Retry-After.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import secrets
+import threading
+import time
+from dataclasses import dataclass, field
+
+from services.explorer.config import SCOPES, AuthSection
+from services.explorer.errors import APIError
+
+ANONYMOUS = "anonymous"  # the actor when no keys are configured
+
+
+def key_digest(key: str) -> str:
+    return hashlib.sha256(key.strip().encode()).hexdigest()
+
+
+def new_key() -> str:
+    return "kz-" + secrets.token_urlsafe(32)
+
+
+@dataclass(frozen=True)
+class Principal:
+    """The holder of a key, as the routes see it."""
+
+    name: str
+    scopes: frozenset[str]
+    agents: frozenset[str] | None = None  # None: every agent
+    train: bool = True  # the default of metadata.train for its traffic
+    requests_per_min: int | None = None
+    tokens_per_min: int | None = None
+
+    def may_use(self, agent: str | None) -> bool:
+        return self.agents is None or agent in self.agents
+
+    @property
+    def agent_list(self) -> list[str] | None:
+        return None if self.agents is None else sorted(self.agents)
+
+
+@dataclass
+class _Bucket:
+    capacity: float
+    level: float
+    stamp: float = field(default_factory=time.monotonic)
+
+    def refill(self, now: float) -> None:
+        self.level = min(self.capacity, self.level + (now - self.stamp) * self.capacity / 60.0)
+        self.stamp = now
+
+    def wait_s(self, need: float) -> float:
+        return max(0.0, (need - self.level) * 60.0 / self.capacity)
+
+
+class Quotas:
+    """Requests and tokens a minute per key. A request is admitted while its key's token bucket is
+    not empty; its tokens are charged once known (so one large answer may take it below zero, and
+    the next requests wait until it refills)."""
+
+    def __init__(self) -> None:
+        self._requests: dict[str, _Bucket] = {}
+        self._tokens: dict[str, _Bucket] = {}
+        self._lock = threading.Lock()
+
+    @staticmethod
+    def _bucket(table: dict[str, _Bucket], name: str, per_min: int) -> _Bucket:
+        b = table.get(name)
+        if b is None or b.capacity != per_min:
+            b = table[name] = _Bucket(capacity=float(per_min), level=float(per_min))
+        return b
+
+    def admit(self, p: Principal) -> float | None:
+        """None when ``p`` may make a request now (and it is counted), else seconds to wait."""
+        now = time.monotonic()
+        with self._lock:
+            if p.tokens_per_min is not None:
+                tokens = self._bucket(self._tokens, p.name, p.tokens_per_min)
+                tokens.refill(now)
+                if tokens.level <= 0:
+                    return tokens.wait_s(1.0)
+            if p.requests_per_min is not None:
+                requests = self._bucket(self._requests, p.name, p.requests_per_min)
+                requests.refill(now)
+                if requests.level < 1:
+                    return requests.wait_s(1.0)
+                requests.level -= 1
+        return None
+
+    def charge_tokens(self, p: Principal, n: int) -> None:
+        if p.tokens_per_min is None or n <= 0:
+            return
+        with self._lock:
+            b = self._bucket(self._tokens, p.name, p.tokens_per_min)
+            b.refill(time.monotonic())
+            b.level -= n
+
+
+class Access:
+    """The configured keys (plus the Explorer's own internal key for its release evaluations)."""
+
+    def __init__(self, auth: AuthSection, *, internal_key: str):
+        self._keys: list[tuple[bytes, Principal]] = []
+        for k in auth.keys:
+            self._keys.append((bytes.fromhex(k.sha256), Principal(
+                name=k.name, scopes=frozenset(k.scopes), agents=None if k.agents is None else frozenset(k.agents),
+                train=k.train, requests_per_min=k.requests_per_min, tokens_per_min=k.tokens_per_min)))
+        for i, plain in enumerate(auth.api_keys):
+            self._keys.append((bytes.fromhex(key_digest(plain)), Principal(name=f"api_keys[{i}]", scopes=frozenset(SCOPES))))
+        self.enabled = bool(self._keys)
+        if self.enabled:
+            self._keys.append((bytes.fromhex(key_digest(internal_key)),
+                               Principal(name="release-gate", scopes=frozenset({"chat", "read"}))))
+        self.anonymous = Principal(name=ANONYMOUS, scopes=frozenset(SCOPES))
+        self.quotas = Quotas()
+
+    def identify(self, token: str) -> Principal | None:
+        """The key's holder, or None. Every digest is compared, each in constant time."""
+        presented = hashlib.sha256(token.strip().encode()).digest()
+        found = None
+        for digest, principal in self._keys:
+            if hmac.compare_digest(presented, digest) and found is None:
+                found = principal
+        return found
+
+
+def check_agent(principal: Principal, agent: str | None, param: str = "model") -> None:
+    """403 when ``principal``'s key may not use ``agent`` (None: an unknown model, left to the 404)."""
+    if agent is not None and not principal.may_use(agent):
+        raise APIError(403, f"API key {principal.name!r} may not use agent {agent!r}", param=param,
+                       code="agent_not_allowed")
+
+
+def audit_entry(principal: Principal, action: str, target: dict | None = None, **details) -> dict:
+    """A row for the audit log: who (the key's name), what (action, target), details."""
+    return {"actor": principal.name, "action": action, "target": target, "details": details}
+
+
+def ids_target(ids: list[str]) -> dict:
+    """The ids an action named, as the audit log keeps them (the first 20 and how many)."""
+    return {"msg_ids": ids[:20], "count": len(ids)}

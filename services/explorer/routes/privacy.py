@@ -1,0 +1,26 @@
+"""DELETE /experiences?user_id=... (admin): a user's recorded data removed, and a report of it."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Annotated
+
+from fastapi import APIRouter, Depends, Query
+
+from services.common import buffer
+from services.explorer.access import Principal, audit_entry
+from services.explorer.deps import StateDep, require
+from services.explorer.protocol import check_storable
+
+router = APIRouter()
+
+
+@router.delete("/experiences")
+async def delete_user_data(k: StateDep, principal: Annotated[Principal, Depends(require("admin"))],
+                           user_id: str = Query(min_length=1, max_length=256)):
+    check_storable(user_id, "user_id")
+    await k.recorder.flush(k.config.recorder.feedback_wait_s)  # what this replica still writes is deleted too
+    report = await asyncio.to_thread(buffer.delete_user_data, engine=k.db, user_id=user_id,
+                                     audit=audit_entry(principal, "delete_user_data", {"user_id": user_id}))
+    k.metrics.deleted_experiences.inc(report["deleted"])
+    return report
