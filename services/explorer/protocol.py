@@ -16,6 +16,7 @@ from typing import Annotated, Any, Literal, Union
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, Strict, field_validator, model_validator
 
+from services.common.checkpoints import AGENT_NAME
 from services.common.storable import RUN_ID_MAX, TASK_ID_MAX, find_unstorable
 from services.explorer.errors import APIError
 
@@ -49,6 +50,7 @@ class _Lenient(BaseModel):
 
 
 STOP_MAX_CHARS = 1000
+AGENT_PATTERN = AGENT_NAME.pattern
 
 
 def check_storable(value: Any, param: str) -> None:
@@ -275,7 +277,7 @@ class RollbackRequest(_Recorded):
     """POST /admin/rollback (Kaizen's own): serve ``to`` (default: the version the serving one was
     trained from) at once."""
 
-    agent: str = Field(min_length=1, max_length=128)
+    agent: str = Field(pattern=AGENT_PATTERN)
     to: int | None = Field(default=None, ge=0, le=2**31 - 1)
     reason: str | None = Field(default=None, max_length=2000)
 
@@ -283,7 +285,7 @@ class RollbackRequest(_Recorded):
 class ReleaseDecisionRequest(_Recorded):
     """POST /admin/release (Kaizen's own): decide a candidate by hand."""
 
-    agent: str = Field(min_length=1, max_length=128)
+    agent: str = Field(pattern=AGENT_PATTERN)
     version: int = Field(ge=1, le=2**31 - 1)
     decision: Literal["promote", "reject"]
     reason: str | None = Field(default=None, max_length=2000)

@@ -12,7 +12,7 @@ from fastapi import APIRouter, Depends, Query
 from services.common import buffer
 from services.explorer.access import Principal, audit_entry, check_agent
 from services.explorer.deps import ReleasesDep, StateDep, require
-from services.explorer.protocol import ReleaseDecisionRequest, RollbackRequest
+from services.explorer.protocol import AGENT_PATTERN, ReleaseDecisionRequest, RollbackRequest
 
 router = APIRouter()
 Reader = Annotated[Principal, Depends(require("read"))]
@@ -20,7 +20,7 @@ Admin = Annotated[Principal, Depends(require("admin"))]
 
 
 @router.get("/versions")
-async def versions(releases: ReleasesDep, principal: Reader, agent: str = Query(min_length=1, max_length=128)):
+async def versions(releases: ReleasesDep, principal: Reader, agent: str = Query(pattern=AGENT_PATTERN)):
     check_agent(principal, agent, "agent")
     return await releases.versions(agent)
 
