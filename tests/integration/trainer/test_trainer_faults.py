@@ -61,8 +61,9 @@ class Trainers:
     """Starts `kaizen trainer` subprocesses on one run dir, each in its own process group, and
     kills every group that is still there on exit (nothing may outlive the test)."""
 
-    def __init__(self, tiny_model: Path, run: Path, ray_address: str):
+    def __init__(self, tiny_model: Path, run: Path, ray_address: str, url: str | None = None):
         self.tiny_model, self.run, self.ray_address = tiny_model, run, ray_address
+        self.url = url or f"sqlite:///{run}/buffer.db"
         self.procs: list[subprocess.Popen] = []
         self.logs: list[Path] = []
 
@@ -70,7 +71,7 @@ class Trainers:
         run = self.run
         args = [
             sys.executable, "-m", "services.cli", "trainer", "--config", "configs/trainer.yaml",
-            f"model.path={self.tiny_model}", f"buffer.url=sqlite:///{run}/buffer.db", f"checkpoints.root={run}/ck",
+            f"model.path={self.tiny_model}", f"buffer.url={self.url}", f"checkpoints.root={run}/ck",
             f"trainer.run_dir={run}/run", f"ray.address={self.ray_address}", "algorithm.name=ppo", "lora.r=8",
             "optim.lr=2e-3", "staleness.max_staleness=100", f"train_batch_size={BATCH}", f"save_interval={INTERVAL}",
             "checkpoints.keep_versions=100", "checkpoints.keep_states=2", "trainer.torch_threads=1",
@@ -122,19 +123,31 @@ def _alive(pid: int) -> bool:
         return False
 
 
-@pytest.fixture
-def trainers(tiny_model, ray_address, tmp_path) -> Iterator[Trainers]:
-    t = Trainers(tiny_model, tmp_path / "faulted", ray_address)
+@pytest.fixture(params=["sqlite", "postgres"])
+def trainers(tiny_model, ray_address, tmp_path, request) -> Iterator[Trainers]:
+    """The run's Trainers, on SQLite or on a fresh PostgreSQL database (the faults buffer copied in)."""
+    url = None if request.param == "sqlite" else request.getfixturevalue("postgres_db_url")
+    t = Trainers(tiny_model, tmp_path / "faulted", ray_address, url)
     try:
         yield t
     finally:
         t.close()
 
 
-def _copy_db(db: Path, run: Path) -> str:
+def _copy_db(db: Path, run: Path, url: str | None = None) -> str:
+    """The faults buffer, as a SQLite file in ``run``, or copied row for row (seq included) into ``url``."""
     run.mkdir(parents=True, exist_ok=True)
-    shutil.copy(db, run / "buffer.db")
-    return f"sqlite:///{run}/buffer.db"
+    if url is None or url.startswith("sqlite"):
+        shutil.copy(db, run / "buffer.db")
+        return f"sqlite:///{run}/buffer.db"
+    source, target = buffer.create_buffer_engine(f"sqlite:///{db}"), buffer.create_buffer_engine(url)
+    with source.connect() as conn:
+        rows = [dict(r._mapping) for r in conn.execute(buffer.experiences.select().order_by(buffer.experiences.c.seq))]
+    with target.begin() as conn:
+        conn.execute(buffer.experiences.insert(), rows)
+    source.dispose()
+    target.dispose()
+    return url
 
 
 def _steps(url: str) -> list[tuple[int, int, int]]:
@@ -183,7 +196,7 @@ def _temporaries(root: Path) -> list[str]:
 
 def test_killed_anywhere_the_trainer_restarts_and_repairs(tiny_model, faults_db, ray_address, trainers, tmp_path):
     run = trainers.run
-    url = _copy_db(faults_db, run)
+    url = _copy_db(faults_db, run, trainers.url)
     root = run / "ck"
 
     # Window 1: state/step-2 saved, its batch never committed.
