@@ -564,8 +564,7 @@ def purge_text(*, engine: Engine, before: datetime, limit: int = 5_000) -> int:
     can no longer be, and become discarded. At most ``limit`` rows per call (call until it returns 0)."""
     e = experiences.c
     with write_transaction(engine) as conn:
-        ids = list(conn.scalars(select(e.experience_id).where(e.created_at < before, e.purged_at.is_(None))
-                                .order_by(e.seq).limit(limit)))
+        ids = list(conn.scalars(select(e.experience_id).where(e.created_at < before, e.purged_at.is_(None)).limit(limit)))
         if not ids:
             return 0
         locked = _lock_rows(conn, ids)
@@ -671,13 +670,18 @@ def count_by_status(*, engine: Engine, agent: str | None = None) -> dict[str, in
         return {status: n for status, n in conn.execute(q)}
 
 
-def committed_backlog(*, engine: Engine) -> dict[str, int]:
-    """Committed rollouts waiting for the Trainer, per agent (demonstrations, which stay committed, aside)."""
+def committed_backlog(*, engine: Engine, agents: Sequence[str], cap: int) -> dict[str, int]:
+    """Committed rollouts waiting for the Trainer, per agent (demonstrations, which stay committed,
+    aside), counted up to ``cap``: the cost stays that of ``cap`` index entries however long the
+    backlog grows."""
     e = experiences.c
-    q = (select(e.agent, func.count()).where(e.status == ExperienceStatus.COMMITTED.value, ~_DEMONSTRATION)
-         .group_by(e.agent))
+    out = {}
     with engine.connect() as conn:
-        return {agent: n for agent, n in conn.execute(q)}
+        for agent in agents:
+            waiting = (select(e.seq).where(e.agent == agent, e.status == ExperienceStatus.COMMITTED.value, ~_DEMONSTRATION)
+                       .limit(cap).subquery())
+            out[agent] = conn.execute(select(func.count()).select_from(waiting)).scalar_one()
+    return out
 
 
 # ---------------------------------------------------------------------------------------------

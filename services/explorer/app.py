@@ -142,7 +142,7 @@ def create_app(config: ExplorerConfig, *, engine: Engine | None = None) -> FastA
         access=Access(config.auth, internal_key=internal_key),
     )
     chat_service.quotas = state.access.quotas
-    backpressure = Backpressure(config.backpressure, db=db, metrics=metrics)
+    backpressure = Backpressure(config.backpressure, db=db, metrics=metrics, agents=lambda: sorted(registry.agents))
     if backpressure.enabled:
         chat_service.backpressure = backpressure
     if config.auth.api_keys:

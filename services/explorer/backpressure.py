@@ -2,13 +2,14 @@
 ``backpressure.max_backlog``), the Explorer either refuses its chats with 429 (``reject``) or answers
 them without recording (``unrecorded``): recording traffic that can only wait or go stale helps no
 one. The backlog is counted every ``check_interval_s``; ``/metrics`` shows it
-(``kaizen_backlog``) and which agents are under back-pressure (``kaizen_backpressure``).
+(``kaizen_backlog``, counted up to max_backlog + 1) and which agents are under back-pressure (``kaizen_backpressure``).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+from typing import Callable
 
 from sqlalchemy.engine import Engine
 
@@ -20,8 +21,9 @@ log = logging.getLogger(__name__)
 
 
 class Backpressure:
-    def __init__(self, cfg: BackpressureSection, *, db: Engine, metrics: ExplorerMetrics):
+    def __init__(self, cfg: BackpressureSection, *, db: Engine, metrics: ExplorerMetrics, agents: Callable[[], list[str]]):
         self.cfg = cfg
+        self._agents = agents
         self._db = db
         self._metrics = metrics
         self.active: set[str] = set()
@@ -32,7 +34,8 @@ class Backpressure:
 
     def check(self) -> None:
         """Count the backlog now (a worker thread's call)."""
-        backlog = buffer.committed_backlog(engine=self._db)
+        # Counted up to one past the limit: enough to decide, at a bounded cost however long the backlog.
+        backlog = buffer.committed_backlog(engine=self._db, agents=self._agents(), cap=self.cfg.max_backlog + 1)
         active = {agent for agent, n in backlog.items() if n > self.cfg.max_backlog}
         for agent in active - self.active:
             log.warning("agent %s: %d committed experiences wait for the Trainer (backpressure.max_backlog %d): "

@@ -9,9 +9,10 @@ from services.common.logging import setup_logging
 
 def main() -> int:
     setup_logging("warning")
-    from tests.bench import canary, explorer, recording, reload, smollm2, trainer, vllm
+    from tests.bench import canary, explorer, recording, reload, scale, smollm2, soak, trainer, vllm
 
-    sections = [("explorer", explorer.main), ("recording", recording.main), ("trainer", trainer.main), ("reload", reload.main), ("canary", canary.main), ("vllm", vllm.main),
+    sections = [("explorer", explorer.main), ("recording", recording.main), ("trainer", trainer.main), ("reload", reload.main),
+                ("canary", canary.main), ("soak", soak.main), ("scale", scale.main), ("vllm", vllm.main),
                 ("smollm2", smollm2.main)]
     only = set(sys.argv[1:])
     for name, fn in sections:

@@ -1,0 +1,143 @@
+"""Scale: what the buffer's hot queries cost on a buffer of 10 thousand and of 1 million experiences,
+side by side (goal: about the same; indexes, no full scans).
+
+    python -m tests.bench.scale         # KAIZEN_SCALE_ROWS=100000 for a quicker, smaller big buffer
+
+Each buffer (SQLite, the default) is filled with synthetic rows shaped like real ones: 4 agents,
+mostly consumed (trained into versions of 1,000 per agent), some committed, rewarded and recorded,
+about 20 rows per user, 30 days of timestamps. Measured per operation, median of the repetitions, through the same
+buffer functions the services call: the Trainer's poll (oldest committed of an agent), a step's
+commit (consume_batch), a publication's lineage (consumed_ids of one version), /feedback
+(apply_feedback), /commit, /experiences (by agent and status, and by task), the back-pressure count,
+a retention pass with nothing to purge, and deleting one user's data.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import sqlite3
+import statistics
+import tempfile
+import time
+from datetime import datetime, timedelta, timezone
+from pathlib import Path
+
+from tests.bench.common import table
+
+SIZES = (10_000, int(os.environ.get("KAIZEN_SCALE_ROWS", "1000000")))
+AGENTS = ("a0", "a1", "a2", "a3")
+REPEAT = 15
+
+
+def _fill(path: Path, rows: int) -> str:
+    from services.common import buffer
+
+    url = f"sqlite:///{path}"
+    buffer.create_buffer_engine(url).dispose()  # tables and indexes
+    rng = random.Random(0)
+    start = datetime.now(timezone.utc) - timedelta(days=30)
+    prompt = json.dumps(list(range(100, 164)))
+    response = json.dumps(list(range(200, 216)))
+    logprobs = json.dumps([-0.5] * 16)
+    messages = json.dumps([{"role": "user", "content": "a question of some length " * 4}])
+    answer = json.dumps({"role": "assistant", "content": "an answer"})
+    sampling = json.dumps({"temperature": 1.0, "top_p": 1.0, "max_tokens": 16})
+    conn = sqlite3.connect(path)
+    batch = []
+
+    def flush():
+        conn.executemany(
+            "INSERT INTO experiences (experience_id, completion_id, agent, model_version, task_id, run_id, "
+            "prompt_token_ids, response_token_ids, response_logprobs, messages, response, sampling, reward, status, "
+            "trained_in, created_at, updated_at, user_id) VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?)", batch)
+        batch.clear()
+
+    for i in range(rows):
+        share = i / rows
+        status = "consumed" if share < 0.90 else "committed" if share < 0.95 else "rewarded" if share < 0.98 else "recorded"
+        agent = AGENTS[i % len(AGENTS)]
+        version = i // (1000 * len(AGENTS)) + 1
+        created = (start + timedelta(seconds=30 * 86400 * share)).isoformat(sep=" ")
+        batch.append((f"chatcmpl-{i:012d}-0", f"chatcmpl-{i:012d}", agent, version - 1 if status == "consumed" else version,
+                      f"task-{i // 8}", str(i % 8), prompt, response, logprobs, messages, answer, sampling,
+                      None if status == "recorded" else float(rng.random() < 0.5), status,
+                      version if status == "consumed" else None, created, created, f"user-{rng.randrange(rows // 20)}"))  # about 20 rows a user
+        if len(batch) >= 20_000:
+            flush()
+    flush()
+    conn.commit()
+    conn.execute("ANALYZE")
+    conn.close()
+    return url
+
+
+def _time(fn, setup=None) -> float:
+    """Median milliseconds of ``fn(arg)`` over REPEAT runs (``setup(k)`` gives each run its argument)."""
+    out = []
+    for k in range(REPEAT):
+        arg = setup(k) if setup else None
+        t0 = time.perf_counter()
+        fn(arg)
+        out.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(out)
+
+
+def _measure(url: str, rows: int) -> dict[str, float]:
+    from services.common import buffer
+
+    db = buffer.create_buffer_engine(url)
+    e = buffer.experiences.c
+    with db.connect() as conn:
+        recorded = [r for r, in conn.execute(buffer.select(e.experience_id).where(e.status == "recorded").limit(REPEAT * 2))]
+        rewarded = [r for r, in conn.execute(buffer.select(e.experience_id).where(e.status == "rewarded").limit(REPEAT))]
+        tasks = [t for t, in conn.execute(buffer.select(e.task_id).where(e.status == "consumed").limit(1))]
+    committed = {a: buffer.fetch_committed(engine=db, agent=a, limit=16 * REPEAT) for a in AGENTS}
+    steps = iter(range(1, 10_000))
+    users = iter(range(rows // 20))
+    old = datetime.now(timezone.utc) - timedelta(days=365)
+    out = {
+        "Trainer poll (100 oldest committed)": _time(lambda _: buffer.fetch_committed(engine=db, agent="a1", limit=100)),
+        "step commit (consume_batch, 16)": _time(
+            lambda b: buffer.consume_batch(engine=db, agent="a0", step=next(steps), version=10_000, consumed=b,
+                                           discarded=[], state_ref="s"),
+            lambda k: {r.experience_id: r.reward for r in committed["a0"][16 * k:16 * (k + 1)]}),
+        "publish lineage (one version)": _time(
+            lambda _: buffer.consumed_ids(engine=db, agent="a0", trained_in=1)),  # 1,000 rows in both buffers
+        "/feedback (apply_feedback, 1 id)": _time(
+            lambda i: buffer.apply_feedback(engine=db, msg_ids=[i], reward=1.0, feedback={}), lambda k: recorded[k]),
+        "/commit (1 id)": _time(lambda i: buffer.commit_experiences(engine=db, msg_ids=[i]), lambda k: rewarded[k]),
+        "/experiences?agent&status (100)": _time(
+            lambda _: buffer.list_experiences(engine=db, agent="a2", status="committed", limit=100)),
+        "/experiences?task_id": _time(lambda _: buffer.list_experiences(engine=db, task_id=tasks[0], limit=100)),
+        "back-pressure count (capped at 101)": _time(
+            lambda _: buffer.committed_backlog(engine=db, agents=AGENTS, cap=101)),  # max_backlog 100
+        "retention pass (nothing to purge)": _time(lambda _: buffer.purge_text(engine=db, before=old)),
+        "DELETE user data (about 20 rows)": _time(lambda u: buffer.delete_user_data(engine=db, user_id=u),
+                                                  lambda k: f"user-{next(users)}"),
+    }
+    db.dispose()
+    return out
+
+
+def main() -> str:
+    results = {}
+    with tempfile.TemporaryDirectory(prefix="kaizen-scale-") as d:
+        for n in SIZES:
+            t0 = time.perf_counter()
+            url = _fill(Path(d) / f"b{n}.db", n)
+            fill_s = time.perf_counter() - t0
+            results[n] = _measure(url, n)
+            results[n]["_fill_s"] = fill_s
+            Path(d, f"b{n}.db").unlink()
+    small, big = SIZES
+    rows = [[op, f"{results[small][op]:.2f}", f"{results[big][op]:.2f}", f"{results[big][op] / results[small][op]:.2f}"]
+            for op in results[small] if not op.startswith("_")]
+    return table(f"scale: buffer queries on {small:,} vs {big:,} experiences (SQLite, median ms of {REPEAT}; goal: ratio "
+                 f"about 1; filling took {results[small]['_fill_s']:.0f} s and {results[big]['_fill_s']:.0f} s)",
+                 ["operation", f"{small:,} ms", f"{big:,} ms", "ratio"], rows)
+
+
+if __name__ == "__main__":
+    print(main())
