@@ -33,6 +33,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
+from services.common.faults import failpoint
+
 AGENT_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 _VERSION_DIR = re.compile(r"^v(\d+)$")
 _STATE_DIR = re.compile(r"^step-(\d+)$")
@@ -411,6 +413,7 @@ def delete_version(root: str | Path, agent: str, version: int) -> None:
     # Rename first so a reader never sees a half-deleted version under its real name.
     doomed = path.with_name(f".deleting-v{version}-{os.getpid()}")
     os.rename(path, doomed)
+    failpoint("checkpoints.version_renamed_for_deletion")  # a kill here leaves .deleting-*: remove_temporaries
     shutil.rmtree(doomed, ignore_errors=True)
 
 

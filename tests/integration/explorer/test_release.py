@@ -88,6 +88,20 @@ def _decision(ex, version: int, timeout: float = 120.0) -> dict:
     raise AssertionError(f"no release decision about v{version} within {timeout}s: {body}")
 
 
+def _traffic_until_served(ex, version: int, count: int, prefix: str, threads: int = 4) -> list:
+    """Traffic until ``version`` has served ``count`` recorded calls; returns the failures."""
+    stop, log, failures = threading.Event(), [], []
+    running = _traffic(ex, stop, log, failures, prefix, threads=threads)
+    deadline = time.monotonic() + 60
+    while len(_served_by(ex, version)) < count:
+        assert time.monotonic() < deadline and not failures, failures[:3]
+        time.sleep(0.05)
+    stop.set()
+    for t in running:
+        t.join(60)
+    return failures
+
+
 def _traffic(ex, stop: threading.Event, log: list, failures: list, prefix: str, threads: int = 4) -> list[threading.Thread]:
     """Clients that ask, score the answer and send its reward, each request its own task (episode)."""
     counter = iter(range(10**9))
@@ -274,17 +288,8 @@ def test_restarted_explorer_resumes_the_canary_from_the_database(make_explorer, 
     while ex1.http.get("/v1/models/guide").json()["release"]["canary"] is None:
         assert time.monotonic() < deadline
         time.sleep(0.1)
-    stop, log, failures = threading.Event(), [], []
-    threads = _traffic(ex1, stop, log, failures, "before", threads=2)
-    deadline = time.monotonic() + 60
-    while len(_served_by(ex1, 2)) < 5:
-        assert time.monotonic() < deadline and not failures, failures[:3]
-        time.sleep(0.05)
-    stop.set()
-    for t in threads:
-        t.join(60)
-    before = len(_served_by(ex1, 2))
-    assert before < 12 and failures == []
+    assert _traffic_until_served(ex1, 2, 5, "before", threads=2) == []
+    assert len(_served_by(ex1, 2)) < 12
     ex1.stop()
 
     ex2 = make_explorer(*canary)
@@ -302,15 +307,7 @@ def test_guard_raises_an_alarm_and_rolls_back_a_worse_version_in_immediate_mode(
     ex = make_explorer("release.guard.min_episodes=10", "release.guard.margin=0.1", "release.guard.rollback=true",
                        "release.guard.check_interval_s=1",
                        "release.poll_interval_s=0.2")
-    stop, log, failures = threading.Event(), [], []
-    threads = _traffic(ex, stop, log, failures, "v1")
-    deadline = time.monotonic() + 60
-    while len(_served_by(ex, 1)) < 12:
-        assert time.monotonic() < deadline and not failures, failures[:3]
-        time.sleep(0.05)
-    stop.set()
-    for t in threads:
-        t.join(60)
+    assert _traffic_until_served(ex, 1, 12, "v1") == []
     checkpoints.publish_version(root, "guide", 2, lambda d: adapters["bad"].save_pretrained(d),
                                 {"step": 2, "algorithm": "test", "parent_version": 1})  # immediate: it serves at once
     decision, log, failures = _decision_under_traffic(ex, 2, "v2", timeout=120)

@@ -281,3 +281,39 @@ def test_killed_anywhere_the_trainer_restarts_and_repairs(tiny_model, faults_db,
         assert a.keys() == b.keys()
         for k in a:
             torch.testing.assert_close(b[k], a[k], atol=1e-5, rtol=1e-4, msg=lambda m: f"v{ver} {k}: {m}")
+
+
+def test_killed_during_retention_the_trainer_repairs(tiny_model, faults_db, ray_address, trainers):
+    """kill -9 while retention deletes an old version (renamed to .deleting-*, not yet removed):
+    the restart removes the leftover, keeps the newest versions loadable, and trains on from where
+    the database says, every experience once."""
+    run = trainers.run
+    url = _copy_db(faults_db, run, trainers.url)
+    root = run / "ck"
+    keep = ("checkpoints.keep_versions=2", "checkpoints.delete_grace_s=0")
+    proc = trainers.start("retention", *keep, failpoints="checkpoints.version_renamed_for_deletion")
+    try:
+        proc.wait(WAIT_S)
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"retention never ran:\n{trainers.log(proc)[-4000:]}")
+    assert proc.returncode == -signal.SIGKILL, trainers.log(proc)[-4000:]
+    trainers.wait_learners_gone(proc)
+    assert [p.name for p in (root / AGENT).iterdir() if p.name.startswith(".deleting-v1-")], "the kill left no leftover"
+
+    final = trainers.start("after-retention", *keep)
+    _wait(lambda: "waiting for committed experiences" in trainers.log(final), final, trainers, "an idle trainer")
+    final.send_signal(signal.SIGTERM)
+    assert final.wait(60) == 0, trainers.log(final)[-4000:]
+    assert "removed" in trainers.log(final) and ".deleting-v1-" in trainers.log(final)
+    newest = TOTAL // INTERVAL
+    assert checkpoints.list_versions(root, AGENT) == [newest - 1, newest]
+    assert checkpoints.read_latest(root, AGENT, fallback=False) == newest
+    for v in (newest - 1, newest):
+        checkpoints.validate_version(root, AGENT, v)
+    assert _temporaries(root) == []
+    steps = _steps(url)
+    assert [s for s, _, _ in steps] == list(range(1, TOTAL + 1))
+    db = buffer.create_buffer_engine(url)
+    ids = [e for e, _ in buffer.consumed_ids(engine=db, agent=AGENT)]
+    db.dispose()
+    assert len(ids) == len(set(ids)) == TOTAL * BATCH
