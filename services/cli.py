@@ -30,7 +30,7 @@ def _explorer(args: argparse.Namespace) -> int:
     from services.explorer.server import serve
 
     config = load_config(ExplorerConfig, args.config, args.overrides)
-    setup_logging(config.server.log_level)
+    setup_logging(config.server.log_level, config.server.log_format)
     serve(config)
     return 0
 
@@ -43,7 +43,7 @@ def _trainer(args: argparse.Namespace) -> int:
     if args.max_steps is not None:
         overrides.append(f"trainer.max_steps={args.max_steps}")
     config = load_config(TrainerConfig, args.config, overrides)
-    setup_logging(config.log_level)
+    setup_logging(config.log_level, config.log_format)
     return run_trainer(config)
 
 

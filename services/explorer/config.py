@@ -91,6 +91,8 @@ class ServerSection(ConfigModel):
         "do not hold a connection open).",
     )
     log_level: str = Field(default="info", description="debug, info, warning, error.")
+    log_format: Literal["text", "json"] = Field(
+        default="text", description="text, or json: one object a line with time, level, logger, message, request_id.")
     self_url: str | None = Field(
         default=None,
         description="The URL this Explorer answers on, for its own release evaluations (they call its HTTP API like a "

@@ -1,9 +1,11 @@
 """The Explorer's outermost layer (pure ASGI): what every request passes before any route.
 
-It refuses bodies over the size limit (413) or that stall (408), requests over the concurrency
-limit (503 with Retry-After), turns an unexpected exception into a 500 that names an error id but
-no internals (and keeps the connection open), and counts every answer by route and status in
-``kaizen_requests_total``.
+It gives each request its id (the client's ``X-Request-Id`` when it is a plain token of at most
+64 characters, else a new one), returned in ``X-Request-Id``, on every log line of the request and
+stored with its experiences. It refuses bodies over the size limit (413) or that stall (408),
+requests over the concurrency limit (503 with Retry-After), turns an unexpected exception into a
+500 that names an error id but no internals (and keeps the connection open), and counts every
+answer by route and status in ``kaizen_requests_total``.
 """
 
 from __future__ import annotations
@@ -11,9 +13,12 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import re
+import secrets
 import sys
 from typing import TYPE_CHECKING
 
+from services.common.logging import request_id
 from services.explorer.errors import error_body, logged_error
 from services.explorer.metrics import ExplorerMetrics
 
@@ -26,6 +31,7 @@ ROUTES = ("/v1/chat/completions", "/v1/responses", "/v1/messages", "/v1/completi
           "/demonstrations", "/experiences", "/v1/models", "/versions", "/admin", "/health", "/metrics",
           "/openapi.json")
 _UNLIMITED = ("/health", "/metrics")  # probes must answer while the server is saturated
+_REQUEST_ID = re.compile(r"^[A-Za-z0-9._:/+=-]{1,64}$")
 
 
 class EdgeMiddleware:
@@ -48,18 +54,23 @@ class EdgeMiddleware:
         path = scope.get("path", "")
         route = next((r for r in ROUTES if path == r or path.startswith(r + "/")), "other")
         state = {"code": 500, "started": False, "answered": False}
+        given = dict(scope.get("headers") or []).get(b"x-request-id", b"").decode("latin-1")
+        rid = given if _REQUEST_ID.match(given) else f"req-{secrets.token_hex(8)}"
+        rid_header = (b"x-request-id", rid.encode())
+        token = request_id.set(rid)
 
         async def send_wrapper(message):
             if state["answered"]:
                 return  # we answered already (413, 408); the app's own answer is dropped
             if message["type"] == "http.response.start":
                 state["code"], state["started"] = message["status"], True
+                message = {**message, "headers": [*message.get("headers", []), rid_header]}
             await send(message)
 
         async def answer(status: int, message: str, code: str, headers: dict[str, str] | None = None):
             state["answered"], state["code"] = True, status
             body = json.dumps(error_body(status, message, code=code)).encode()
-            raw = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
+            raw = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()), rid_header,
                    *((k.lower().encode(), v.encode()) for k, v in (headers or {}).items())]
             await send({"type": "http.response.start", "status": status, "headers": raw})
             await send({"type": "http.response.body", "body": body})
@@ -103,6 +114,7 @@ class EdgeMiddleware:
                 if state["answered"]:
                     pass
                 elif state["started"]:
+                    request_id.reset(token)
                     raise  # part of the answer is out: the connection cannot be saved
                 else:
                     # Caught here, not by Starlette's last-resort handler, which re-raises and so
@@ -112,3 +124,4 @@ class EdgeMiddleware:
             finally:
                 self.active -= limited
         self.metrics.requests.labels(route, str(state["code"])).inc()
+        request_id.reset(token)

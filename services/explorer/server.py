@@ -23,6 +23,7 @@ def build_server(config: ExplorerConfig) -> uvicorn.Server:
         timeout_graceful_shutdown=30,
         timeout_keep_alive=config.server.keep_alive_s,
         lifespan="on",
+        log_config=None,  # uvicorn's loggers go through Kaizen's handler (text or JSON, request ids)
     )
     return uvicorn.Server(uv_config)
 

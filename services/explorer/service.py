@@ -23,6 +23,7 @@ from starlette.types import Receive
 from services.common import grammar
 from services.common.grammar import GrammarError
 from services.common.ids import experience_id, new_id
+from services.common.logging import request_id as current_request_id
 from services.common.records import Experience
 from services.explorer.access import Principal, Quotas, check_agent
 from services.explorer.backpressure import Backpressure
@@ -72,7 +73,7 @@ class PreparedChat:
     id_prefix: str = "chatcmpl"  # of the completion id (the Responses API's are resp_...)
     principal: Principal | None = None  # the caller's key (admit): its agents and token quota
     user_id: str | None = None  # metadata.user_id or the privacy.user_id_header header
-    request_id: str | None = None  # X-Request-Id, when the client sent one
+    request_id: str | None = None  # the request's id (X-Request-Id, given or made up)
     train: bool = True  # consent: False records for audit only (metadata.train, or the key's default)
     record: bool = True  # False: answered, not recorded (back-pressure in mode unrecorded)
 
@@ -392,7 +393,7 @@ class ChatService:
             request=req, model=req.model, messages=messages, tools=tools, parse_tools=bool(tools), prompt_ids=prompt_ids,
             params=params, n=req.n or 1, task_id=task_id, run_id=run_id, episode_pin=_episode_pin(req, headers),
             id_prefix=id_prefix, user_id=_user_id(req, headers, self.config.privacy.user_id_header),
-            request_id=_identifier(headers.get("x-request-id"), "X-Request-Id", 64),
+            request_id=current_request_id.get(),  # set by services/explorer/edge.py
             train=consent(req.metadata, True),
         )
 

@@ -156,6 +156,10 @@ class TrainerLoopSection(ConfigModel):
     max_steps: int | None = Field(default=None, ge=1, description="Stop after this many steps in this run (absent: forever).")
     poll_interval_s: float = Field(default=1.0, gt=0, description="How often the buffer is polled when idle.")
     run_dir: str = Field(default="runs/trainer", description="Metrics (JSONL, TensorBoard) go here.")
+    metrics_port: int | None = Field(
+        default=None, ge=0, le=65535,
+        description="Serve Prometheus metrics (/metrics) on this port (0: any free port, logged); absent: none.")
+    metrics_host: str = Field(default="127.0.0.1", description="Address the Prometheus metrics listen on.")
     device: str = Field(default="auto", description="cpu, cuda or auto.")
     seed: int = Field(default=0, description="Seed of adapter init and data order.")
     agents: list[str] = Field(default_factory=list, description="Train only these agents (empty: every agent with data).")
@@ -196,6 +200,8 @@ class TrainerConfig(ConfigModel):
         "publish a candidate and train on only once it is decided.",
     )
     log_level: str = Field(default="info", description="debug, info, warning, error.")
+    log_format: Literal["text", "json"] = Field(
+        default="text", description="text, or json: one object a line with time, level, logger, message.")
 
     @model_validator(mode="after")
     def _check(self) -> "TrainerConfig":

@@ -83,7 +83,7 @@ class LearnerWorker:
     def setup(self, master_addr: str | None = None, master_port: int | None = None) -> dict[str, Any]:
         from services.common.logging import setup_logging
 
-        setup_logging(self.cfg.log_level)
+        setup_logging(self.cfg.log_level, self.cfg.log_format)
         _undo_ray_niceness()
         if self.cfg.trainer.torch_threads:
             torch.set_num_threads(self.cfg.trainer.torch_threads)

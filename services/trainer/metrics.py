@@ -1,4 +1,5 @@
-"""Where the Trainer's per-step metrics go: JSONL and TensorBoard in the run dir, and the terminal."""
+"""Where the Trainer's per-step metrics go: JSONL and TensorBoard in the run dir, the terminal, and
+Prometheus (``trainer.metrics_port``: ``kaizen_trainer_*`` on ``/metrics``)."""
 
 from __future__ import annotations
 
@@ -22,8 +23,60 @@ def _guard_note(record: dict[str, Any]) -> str:
     return ""
 
 
+# Step-record fields served as per-agent Prometheus gauges: (record key, metric name, help).
+_GAUGES = (
+    ("version", "kaizen_trainer_version", "The version the agent's last step went into"),
+    ("reward_mean", "kaizen_trainer_reward_mean", "Mean reward of the last step's batch"),
+    ("loss", "kaizen_trainer_loss", "Loss of the last step"),
+    ("kl", "kaizen_trainer_kl", "KL to the reference of the last step"),
+    ("entropy", "kaizen_trainer_entropy", "Mean token entropy of the last step"),
+    ("clip_frac", "kaizen_trainer_clip_fraction", "Share of tokens clipped in the last step"),
+    ("logprob_mismatch", "kaizen_trainer_logprob_mismatch", "Mean |sampling - trainer| logprob of the last step"),
+    ("staleness_mean", "kaizen_trainer_staleness", "Mean versions between the batch's policy and the trained one"),
+    ("tokens_per_s", "kaizen_trainer_tokens_per_second", "Tokens a second of the last step"),
+    ("step_seconds", "kaizen_trainer_step_seconds", "Seconds the last step took"),
+    ("grad_norm", "kaizen_trainer_grad_norm", "Gradient norm of the last step"),
+    ("batch_size", "kaizen_trainer_batch_size", "Experiences the last step consumed"),
+)
+
+
+class PrometheusMetrics:
+    """The Trainer's metrics on an HTTP port of their own, updated from each step record."""
+
+    def __init__(self, host: str, port: int):
+        from prometheus_client import CollectorRegistry, Counter, Gauge, start_http_server
+
+        r = self.registry = CollectorRegistry()
+        self.steps = Counter("kaizen_trainer_steps", "Training steps", ["agent"], registry=r)
+        self.experiences = Counter("kaizen_trainer_experiences", "Experiences taken from the buffer", ["agent", "outcome"],
+                                   registry=r)
+        self.last_step = Gauge("kaizen_trainer_last_step_timestamp_seconds", "When the agent's last step ended", ["agent"],
+                               registry=r)
+        self.waiting = Gauge("kaizen_trainer_waiting", "1 while the Trainer waits for committed experiences", registry=r)
+        self.gauges = {key: Gauge(name, doc, ["agent"], registry=r) for key, name, doc in _GAUGES}
+        self.server, _thread = start_http_server(port, addr=host, registry=r)
+        self.port = self.server.server_port
+        log.info("Prometheus metrics on http://%s:%d/metrics", host, self.port)
+
+    def step(self, record: dict[str, Any]) -> None:
+        agent = record["agent"]
+        self.steps.labels(agent).inc()
+        self.experiences.labels(agent, "consumed").inc(record.get("batch_size") or 0)
+        self.experiences.labels(agent, "discarded").inc(record.get("discarded") or 0)
+        self.last_step.labels(agent).set(record["time"])
+        self.waiting.set(0)
+        for key, _name, _doc in _GAUGES:
+            value = record.get(key)
+            if isinstance(value, (int, float)) and not isinstance(value, bool):
+                self.gauges[key].labels(agent).set(value)
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
 class MetricsSink:
-    def __init__(self, run_dir: str | Path, *, progress: bool = True):
+    def __init__(self, run_dir: str | Path, *, progress: bool = True, prometheus: tuple[str, int] | None = None):
         self.dir = Path(run_dir)
         self.dir.mkdir(parents=True, exist_ok=True)
         self._jsonl = open(self.dir / "metrics.jsonl", "a", buffering=1)
@@ -36,10 +89,13 @@ class MetricsSink:
             log.warning("TensorBoard logging disabled: %s", e)
         self._tty = progress and sys.stderr.isatty()
         self._waiting_since: float | None = None
+        self.prometheus = PrometheusMetrics(*prometheus) if prometheus is not None else None
 
     def step(self, record: dict[str, Any]) -> None:
         record = {"time": time.time(), **record}
         self._jsonl.write(json.dumps(record) + "\n")
+        if self.prometheus is not None:
+            self.prometheus.step(record)
         if self._tb is not None:
             agent, step = record["agent"], record["step"]
             for k, v in record.items():
@@ -67,6 +123,8 @@ class MetricsSink:
     def waiting(self, message: str) -> None:
         """A quiet note that the trainer is idle (a live line on a terminal, one log line a minute otherwise)."""
         now = time.time()
+        if self.prometheus is not None:
+            self.prometheus.waiting.set(1)
         if self._tty:
             sys.stderr.write("\r\033[K" + time.strftime("%H:%M:%S ") + message)
             sys.stderr.flush()
@@ -77,6 +135,8 @@ class MetricsSink:
             self._waiting_since = now
 
     def close(self) -> None:
+        if self.prometheus is not None:
+            self.prometheus.close()
         self._jsonl.close()
         if self._tb is not None:
             self._tb.close()

@@ -137,7 +137,9 @@ class TrainerService:
         self.cfg = cfg
         self.root = Path(cfg.checkpoints.root)
         self.db = create_buffer_engine(cfg.buffer.url)
-        self.metrics = MetricsSink(cfg.trainer.run_dir, progress=cfg.trainer.progress)
+        t = cfg.trainer
+        self.metrics = MetricsSink(t.run_dir, progress=t.progress,
+                                   prometheus=None if t.metrics_port is None else (t.metrics_host, t.metrics_port))
         self.recipe = recipe_for(cfg.algorithm.name)
         self.learners: LearnerGroup | None = None
         self.agents: dict[str, AgentProgress] = {}
