@@ -141,6 +141,15 @@ audit_log = Table(
     Column("created_at", DateTime(timezone=True), nullable=False, index=True),
 )
 
+# Experiences deleted on request (a user's data): a replayed journal or a retried batch never
+# writes them again.
+tombstones = Table(
+    "tombstones",
+    metadata,
+    Column("experience_id", String(96), primary_key=True),
+    Column("deleted_at", DateTime(timezone=True), nullable=False),
+)
+
 TERMINAL = (ExperienceStatus.CONSUMED.value, ExperienceStatus.DISCARDED.value)
 _EVAL_TASK_PREFIX = "release-eval/"  # services.common.release.EVAL_TASK_PREFIX (evaluation traffic)
 
@@ -305,8 +314,20 @@ def _now_row(**values: Any) -> dict:
 # Explorer side: recording, feedback, commit, inspection.
 
 
+def _buried(conn: Connection, ids: Sequence[str]) -> set[str]:
+    found: set[str] = set()
+    for chunk in iter_chunks(list(ids), 500):
+        found.update(conn.scalars(select(tombstones.c.experience_id).where(tombstones.c.experience_id.in_(chunk))))
+    return found
+
+
 def insert_experiences(*, engine: Engine, records: Sequence[Experience]) -> None:
-    """Insert a batch of new experiences in one transaction."""
+    """Insert a batch of new experiences in one transaction (never one deleted on request)."""
+    if not records:
+        return
+    with engine.connect() as conn:
+        buried = _buried(conn, [r.experience_id for r in records])
+    records = [r for r in records if r.experience_id not in buried]
     if not records:
         return
     now = utcnow()
@@ -328,7 +349,7 @@ def insert_missing_experiences(*, engine: Engine, records: Sequence[Experience])
         return 0
     ids = [r.experience_id for r in records]
     with engine.connect() as conn:
-        have: set[str] = set()
+        have: set[str] = _buried(conn, ids)
         for chunk in iter_chunks(ids, 500):
             have.update(conn.scalars(select(experiences.c.experience_id).where(experiences.c.experience_id.in_(chunk))))
     missing = [r for r in records if r.experience_id not in have]
@@ -579,23 +600,33 @@ def purge_text(*, engine: Engine, before: datetime, limit: int = 5_000) -> int:
         return len(locked)
 
 
-def delete_user_data(*, engine: Engine, user_id: str, audit: dict[str, Any] | None = None) -> dict[str, Any]:
+def delete_user_data(*, engine: Engine, user_id: str, agents: Sequence[str] | None = None,
+                     audit: dict[str, Any] | None = None) -> dict[str, Any]:
     """Delete every experience of ``user_id`` (whatever its status: not-yet-trained batches included;
     a Trainer step that had read one is refused at its commit and retried without it). Returns
     what was removed, by status and agent, and which published versions were already trained on
     some of it (that cannot be taken out of an adapter; it is named so it can be retrained)."""
     e = experiences.c
     with write_transaction(engine) as conn:
-        rows = list(conn.execute(select(e.experience_id, e.status, e.agent, e.trained_in).where(e.user_id == user_id)))
-        _lock_rows(conn, [r.experience_id for r in rows])
+        mine = [e.user_id == user_id] + ([e.agent.in_(list(agents))] if agents is not None else [])
+        ids = list(conn.scalars(select(e.experience_id).where(*mine)))
+        _lock_rows(conn, ids)
+        # Read once locked: a Trainer step that committed meanwhile shows as consumed, with its version.
+        rows = []
+        for chunk in iter_chunks(ids, 500):
+            rows += conn.execute(select(e.experience_id, e.status, e.agent, e.trained_in).where(e.experience_id.in_(chunk)))
         by_status: dict[str, int] = {}
         trained: dict[tuple[str, int], int] = {}
         for r in rows:
             by_status[r.status] = by_status.get(r.status, 0) + 1
             if r.status == ExperienceStatus.CONSUMED.value and r.trained_in is not None:
                 trained[(r.agent, r.trained_in)] = trained.get((r.agent, r.trained_in), 0) + 1
+        now = utcnow()
         for chunk in iter_chunks([r.experience_id for r in rows], 500):
             conn.execute(experiences.delete().where(e.experience_id.in_(chunk)))
+            fresh = set(chunk) - _buried(conn, chunk)
+            if fresh:
+                conn.execute(insert(tombstones), [{"experience_id": i, "deleted_at": now} for i in sorted(fresh)])
         report = {
             "user_id": user_id, "deleted": len(rows), "by_status": by_status,
             "in_published_versions": [{"agent": a, "version": v, "experiences": n} for (a, v), n in sorted(trained.items())],
@@ -912,9 +943,9 @@ def newest_decided_version(*, engine: Engine, agent: str) -> int:
 
 def recent_rewarded(*, engine: Engine, agent: str, limit: int) -> list[Experience]:
     """The newest ``limit`` rewarded calls of ``agent`` (traffic only: no demonstrations, no release
-    evaluations), newest first."""
+    evaluations, none whose text retention purged), newest first."""
     e = experiences.c
-    q = (select(experiences).where(e.agent == agent, e.reward.is_not(None), ~_DEMONSTRATION,
+    q = (select(experiences).where(e.agent == agent, e.reward.is_not(None), ~_DEMONSTRATION, e.purged_at.is_(None),
                                    or_(e.task_id.is_(None), ~e.task_id.startswith(_EVAL_TASK_PREFIX)))
          .order_by(e.seq.desc()).limit(limit))
     with engine.connect() as conn:

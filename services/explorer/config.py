@@ -87,8 +87,8 @@ class ServerSection(ConfigModel):
     )
     body_timeout_s: float = Field(
         default=30.0, gt=0,
-        description="A request whose body has not fully arrived this long after the last piece gets 408 (stalled uploads "
-        "do not hold a connection open).",
+        description="A request whose body has not fully arrived this many seconds after it began gets 408 (stalled or "
+        "trickled uploads do not hold a connection and a request slot open).",
     )
     log_level: str = Field(default="info", description="debug, info, warning, error.")
     log_format: Literal["text", "json"] = Field(
@@ -135,6 +135,8 @@ class AuthSection(ConfigModel):
         if len(set(names)) != len(names):
             raise ValueError("auth.keys: each key needs a name of its own")
         for k in self.keys:
+            if k.name in ("anonymous", "release-gate") or k.name.startswith("api_keys["):
+                raise ValueError(f"auth.keys: the name {k.name!r} is reserved")
             for agent in k.agents or ():
                 if not AGENT_NAME.match(agent):
                     raise ValueError(f"auth.keys[{k.name}].agents: invalid agent name {agent!r}")

@@ -75,53 +75,58 @@ class EdgeMiddleware:
             await send({"type": "http.response.start", "status": status, "headers": raw})
             await send({"type": "http.response.body", "body": body})
 
+        try:
+            await self._handle(scope, receive, send_wrapper, answer, state, route, path)
+        finally:
+            self.metrics.requests.labels(route, str(state["code"])).inc()
+            request_id.reset(token)
+
+    async def _handle(self, scope, receive, send_wrapper, answer, state, route: str, path: str) -> None:
         length = dict(scope.get("headers") or []).get(b"content-length")
         limited = route not in _UNLIMITED
         if length is not None and length.isdigit() and int(length) > self.max:
             await answer(413, f"request body is larger than the limit of {self.max} bytes", "body_too_large")
-        elif limited and self.active >= self.max_concurrent:
+            return
+        if limited and self.active >= self.max_concurrent:
             await answer(503, f"the server is handling its limit of {self.max_concurrent} requests; retry shortly",
                          "overloaded", {"Retry-After": "1"})
-        else:
-            seen, body_done = 0, False
+            return
+        seen, body_done = 0, False
+        deadline = asyncio.get_running_loop().time() + self.body_timeout_s  # for the whole body, not each piece
 
-            async def receive_wrapper():
-                nonlocal seen, body_done
-                if state["answered"]:
-                    return {"type": "http.disconnect"}
-                if body_done:  # only a disconnect can come now: wait for it as long as it takes
-                    return await receive()
-                try:
-                    message = await asyncio.wait_for(receive(), self.body_timeout_s)
-                except asyncio.TimeoutError:
-                    if not state["started"]:
-                        await answer(408, f"the request body did not arrive within {self.body_timeout_s:g} s",
-                                     "body_timeout")
-                    return {"type": "http.disconnect"}
-                if message["type"] == "http.request":
-                    seen += len(message.get("body", b""))
-                    body_done = not message.get("more_body", False)
-                    if seen > self.max and not state["started"]:
-                        await answer(413, f"request body is larger than the limit of {self.max} bytes",
-                                     "body_too_large")
-                        return {"type": "http.disconnect"}
-                return message
-
-            self.active += limited
+        async def receive_wrapper():
+            nonlocal seen, body_done
+            if state["answered"]:
+                return {"type": "http.disconnect"}
+            if body_done:  # only a disconnect can come now: wait for it as long as it takes
+                return await receive()
             try:
-                await self.app(scope, receive_wrapper, send_wrapper)
-            except Exception:
-                if state["answered"]:
-                    pass
-                elif state["started"]:
-                    request_id.reset(token)
-                    raise  # part of the answer is out: the connection cannot be saved
-                else:
-                    # Caught here, not by Starlette's last-resort handler, which re-raises and so
-                    # closes the keep-alive connection. The log has the details; the client an id.
-                    what = f"unhandled error on {scope.get('method')} {path}"
-                    await answer(500, f"internal error ({logged_error(what, sys.exc_info()[1])})", "internal_error")
-            finally:
-                self.active -= limited
-        self.metrics.requests.labels(route, str(state["code"])).inc()
-        request_id.reset(token)
+                message = await asyncio.wait_for(receive(), max(0.0, deadline - asyncio.get_running_loop().time()))
+            except asyncio.TimeoutError:
+                if not state["started"]:
+                    await answer(408, f"the request body did not arrive within {self.body_timeout_s:g} s",
+                                 "body_timeout")
+                return {"type": "http.disconnect"}
+            if message["type"] == "http.request":
+                seen += len(message.get("body", b""))
+                body_done = not message.get("more_body", False)
+                if seen > self.max and not state["started"]:
+                    await answer(413, f"request body is larger than the limit of {self.max} bytes", "body_too_large")
+                    return {"type": "http.disconnect"}
+            return message
+
+        self.active += limited
+        try:
+            await self.app(scope, receive_wrapper, send_wrapper)
+        except Exception:
+            if state["answered"]:
+                pass
+            elif state["started"]:
+                raise  # part of the answer is out: the connection cannot be saved
+            else:
+                # Caught here, not by Starlette's last-resort handler, which re-raises and so
+                # closes the keep-alive connection. The log has the details; the client an id.
+                what = f"unhandled error on {scope.get('method')} {path}"
+                await answer(500, f"internal error ({logged_error(what, sys.exc_info()[1])})", "internal_error")
+        finally:
+            self.active -= limited

@@ -114,7 +114,7 @@ class MessagesService:
         if req.top_k is not None:
             raise APIError(400, "top_k is not supported by this server", param="top_k", code="unsupported_parameter")
         choice, parallel = chat_tool_choice(req.tool_choice)
-        meta = {k: v for k, v in (req.metadata or {}).items() if k in ("task_id", "run_id")}
+        meta = {k: v for k, v in (req.metadata or {}).items() if k in ("task_id", "run_id", "user_id", "train")}
         body = {
             "model": req.model, "messages": chat_messages(req), "max_tokens": req.max_tokens, "metadata": meta or None,
             "stop": req.stop_sequences, "temperature": req.temperature, "top_p": req.top_p, "tools": chat_tools(req.tools),

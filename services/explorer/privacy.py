@@ -21,7 +21,8 @@ from services.common.plugins import load_object
 from services.common.records import Experience
 from services.explorer.config import PrivacySection
 
-_EMAIL = re.compile(r"[A-Za-z0-9._%+-]+@[A-Za-z0-9-]+(?:\.[A-Za-z0-9-]+)*\.[A-Za-z]{2,}")
+# Bounded parts (RFC 5321's lengths): unbounded ones made a long run of letters cost quadratic time.
+_EMAIL = re.compile(r"[A-Za-z0-9._%+-]{1,64}@[A-Za-z0-9-]{1,63}(?:\.[A-Za-z0-9-]{1,63}){0,8}\.[A-Za-z]{2,24}")
 # A phone number: an optional +country code, then digit groups with separators; 9 to 15 digits in all.
 _PHONE = re.compile(r"(?<![\w+])\+?\(?\d{1,4}\)?(?:[ .-]?\(?\d{2,4}\)?){2,5}(?![\w])")
 _CARD = re.compile(r"(?<!\d)\d(?:[ -]?\d){12,18}(?!\d)")
@@ -53,7 +54,7 @@ def _phone(m: re.Match) -> str:
 
 
 PATTERNS: dict[str, Callable[[str], str]] = {
-    "email": lambda t: _EMAIL.sub("[email]", t),
+    "email": lambda t: _EMAIL.sub("[email]", t) if "@" in t else t,
     "card": lambda t: _CARD.sub(_card, t),  # before phone: a card number also looks like digit groups
     "phone": lambda t: _PHONE.sub(_phone, t),
 }
@@ -97,12 +98,17 @@ class Redactor:
             ]
         return out
 
-    def apply(self, e: Experience) -> Experience:
-        """``e`` as it may be stored (a copy when anything changed)."""
-        if not self._steps:
-            return e
-        hits: set[str] = set()
-        messages = [self._message(m, hits) for m in e.messages]
+    def apply(self, records: list[Experience]) -> list[Experience]:
+        """``records`` (the choices of one request, which share their messages) as they may be
+        stored; the messages are redacted once, not once per choice."""
+        if not self._steps or not records:
+            return records
+        prompt_hits: set[str] = set()
+        messages = [self._message(m, prompt_hits) for m in records[0].messages]
+        return [self._one(e, messages, prompt_hits) for e in records]
+
+    def _one(self, e: Experience, messages: list[dict[str, Any]], prompt_hits: set[str]) -> Experience:
+        hits = set(prompt_hits)
         response = self._message(e.response, hits)
         if not hits:
             return e

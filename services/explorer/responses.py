@@ -27,6 +27,7 @@ from starlette.types import Receive
 
 from services.common import buffer
 from services.common.ids import experience_id
+from services.explorer.access import Principal
 from services.explorer.errors import APIError
 from services.explorer.protocol import ChatCompletion, ResponsesRequest
 from services.explorer.recorder import Recorder
@@ -141,8 +142,8 @@ class ResponsesService:
 
     # ------------------------------------------------------------------ request
 
-    async def prepare(self, req: ResponsesRequest, headers: Mapping[str, str]) -> PreparedChat:
-        messages = await self._history(req.previous_response_id) if req.previous_response_id else []
+    async def prepare(self, req: ResponsesRequest, headers: Mapping[str, str], principal: Principal | None = None) -> PreparedChat:
+        messages = await self._history(req.previous_response_id, principal) if req.previous_response_id else []
         new = input_messages(req.input)
         if req.instructions is not None:
             if messages and messages[0]["role"] in ("system", "developer"):
@@ -162,14 +163,14 @@ class ResponsesService:
         }
         return await off_loop(partial(self.chat.prepare_translated, id_prefix="resp"), body, headers)
 
-    async def _history(self, response_id: str) -> list[dict[str, Any]]:
+    async def _history(self, response_id: str, principal: Principal | None = None) -> list[dict[str, Any]]:
         if response_id in self._unstored:
             raise APIError(404, f"response {response_id!r} was created with store: false and cannot be continued",
                            param="previous_response_id", code="response_not_found")
         eid = experience_id(response_id, 0)
         await self._recorder.wait_written([eid], self._wait_s)
         exp = await asyncio.to_thread(buffer.get_experience, engine=self._db, experience_id=eid)
-        if exp is None:
+        if exp is None or (principal is not None and not principal.may_use(exp.agent)):  # another agent's: unseen
             raise APIError(404, f"no response {response_id!r}", param="previous_response_id", code="response_not_found")
         if exp.purged_at is not None:
             raise APIError(404, f"response {response_id!r} is past the retention period (privacy.retention_days): its "

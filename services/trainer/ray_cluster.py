@@ -94,8 +94,9 @@ class LocalRayCluster:
             return
         processes = [p for p in descendants(os.getpid()) if p[0] != self.guard.pid]
         line = json.dumps(processes)
+        me = _stat(os.getpid())
         self.record.parent.mkdir(parents=True, exist_ok=True)
-        self.record.write_text(line)
+        self.record.write_text(json.dumps({"owner": [os.getpid(), me[1] if me else 0], "processes": processes}))
         try:
             self.guard.stdin.write(line + "\n")
             self.guard.stdin.flush()
@@ -105,8 +106,15 @@ class LocalRayCluster:
     def remove_leftovers(self) -> None:
         """Kill what the cluster of an earlier, killed run of this Trainer left (its guard died with it)."""
         try:
-            processes = [tuple(p) for p in json.loads(self.record.read_text())]
-        except (OSError, ValueError):
+            body = json.loads(self.record.read_text())
+            owner, processes = tuple(body["owner"]), [tuple(p) for p in body["processes"]]
+        except (OSError, ValueError, KeyError, TypeError):
+            return
+        st = _stat(owner[0])
+        if st is not None and st[1] == owner[1]:
+            # Its Trainer is alive: another Trainer shares this run_dir. Leave its cluster alone.
+            log.warning("%s belongs to a running Trainer (pid %d); give each Trainer a run_dir of its own",
+                        self.record, owner[0])
             return
         killed = kill_listed(processes)
         if killed:

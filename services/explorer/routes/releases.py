@@ -12,7 +12,7 @@ from fastapi import APIRouter, Depends, Query
 from services.common import buffer
 from services.explorer.access import Principal, audit_entry, check_agent
 from services.explorer.deps import ReleasesDep, StateDep, require
-from services.explorer.protocol import AGENT_PATTERN, ReleaseDecisionRequest, RollbackRequest
+from services.explorer.protocol import AGENT_PATTERN, ReleaseDecisionRequest, RollbackRequest, check_storable
 
 router = APIRouter()
 Reader = Annotated[Principal, Depends(require("read"))]
@@ -46,6 +46,7 @@ async def decide(body: ReleaseDecisionRequest, releases: ReleasesDep, k: StateDe
 @router.get("/admin/audit")
 async def audit(k: StateDep, _: Admin, limit: int = Query(default=100, ge=1, le=10_000), actor: str | None = None,
                 action: str | None = None):
+    check_storable({"actor": actor, "action": action}, "query")
     rows = await asyncio.to_thread(buffer.list_audit, engine=k.db, limit=limit, actor=actor, action=action)
     return {"object": "list", "data": rows}
 

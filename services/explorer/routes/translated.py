@@ -18,7 +18,8 @@ router = APIRouter()
 
 async def _answer(service, body, request: Request, principal: Principal):
     if inspect.iscoroutinefunction(service.prepare):
-        prepared = await service.prepare(body, request.headers)  # it moves its own heavy part off the loop
+        # (the Responses API: it reads a stored conversation, which the key must be allowed to see)
+        prepared = await service.prepare(body, request.headers, principal)  # it moves its own heavy part off the loop
     else:
         prepared = await off_loop(service.prepare, body, request.headers)
     service.chat.admit(prepared, principal)

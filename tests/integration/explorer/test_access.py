@@ -65,6 +65,12 @@ def test_scopes_agents_and_the_audit_log(make_explorer):
     assert other.post("/commit", json={}).json()["committed"] == 0  # commit-all reaches only its own agents
     assert app.post("/commit", json={"msg_ids": [eid]}).json()["committed"] == 1
 
+    # a stored conversation of another agent cannot be continued (nor read) through the Responses API
+    r = app.post("/v1/responses", json={"model": "default", "input": "remember 42", "max_output_tokens": 2})
+    assert r.status_code == 200, r.text
+    stolen = other.post("/v1/responses", json={"model": "other", "input": "repeat", "previous_response_id": r.json()["id"]})
+    _error(stolen, 404, "response_not_found")
+
     # scopes: chat keys cannot read, readers cannot chat or give feedback, only admins act
     _error(app.get("/experiences"), 403, "insufficient_scope")
     _error(app.get("/metrics"), 403, "insufficient_scope")
@@ -85,6 +91,7 @@ def test_scopes_agents_and_the_audit_log(make_explorer):
 
     audit = ops.get("/admin/audit").json()["data"]
     seen = [(a["actor"], a["action"]) for a in reversed(audit)]
+    _error(ops.get("/admin/audit", params={"actor": "a\x00b"}), 400, "invalid_string")
     # refused actions changed nothing and are not there; the empty commit-all is
     assert seen == [("app", "feedback"), ("other", "commit"), ("app", "commit"), ("ops", "rollback")], seen
     assert audit[-1]["target"] == {"msg_ids": [eid], "count": 1} and audit[-1]["details"]["count"] == 1
@@ -130,6 +137,7 @@ def test_bad_key_config_is_refused(tmp_path):
     for bad, needle in [('[{"name": "a", "sha256": "not-hex"}]', "sha256"),
                         ('[{"name": "a", "sha256": "' + "a" * 64 + '", "scopes": ["root"]}]', "scopes"),
                         ('[{"name": "a", "sha256": "' + "a" * 64 + '"}, {"name": "a", "sha256": "' + "b" * 64 + '"}]',
-                         "name of its own")]:
+                         "name of its own"),
+                        ('[{"name": "release-gate", "sha256": "' + "a" * 64 + '"}]', "reserved")]:
         with pytest.raises(ConfigError, match=needle):
             load_config(ExplorerConfig, None, ["model.path=/m", f"auth.keys={bad}"], env={})

@@ -132,6 +132,20 @@ def test_a_stalled_upload_gets_408_and_the_concurrency_limit_503(make_explorer):
     finally:
         stalled.close()
     assert ex.http.get("/v1/models").status_code == 200  # the slot is free again
+    trickle = _stalled_upload(ex.url, sent=1, declared=100)  # one byte every 0.5 s: never 1.5 s apart, still a 408
+    try:
+        t0 = time.monotonic()
+        for _ in range(10):
+            time.sleep(0.5)
+            trickle.sendall(b" ")
+            if time.monotonic() - t0 > 2.5:
+                break
+        status, raw, _ = _read_status(trickle, timeout=30)
+        assert status == 408, raw
+    except (BrokenPipeError, ConnectionResetError):
+        pass  # answered 408 and closed while we were still sending
+    finally:
+        trickle.close()
     metrics = ex.http.get("/metrics").text
-    assert 'kaizen_requests_total{route="/feedback",status="408"} 1.0' in metrics
+    assert 'kaizen_requests_total{route="/feedback",status="408"} 2.0' in metrics
     assert 'kaizen_requests_total{route="/v1/models",status="503"} 1.0' in metrics

@@ -72,6 +72,10 @@ def test_consent_and_user_identity(make_explorer):
     assert _stored(ex, no)["user_id"] == "u-1" and _stored(ex, no)["trainable"] is False
     assert _stored(ex, yes)["user_id"] == "u-2" and _stored(ex, yes)["request_id"] == "req-42"
     assert _reward_and_commit(ex, no) == 0 and _reward_and_commit(ex, yes) == 1
+    r = ex.http.post("/v1/messages", json={"model": "default", "messages": [{"role": "user", "content": "hi"}],
+                                           "max_tokens": 2, "metadata": {"train": False, "user_id": "u-3"}})
+    stored = _stored(ex, r.json()["experience_id"] if "experience_id" in r.json() else r.json()["id"] + "-0")
+    assert stored["user_id"] == "u-3" and stored["trainable"] is False  # Anthropic's clients send metadata.user_id
     r = ex.http.post("/v1/chat/completions", json={"model": "default", "messages": [{"role": "user", "content": "x"}],
                                                    "metadata": {"train": "maybe"}})
     assert r.status_code == 400 and r.json()["error"]["param"] == "metadata.train"
@@ -101,6 +105,11 @@ def test_deleting_a_users_data_reports_what_was_trained(make_explorer):
     for eid in ids.values():
         assert ex.http.get(f"/experiences/{eid}").status_code == 404
     assert ex.http.get(f"/experiences/{other}").status_code == 200
+    # A journal replayed after the deletion (a kill before its segment rotated) writes none of them again.
+    gone = buffer.get_experience(engine=ex.state.db, experience_id=other)
+    for status, eid in ids.items():
+        buffer.insert_missing_experiences(engine=ex.state.db, records=[gone.model_copy(update={"experience_id": eid})])
+        assert ex.http.get(f"/experiences/{eid}").status_code == 404
     assert ex.http.delete("/experiences", params={"user_id": "u-9"}).json()["deleted"] == 0
     assert ex.http.delete("/experiences").status_code == 400  # user_id is required
     audit = ex.http.get("/admin/audit", params={"action": "delete_user_data"}).json()["data"]

@@ -52,7 +52,7 @@ class _Trainer:
         _wait(lambda: "waiting for committed experiences" in self.log.read_text() or self.proc.poll() is not None,
               180, "the Trainer to start")
         assert self.proc.poll() is None, self.log.read_text()[-3000:]
-        return [tuple(p) for p in json.loads(self.record.read_text())]
+        return [tuple(p) for p in json.loads(self.record.read_text())["processes"]]
 
     def guard_pid(self) -> int:
         out = subprocess.run(["pgrep", "-P", str(self.proc.pid), "-f", "services.trainer.ray_cluster"],
@@ -100,7 +100,7 @@ def test_a_killed_trainer_leaves_no_ray_cluster(tiny_model, tmp_path):
             assert f"killed {len(leftovers)} processes of the Ray cluster an earlier run left behind" in third.log.read_text()
 
         # A clean stop (SIGTERM) leaves nothing either, not even the record.
-        processes = [tuple(p) for p in json.loads(third.record.read_text())]
+        processes = [tuple(p) for p in json.loads(third.record.read_text())["processes"]]
         listed += processes
         third.proc.send_signal(signal.SIGTERM)
         assert third.proc.wait(120) == 0, third.log.read_text()[-3000:]

@@ -37,3 +37,10 @@ def test_only_the_chosen_patterns_and_the_hits_are_named():
     hits: set[str] = set()
     r = Redactor(PrivacySection(redact=["email"]))
     assert r.text("a@b.io or +1 415-555-0100", hits) == "[email] or +1 415-555-0100" and hits == {"email"}
+
+
+def test_email_parts_are_bounded():
+    """RFC 5321's lengths bound the pattern: a local part of 100 letters keeps its first 36 (and a
+    long run of letters costs linear time, not quadratic)."""
+    assert _redact("x" * 100 + "@example.com", "email") == "x" * 36 + "[email]"
+    assert _redact("y" * 50_000, "email") == "y" * 50_000
