@@ -13,7 +13,7 @@ PYTEST_ARGS ?=
 # GPU machines: VLLM=none, then `.venv/bin/pip install -e '.[vllm]'`.
 VLLM   ?= cpu
 
-.PHONY: all install postgres demo test test-unit bench tiny-model pretrained clean
+.PHONY: all install postgres chromium demo test test-unit bench tiny-model pretrained clean
 
 all: test
 
@@ -59,7 +59,17 @@ postgres:
 			|| echo "could not install PostgreSQL: the PostgreSQL tests will skip"; \
 	else echo "no PostgreSQL server binaries (apt-get install postgresql): the PostgreSQL tests will skip"; fi
 
-test: $(STAMP) postgres
+# The dashboard's tests drive a real headless Chromium (Debian's package, through Playwright): install
+# it with apt when it is missing and we can; otherwise those tests skip and say why.
+chromium:
+	@if command -v chromium >/dev/null 2>&1 || command -v chromium-browser >/dev/null 2>&1; then :; \
+	elif [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+		echo "installing Debian's chromium for the dashboard's browser tests"; \
+		(apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium) >/dev/null 2>&1 \
+			|| echo "could not install chromium: the dashboard's browser tests will skip"; \
+	else echo "no chromium (apt-get install chromium): the dashboard's browser tests will skip"; fi
+
+test: $(STAMP) postgres chromium
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
 test-unit: $(STAMP)
@@ -69,4 +79,4 @@ bench: $(STAMP) $(TINY)/config.json
 	$(BIN)/python -m tests.bench.run
 
 clean:
-	rm -rf $(VENV) .cache runs .pytest_cache
+	rm -rf $(VENV) .cache runs .pytest_cache test-output

@@ -47,6 +47,20 @@ def _trainer(args: argparse.Namespace) -> int:
     return run_trainer(config)
 
 
+def _dashboard(args: argparse.Namespace) -> int:
+    from services.dashboard.app import serve
+    from services.dashboard.config import load_dashboard_config
+
+    overrides = list(args.overrides)
+    for flag, key in ((args.host, "dashboard.host"), (args.port, "dashboard.port")):
+        if flag is not None:
+            overrides.append(f"{key}={flag}")
+    config = load_dashboard_config(args.config, overrides)
+    setup_logging(config.dashboard.log_level)
+    serve(config)
+    return 0
+
+
 def _demo(args: argparse.Namespace) -> int:
     from services.demo import run_demo
 
@@ -136,6 +150,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-steps", type=int, default=None, help="stop after this many steps")
     p.add_argument("overrides", nargs="*", help="dotted.key=value overrides")
     p.set_defaults(func=_trainer)
+
+    p = sub.add_parser("dashboard", help="a read-only web view of learning: reward, trainer, versions, experiences token by token")
+    p.add_argument("--config", default=None,
+                   help="YAML: an Explorer config (its buffer, checkpoints, model and keys) or configs/dashboard.yaml")
+    p.add_argument("--host", default=None, help="address to listen on (default 127.0.0.1)")
+    p.add_argument("--port", type=int, default=None, help="port (default 8300)")
+    p.add_argument("overrides", nargs="*", help="dotted.key=value overrides")
+    p.set_defaults(func=_dashboard)
 
     p = sub.add_parser("demo", help="run the whole loop locally and show an agent learn (task=tools: SmolLM2 with a calculator; task=parity: the tiny model, fast)")
     p.add_argument("--config", default="configs/demo.yaml", help="YAML file (default: configs/demo.yaml)")

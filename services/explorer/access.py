@@ -27,6 +27,15 @@ def key_digest(key: str) -> str:
     return hashlib.sha256(key.strip().encode()).hexdigest()
 
 
+def presented_key(headers) -> str:
+    """The key a request presents: ``Authorization: Bearer <key>``, else ``X-Api-Key`` (as Anthropic's
+    clients send it); "" when neither."""
+    scheme, _, token = headers.get("authorization", "").partition(" ")
+    if scheme.lower() != "bearer" or not token:
+        token = headers.get("x-api-key", "")
+    return token
+
+
 def new_key() -> str:
     return "kz-" + secrets.token_urlsafe(32)
 
@@ -124,6 +133,20 @@ class Access:
                                Principal(name="release-gate", scopes=frozenset({"chat", "read"}))))
         self.anonymous = Principal(name=ANONYMOUS, scopes=frozenset(SCOPES))
         self.quotas = Quotas()
+
+    def authenticate(self, headers) -> Principal:
+        """The caller of a request with ``headers``; APIError 401 without a valid key. Without
+        configured keys everyone is the anonymous principal with every scope."""
+        if not self.enabled:
+            return self.anonymous
+        token = presented_key(headers)
+        if not token:
+            raise APIError(401, "missing API key: send Authorization: Bearer <key> (or X-Api-Key: <key>)",
+                           code="invalid_api_key")
+        principal = self.identify(token)
+        if principal is None:
+            raise APIError(401, "incorrect API key", code="invalid_api_key")
+        return principal
 
     def identify(self, token: str) -> Principal | None:
         """The key's holder, or None. Every digest is compared, each in constant time."""

@@ -54,19 +54,7 @@ async def authenticate(request: Request) -> Principal:
     everyone is the anonymous principal with every scope."""
     state = request.app.state.kaizen
     access: Access = state.access
-    if not access.enabled:
-        principal = access.anonymous
-    else:
-        header = request.headers.get("authorization", "")
-        scheme, _, token = header.partition(" ")
-        if scheme.lower() != "bearer" or not token:
-            token = request.headers.get("x-api-key", "")
-        if not token:
-            raise APIError(401, "missing API key: send Authorization: Bearer <key> (or X-Api-Key: <key>)",
-                           code="invalid_api_key")
-        principal = access.identify(token)
-        if principal is None:
-            raise APIError(401, "incorrect API key", code="invalid_api_key")
+    principal = access.authenticate(request.headers)
     wait = access.quotas.admit(principal)
     if wait is not None:
         state.metrics.quota_refusals.labels(principal.name).inc()

@@ -1,0 +1,82 @@
+"""The dashboard's configuration: where to read (buffer, checkpoints, the model's tokenizer), where
+to listen, and the API keys it accepts.
+
+Its sections carry the names the Explorer's config gives them (``buffer``, ``checkpoints``, ``auth``,
+``model``), so ``kaizen dashboard --config explorer.yaml`` reads the same buffer and checkpoints
+with the same keys; the sections only the Explorer or the Trainer use are skipped, and what belongs
+to neither is an error naming the key.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+from typing import Any, Sequence
+
+import yaml
+from pydantic import Field
+
+from services.common.config import BufferSection, ConfigError, ConfigModel, load_config
+from services.explorer.config import AuthSection
+
+log = logging.getLogger(__name__)
+
+
+class DashboardModelSection(ConfigModel):
+    path: str | None = Field(
+        default=None,
+        description="The base model's directory: its tokenizer shows each recorded token as text (absent: token ids).",
+    )
+    name: str | None = None
+    dtype: str | None = None
+    chat_template: str | None = None
+
+
+class DashboardCheckpoints(ConfigModel):
+    root: str = Field(default="checkpoints", description="The shared checkpoint directory the Trainer publishes to.")
+
+
+class DashboardServer(ConfigModel):
+    host: str = Field(default="127.0.0.1", description="Address to listen on (loopback by default).")
+    port: int = Field(default=8300, ge=0, le=65535, description="Port (0: any free port).")
+    log_level: str = Field(default="warning", description="debug, info, warning, error.")
+
+
+class DashboardConfig(ConfigModel):
+    buffer: BufferSection = Field(default_factory=BufferSection)
+    checkpoints: DashboardCheckpoints = Field(default_factory=DashboardCheckpoints)
+    auth: AuthSection = Field(
+        default_factory=AuthSection,
+        description="The Explorer's keys: a key needs the read scope; a key limited to agents sees only those.")
+    model: DashboardModelSection = Field(default_factory=DashboardModelSection)
+    dashboard: DashboardServer = Field(default_factory=DashboardServer)
+
+
+def _other_services_sections() -> set[str]:
+    from services.explorer.config import ExplorerConfig
+    from services.trainer.config import TrainerConfig
+
+    return (set(ExplorerConfig.model_fields) | set(TrainerConfig.model_fields)) - set(DashboardConfig.model_fields)
+
+
+def load_dashboard_config(path: str | os.PathLike | None, overrides: Sequence[str] = ()) -> DashboardConfig:
+    """A dashboard config, an Explorer config or a Trainer config (their other sections skipped)."""
+    data: dict[str, Any] = {}
+    if path is not None:
+        p = Path(path)
+        if not p.is_file():
+            raise ConfigError(f"config file {str(p)!r} does not exist")
+        try:
+            loaded = yaml.safe_load(p.read_text()) or {}
+        except yaml.YAMLError as e:
+            raise ConfigError(f"config file {str(p)!r} is not valid YAML: {e}") from e
+        if not isinstance(loaded, dict):
+            raise ConfigError(f"config file {str(p)!r} must hold a mapping at the top level")
+        skipped = sorted(k for k in loaded if k in _other_services_sections())
+        if skipped:
+            log.info("config sections of the Explorer or the Trainer skipped: %s", ", ".join(skipped))
+        data = {k: v for k, v in loaded.items() if k not in skipped}
+        if isinstance(data.get("checkpoints"), dict):  # the Trainer's has retention settings too
+            data["checkpoints"] = {k: v for k, v in data["checkpoints"].items() if k == "root"}
+    return load_config(DashboardConfig, None, overrides, base=data)

@@ -1,0 +1,282 @@
+"""What the dashboard shows, read from the buffer and the checkpoint root.
+
+Every figure over experiences is an aggregate computed by the database (counts, sums and sums of
+squares per time bucket, version or status), read through indexes that hold the columns it needs
+(``ix_experiences_dashboard``: agent, created_at, model_version, status, reward), so a page costs
+one index range scan per agent however large the buffer is; lists are paged by ``seq`` (keyset, not
+OFFSET). Nothing here writes.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from dataclasses import dataclass
+from datetime import timezone
+from pathlib import Path
+from typing import Any, Sequence
+
+from sqlalchemy import Float, Integer, and_, cast, extract, func, select
+from sqlalchemy.engine import Engine
+
+from services.common import checkpoints
+from services.common.buffer import experiences, release_decisions, trainer_steps
+from services.common.records import ExperienceStatus
+
+STATUSES = [s.value for s in ExperienceStatus]
+Z95 = 1.959964  # two-sided 95% normal quantile: the confidence bands
+# Bucket widths (seconds) the reward-over-time chart picks from: about MAX_BUCKETS points at most.
+_WIDTHS = (1, 2, 5, 10, 15, 30, 60, 120, 300, 600, 900, 1800, 3600, 7200, 10800, 21600, 43200, 86400, 172800,
+           604800)
+MAX_BUCKETS = 120
+TRAINER_FIGURES = ("reward_mean", "reward_std", "loss", "kl", "entropy", "clip_frac", "logprob_mismatch",
+                   "staleness_mean", "tokens_per_s", "step_seconds", "grad_norm", "batch_size", "demo_nll")
+
+
+def _epoch(engine: Engine, column):
+    """Seconds since 1970 of a timestamp column, in the database's own dialect."""
+    if engine.dialect.name == "sqlite":
+        return (func.julianday(column) - 2440587.5) * 86400.0
+    return cast(extract("epoch", column), Float)
+
+
+def _floor(engine: Engine, value):
+    return cast(value, Integer) if engine.dialect.name == "sqlite" else cast(func.floor(value), Integer)
+
+
+def _timestamp(value) -> float | None:
+    if value is None:
+        return None
+    if isinstance(value, (int, float)):
+        return float(value)
+    if value.tzinfo is None:  # SQLite keeps no zone: every service writes UTC
+        value = value.replace(tzinfo=timezone.utc)
+    return value.timestamp()
+
+
+def mean_band(n: int, total: float | None, squares: float | None) -> dict[str, float | None]:
+    """Mean of ``n`` values from their sum and sum of squares, with a 95% normal confidence band
+    (None for a band of fewer than two values)."""
+    if n <= 0 or total is None:
+        return {"mean": None, "low": None, "high": None, "n": n}
+    mean = total / n
+    if n < 2 or squares is None:
+        return {"mean": mean, "low": None, "high": None, "n": n}
+    var = max(0.0, (squares - n * mean * mean) / (n - 1))
+    half = Z95 * math.sqrt(var / n)
+    return {"mean": mean, "low": mean - half, "high": mean + half, "n": n}
+
+
+def bucket_width(span_s: float) -> int:
+    for w in _WIDTHS:
+        if span_s / w <= MAX_BUCKETS:
+            return w
+    return int(math.ceil(span_s / MAX_BUCKETS))
+
+
+def agents(engine: Engine, root: str | Path) -> list[str]:
+    """Every agent with experiences, Trainer steps or published versions."""
+    e, t = experiences.c, trainer_steps.c
+    with engine.connect() as conn:
+        names = {r[0] for r in conn.execute(select(e.agent).distinct())}
+        names |= {r[0] for r in conn.execute(select(t.agent).distinct())}
+    names |= set(checkpoints.list_agents(root))
+    return sorted(names)
+
+
+def serving(root: str | Path, agent: str) -> dict[str, int | None]:
+    """The versions LATEST and CANDIDATE name (LATEST serves; a candidate waits for its release decision)."""
+    try:
+        latest = checkpoints.read_latest(root, agent)
+    except checkpoints.CheckpointError:
+        latest = None
+    try:
+        candidate = checkpoints.read_candidate(root, agent)
+    except checkpoints.CheckpointError:
+        candidate = None
+    return {"serving": latest, "candidate": candidate}
+
+
+def status_counts(engine: Engine, agent: str) -> dict[str, int]:
+    e = experiences.c
+    with engine.connect() as conn:
+        found = dict(conn.execute(select(e.status, func.count()).where(e.agent == agent).group_by(e.status)).all())
+    return {s: int(found.get(s, 0)) for s in STATUSES}
+
+
+def per_version(engine: Engine, agent: str) -> list[dict[str, Any]]:
+    """Per version that produced experiences: traffic, rewarded count, mean reward with its band, and
+    the first and last experience it produced (when it began and stopped serving)."""
+    e = experiences.c
+    q = (select(e.model_version, func.count(), func.count(e.reward), func.sum(e.reward), func.sum(e.reward * e.reward),
+                func.min(e.created_at), func.max(e.created_at))
+         .where(e.agent == agent).group_by(e.model_version).order_by(e.model_version))
+    out = []
+    with engine.connect() as conn:
+        for version, n, rewarded, total, squares, first, last in conn.execute(q):
+            out.append({"version": int(version), "experiences": int(n), "reward": mean_band(int(rewarded), total, squares),
+                        "first_at": _timestamp(first), "last_at": _timestamp(last)})
+    return out
+
+
+def over_time(engine: Engine, agent: str, *, since: float | None = None) -> dict[str, Any]:
+    """Traffic and reward per time bucket (the bucket width chosen from the span, at most MAX_BUCKETS)."""
+    e = experiences.c
+    conds = [e.agent == agent]
+    epoch = _epoch(engine, e.created_at)
+    with engine.connect() as conn:
+        first, last = conn.execute(select(func.min(e.created_at), func.max(e.created_at)).where(*conds)).one()
+        if first is None:
+            return {"bucket_s": None, "points": []}
+        start = max(_timestamp(first), since) if since is not None else _timestamp(first)
+        width = bucket_width(max(1.0, _timestamp(last) - start))
+        if since is not None:
+            conds.append(epoch >= since)
+        bucket = _floor(engine, epoch / width)
+        q = (select(bucket.label("b"), func.count(), func.count(e.reward), func.sum(e.reward), func.sum(e.reward * e.reward),
+                    func.max(e.model_version))
+             .where(*conds).group_by("b").order_by("b"))
+        points = []
+        for b, n, rewarded, total, squares, newest in conn.execute(q):
+            points.append({"t": int(b) * width, "experiences": int(n), "newest_version": int(newest),
+                           "reward": mean_band(int(rewarded), total, squares)})
+    return {"bucket_s": width, "points": points}
+
+
+def overview(engine: Engine, root: str | Path, agent: str) -> dict[str, Any]:
+    versions = per_version(engine, agent)
+    started = [{"version": v["version"], "at": v["first_at"]} for v in versions if v["first_at"] is not None]
+    return {
+        "agent": agent,
+        **serving(root, agent),
+        "statuses": status_counts(engine, agent),
+        "versions": versions,
+        # A version's first experience is when traffic first reached it: the Explorer's reload, as the buffer saw it.
+        "reloads": sorted(started, key=lambda s: s["at"]),
+        "over_time": over_time(engine, agent),
+        "generated_at": time.time(),
+    }
+
+
+def trainer(engine: Engine, agent: str, *, limit: int = 5000) -> dict[str, Any]:
+    """The agent's newest ``limit`` Trainer steps, oldest first, with the figures each step recorded."""
+    t = trainer_steps.c
+    q = (select(t.step, t.version, t.consumed, t.discarded, t.metrics, t.created_at)
+         .where(t.agent == agent).order_by(t.id.desc()).limit(limit))
+    with engine.connect() as conn:
+        rows = conn.execute(q).all()[::-1]
+        total = conn.execute(select(func.count()).where(t.agent == agent)).scalar() or 0
+    steps = []
+    for step, version, consumed, discarded, metrics, created in rows:
+        m = metrics or {}
+        steps.append({"step": step, "version": version, "consumed": consumed, "discarded": discarded,
+                      "at": _timestamp(created), "published": m.get("published"),
+                      **{k: m.get(k) for k in TRAINER_FIGURES if isinstance(m.get(k), (int, float))}})
+    return {"agent": agent, "steps": steps, "total_steps": int(total), "figures": list(TRAINER_FIGURES)}
+
+
+def _manifest(root: str | Path, agent: str, version: int) -> dict[str, Any] | None:
+    try:
+        return json.loads((checkpoints.version_dir(root, agent, version) / "manifest.json").read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def versions(engine: Engine, root: str | Path, agent: str) -> dict[str, Any]:
+    """Each version with its lineage: its parent, the step that made it, how many experiences trained
+    it (and a search for them), how it served, and every release decision about it."""
+    e, d, t = experiences.c, release_decisions.c, trainer_steps.c
+    with engine.connect() as conn:
+        trained = dict(conn.execute(select(e.trained_in, func.count())
+                                    .where(e.agent == agent, e.trained_in.is_not(None),
+                                           e.status == ExperienceStatus.CONSUMED.value)
+                                    .group_by(e.trained_in)).all())
+        decisions = conn.execute(select(d.version, d.decision, d.serving, d.actor, d.reason, d.figures, d.created_at)
+                                 .where(d.agent == agent).order_by(d.id)).all()
+        steps = dict(conn.execute(select(t.version, func.max(t.step)).where(t.agent == agent).group_by(t.version)).all())
+    served = {v["version"]: v for v in per_version(engine, agent)}
+    on_disk = set(checkpoints.list_versions(root, agent))
+    numbers = sorted(on_disk | set(served) | set(trained) | set(steps) | {r.version for r in decisions})
+    by_version: dict[int, list[dict[str, Any]]] = {}
+    for r in decisions:
+        by_version.setdefault(r.version, []).append({
+            "decision": r.decision, "serving": r.serving, "actor": r.actor, "reason": r.reason,
+            "figures": r.figures, "at": _timestamp(r.created_at)})
+    out = []
+    for v in numbers:
+        m = _manifest(root, agent, v) if v in on_disk else None
+        s = served.get(v)
+        out.append({
+            "version": v,
+            "on_disk": v in on_disk,
+            "created_at": (m or {}).get("created_at"),
+            "parent": (m or {}).get("parent_version"),
+            "step": (m or {}).get("step", steps.get(v)),
+            "algorithm": (m or {}).get("algorithm"),
+            "source": None if m is None else m.get("source", "trainer"),  # publish: kaizen publish
+            "experience_count": (m or {}).get("experience_count"),
+            "trained_on": int(trained.get(v, 0)),
+            "guard": (m or {}).get("guard"),
+            "served": s["experiences"] if s else 0,
+            "reward": s["reward"] if s else None,
+            "first_served_at": s["first_at"] if s else None,
+            "decisions": by_version.get(v, []),
+        })
+    return {"agent": agent, **serving(root, agent), "versions": out}
+
+
+@dataclass(frozen=True)
+class ExperienceFilter:
+    agents: Sequence[str] | None = None  # the key's agents (None: all)
+    agent: str | None = None
+    task_id: str | None = None
+    run_id: str | None = None
+    version: int | None = None
+    status: str | None = None
+    trained_in: int | None = None
+    min_reward: float | None = None
+    max_reward: float | None = None
+
+
+_SUMMARY = (experiences.c.seq, experiences.c.experience_id, experiences.c.completion_id, experiences.c.agent,
+            experiences.c.model_version, experiences.c.task_id, experiences.c.run_id, experiences.c.status,
+            experiences.c.reward, experiences.c.trained_in, experiences.c.finish_reason, experiences.c.created_at)
+
+
+def search(engine: Engine, f: ExperienceFilter, *, limit: int = 50, before: int | None = None) -> dict[str, Any]:
+    """Experiences matching ``f``, newest first, ``limit`` a page; ``next_before`` pages on."""
+    e = experiences.c
+    conds = []
+    if f.agents is not None:
+        conds.append(e.agent.in_(list(f.agents)))
+    for column, value in ((e.agent, f.agent), (e.task_id, f.task_id), (e.run_id, f.run_id),
+                          (e.model_version, f.version), (e.status, f.status), (e.trained_in, f.trained_in)):
+        if value is not None:
+            conds.append(column == value)
+    if f.min_reward is not None:
+        conds.append(e.reward >= f.min_reward)
+    if f.max_reward is not None:
+        conds.append(e.reward <= f.max_reward)
+    if before is not None:
+        conds.append(e.seq < before)
+    q = select(*_SUMMARY).order_by(e.seq.desc()).limit(limit + 1)
+    if conds:
+        q = q.where(and_(*conds))
+    with engine.connect() as conn:
+        rows = conn.execute(q).all()
+    page = [dict(r._mapping) | {"created_at": _timestamp(r.created_at)} for r in rows[:limit]]
+    return {"experiences": page, "next_before": page[-1]["seq"] if len(rows) > limit else None}
+
+
+def experience(engine: Engine, experience_id: str) -> dict[str, Any] | None:
+    e = experiences.c
+    with engine.connect() as conn:
+        row = conn.execute(select(experiences).where(e.experience_id == experience_id)).first()
+    if row is None:
+        return None
+    x = dict(row._mapping)
+    for key in ("created_at", "updated_at", "purged_at"):
+        x[key] = _timestamp(x[key])
+    x["prompt_tokens"] = len(x.pop("prompt_token_ids") or [])
+    return x
