@@ -129,8 +129,10 @@ Index("ix_experiences_agent_version", experiences.c.agent, experiences.c.model_v
 # A version's lineage (the experiences it was trained on) at publication, without a scan.
 Index("ix_experiences_agent_trained_in", experiences.c.agent, experiences.c.trained_in, experiences.c.status)
 
+# An agent's newest experiences first (the dashboard's lists), whatever the planner's statistics.
+Index("ix_experiences_agent_seq", experiences.c.agent, experiences.c.seq)
 # The dashboard's aggregates per agent (over time, per version) read this index alone, never the rows.
-Index("ix_experiences_dashboard", experiences.c.agent, experiences.c.created_at, experiences.c.model_version,
+Index("ix_experiences_dashboard", experiences.c.agent, experiences.c.model_version, experiences.c.created_at,
       experiences.c.status, experiences.c.reward)
 
 # Who did what through the admin and feedback endpoints.

@@ -26,7 +26,8 @@ from services.common.config import ConfigError
 from services.dashboard import queries
 from services.dashboard.config import DashboardConfig
 from services.explorer.access import Access, Principal, check_agent
-from services.explorer.errors import APIError, install_error_handlers
+from services.explorer.errors import APIError, error_response, install_error_handlers, logged_error
+from services.explorer.protocol import check_storable
 
 log = logging.getLogger(__name__)
 
@@ -52,6 +53,11 @@ def open_buffer(url: str) -> Engine:
         if not inspect(engine).has_table("experiences"):
             raise ConfigError("buffer.url: the database holds no experiences table (start the Explorer once, or check "
                               "buffer.url)")
+        indexes = {i["name"] for i in inspect(engine).get_indexes("experiences")}
+        missing = {"ix_experiences_dashboard", "ix_experiences_agent_seq"} - indexes
+        if missing:
+            log.warning("the buffer lacks the indexes %s (an Explorer or Trainer of this version adds them when it "
+                        "starts): the overview reads every row of an agent until then", ", ".join(sorted(missing)))
     except ConfigError:
         engine.dispose()
         raise
@@ -87,6 +93,17 @@ class Tokens:
         if tok is None:
             return None
         return [tok.decode([i]) for i in ids]
+
+
+def _finite(node: Any) -> Any:
+    """JSON has no NaN or infinity (a -inf logprob, a NaN in feedback): those become null."""
+    if isinstance(node, float):
+        return node if math.isfinite(node) else None
+    if isinstance(node, dict):
+        return {k: _finite(v) for k, v in node.items()}
+    if isinstance(node, list):
+        return [_finite(v) for v in node]
+    return node
 
 
 def _state(request: Request) -> "DashboardState":
@@ -126,8 +143,9 @@ def _visible_agents(state: DashboardState, principal: Principal) -> list[str]:
 
 
 def _agent(state: DashboardState, principal: Principal, agent: str) -> str:
+    check_storable(agent, "agent")
     check_agent(principal, agent, param="agent")
-    if agent not in queries.agents(state.db, state.root):
+    if not queries.agent_exists(state.db, state.root, agent):
         raise APIError(404, f"no agent named {agent!r} in the buffer or the checkpoints", param="agent",
                        code="unknown_agent")
     return agent
@@ -138,6 +156,11 @@ def create_app(config: DashboardConfig, *, db: Engine | None = None) -> FastAPI:
     app = FastAPI(title="Kaizen dashboard", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.dashboard = state
     install_error_handlers(app)
+
+    @app.exception_handler(Exception)
+    async def _unexpected(_: Request, exc: Exception):  # OpenAI's shape, no internals (logged under an id)
+        return error_response(500, f"the dashboard failed on this request ({logged_error('dashboard error', exc)})",
+                              code="server_error")
 
     @app.middleware("http")
     async def headers(request: Request, call_next):
@@ -203,6 +226,7 @@ def create_app(config: DashboardConfig, *, db: Engine | None = None) -> FastAPI:
         if status is not None and status not in queries.STATUSES:
             raise APIError(400, f"status must be one of {', '.join(queries.STATUSES)} (got {status!r})", param="status",
                            code="invalid_value")
+        check_storable({"agent": agent, "task_id": task_id, "run_id": run_id}, "query")
         if agent is not None:
             check_agent(principal, agent, param="agent")
         f = queries.ExperienceFilter(agents=principal.agent_list, agent=agent, task_id=task_id, run_id=run_id,
@@ -212,16 +236,17 @@ def create_app(config: DashboardConfig, *, db: Engine | None = None) -> FastAPI:
 
     @app.get("/api/experiences/{experience_id}")
     def experience(principal: Reader, st: State, experience_id: str) -> JSONResponse:
+        check_storable(experience_id, "experience_id")
         x = queries.experience(st.db, experience_id) if len(experience_id) <= 96 else None
         if x is None or not principal.may_use(x["agent"]):  # another agent's: as if it did not exist
             raise APIError(404, f"no experience {experience_id[:96]!r}", param="experience_id", code="unknown_id")
         ids = x.pop("response_token_ids") or []
-        logprobs = x.pop("response_logprobs") or []
+        logprobs = x.pop("response_logprobs") or []  # demonstrations have none: their tokens were not sampled
         texts = st.tokens.texts(ids) if x.get("purged_at") is None else None
-        x["tokens"] = [{"id": i, "logprob": lp, "text": None if texts is None else texts[k]}
-                       for k, (i, lp) in enumerate(zip(ids, logprobs))]
+        x["tokens"] = [{"id": i, "logprob": logprobs[k] if k < len(logprobs) else None,
+                        "text": None if texts is None else texts[k]} for k, i in enumerate(ids)]
         x["tokens_as_text"] = texts is not None
-        return JSONResponse(x)
+        return JSONResponse(_finite(x))
 
     return app
 

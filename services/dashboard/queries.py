@@ -2,7 +2,7 @@
 
 Every figure over experiences is an aggregate computed by the database (counts, sums and sums of
 squares per time bucket, version or status), read through indexes that hold the columns it needs
-(``ix_experiences_dashboard``: agent, created_at, model_version, status, reward), so a page costs
+(``ix_experiences_dashboard``: agent, model_version, created_at, status, reward), so a page costs
 one index range scan per agent however large the buffer is; lists are paged by ``seq`` (keyset, not
 OFFSET). Nothing here writes.
 """
@@ -17,7 +17,7 @@ from datetime import timezone
 from pathlib import Path
 from typing import Any, Sequence
 
-from sqlalchemy import Float, Integer, and_, cast, extract, func, select
+from sqlalchemy import BigInteger, Integer, and_, cast, extract, func, select
 from sqlalchemy.engine import Engine
 
 from services.common import checkpoints
@@ -34,15 +34,12 @@ TRAINER_FIGURES = ("reward_mean", "reward_std", "loss", "kl", "entropy", "clip_f
                    "staleness_mean", "tokens_per_s", "step_seconds", "grad_norm", "batch_size", "demo_nll")
 
 
-def _epoch(engine: Engine, column):
-    """Seconds since 1970 of a timestamp column, in the database's own dialect."""
+def _bucket(engine: Engine, column, width: int):
+    """The ``width``-second bucket of a timestamp column (whole seconds since 1970 // width), in the
+    database's own dialect: exact, where julianday's float arithmetic would put 12:00:10 at 12:00:09.99995."""
     if engine.dialect.name == "sqlite":
-        return (func.julianday(column) - 2440587.5) * 86400.0
-    return cast(extract("epoch", column), Float)
-
-
-def _floor(engine: Engine, value):
-    return cast(value, Integer) if engine.dialect.name == "sqlite" else cast(func.floor(value), Integer)
+        return cast(func.strftime("%s", column), Integer).op("/")(width)  # INTEGER / INTEGER: floor division
+    return cast(func.floor(extract("epoch", column) / width), BigInteger)
 
 
 def _timestamp(value) -> float | None:
@@ -75,14 +72,33 @@ def bucket_width(span_s: float) -> int:
     return int(math.ceil(span_s / MAX_BUCKETS))
 
 
+def _distinct_agents(conn, column) -> set[str]:
+    """The distinct values of an indexed agent column, one index seek each (a loose index scan:
+    neither SQLite nor PostgreSQL before 18 skips through an index for SELECT DISTINCT)."""
+    found: set[str] = set()
+    current = conn.execute(select(func.min(column))).scalar()
+    while current is not None:
+        found.add(current)
+        current = conn.execute(select(func.min(column)).where(column > current)).scalar()
+    return found
+
+
 def agents(engine: Engine, root: str | Path) -> list[str]:
     """Every agent with experiences, Trainer steps or published versions."""
-    e, t = experiences.c, trainer_steps.c
     with engine.connect() as conn:
-        names = {r[0] for r in conn.execute(select(e.agent).distinct())}
-        names |= {r[0] for r in conn.execute(select(t.agent).distinct())}
+        names = _distinct_agents(conn, experiences.c.agent) | _distinct_agents(conn, trainer_steps.c.agent)
     names |= set(checkpoints.list_agents(root))
     return sorted(names)
+
+
+def agent_exists(engine: Engine, root: str | Path, agent: str) -> bool:
+    e, t = experiences.c, trainer_steps.c
+    with engine.connect() as conn:
+        if conn.execute(select(e.seq).where(e.agent == agent).limit(1)).first() is not None:
+            return True
+        if conn.execute(select(t.id).where(t.agent == agent).limit(1)).first() is not None:
+            return True
+    return agent in checkpoints.list_agents(root)
 
 
 def serving(root: str | Path, agent: str) -> dict[str, int | None]:
@@ -120,27 +136,21 @@ def per_version(engine: Engine, agent: str) -> list[dict[str, Any]]:
     return out
 
 
-def over_time(engine: Engine, agent: str, *, since: float | None = None) -> dict[str, Any]:
-    """Traffic and reward per time bucket (the bucket width chosen from the span, at most MAX_BUCKETS)."""
+def over_time(engine: Engine, agent: str, first: float | None, last: float | None) -> dict[str, Any]:
+    """Traffic and reward per time bucket between the agent's ``first`` and ``last`` experience (the
+    bucket width chosen from the span, at most MAX_BUCKETS buckets)."""
+    if first is None or last is None:
+        return {"bucket_s": None, "points": []}
     e = experiences.c
-    conds = [e.agent == agent]
-    epoch = _epoch(engine, e.created_at)
+    width = bucket_width(max(1.0, last - first))
+    bucket = _bucket(engine, e.created_at, width)
+    q = (select(bucket.label("b"), func.count(), func.count(e.reward), func.sum(e.reward), func.sum(e.reward * e.reward),
+                func.max(e.model_version))
+         .where(e.agent == agent).group_by("b").order_by("b"))
     with engine.connect() as conn:
-        first, last = conn.execute(select(func.min(e.created_at), func.max(e.created_at)).where(*conds)).one()
-        if first is None:
-            return {"bucket_s": None, "points": []}
-        start = max(_timestamp(first), since) if since is not None else _timestamp(first)
-        width = bucket_width(max(1.0, _timestamp(last) - start))
-        if since is not None:
-            conds.append(epoch >= since)
-        bucket = _floor(engine, epoch / width)
-        q = (select(bucket.label("b"), func.count(), func.count(e.reward), func.sum(e.reward), func.sum(e.reward * e.reward),
-                    func.max(e.model_version))
-             .where(*conds).group_by("b").order_by("b"))
-        points = []
-        for b, n, rewarded, total, squares, newest in conn.execute(q):
-            points.append({"t": int(b) * width, "experiences": int(n), "newest_version": int(newest),
-                           "reward": mean_band(int(rewarded), total, squares)})
+        points = [{"t": int(b) * width, "experiences": int(n), "newest_version": int(newest),
+                   "reward": mean_band(int(rewarded), total, squares)}
+                  for b, n, rewarded, total, squares, newest in conn.execute(q)]
     return {"bucket_s": width, "points": points}
 
 
@@ -154,7 +164,8 @@ def overview(engine: Engine, root: str | Path, agent: str) -> dict[str, Any]:
         "versions": versions,
         # A version's first experience is when traffic first reached it: the Explorer's reload, as the buffer saw it.
         "reloads": sorted(started, key=lambda s: s["at"]),
-        "over_time": over_time(engine, agent),
+        "over_time": over_time(engine, agent, min((v["first_at"] for v in versions), default=None),
+                               max((v["last_at"] for v in versions), default=None)),
         "generated_at": time.time(),
     }
 
@@ -178,9 +189,10 @@ def trainer(engine: Engine, agent: str, *, limit: int = 5000) -> dict[str, Any]:
 
 def _manifest(root: str | Path, agent: str, version: int) -> dict[str, Any] | None:
     try:
-        return json.loads((checkpoints.version_dir(root, agent, version) / "manifest.json").read_text())
+        m = json.loads((checkpoints.version_dir(root, agent, version) / "manifest.json").read_text())
     except (OSError, ValueError):
         return None
+    return m if isinstance(m, dict) else None
 
 
 def versions(engine: Engine, root: str | Path, agent: str) -> dict[str, Any]:
@@ -245,13 +257,12 @@ _SUMMARY = (experiences.c.seq, experiences.c.experience_id, experiences.c.comple
 
 
 def search(engine: Engine, f: ExperienceFilter, *, limit: int = 50, before: int | None = None) -> dict[str, Any]:
-    """Experiences matching ``f``, newest first, ``limit`` a page; ``next_before`` pages on."""
+    """Experiences matching ``f``, newest first, ``limit`` a page; ``next_before`` pages on. A key's
+    several agents are read one index range each and merged (an IN list would sort them all)."""
     e = experiences.c
     conds = []
-    if f.agents is not None:
-        conds.append(e.agent.in_(list(f.agents)))
-    for column, value in ((e.agent, f.agent), (e.task_id, f.task_id), (e.run_id, f.run_id),
-                          (e.model_version, f.version), (e.status, f.status), (e.trained_in, f.trained_in)):
+    for column, value in ((e.task_id, f.task_id), (e.run_id, f.run_id), (e.model_version, f.version),
+                          (e.status, f.status), (e.trained_in, f.trained_in)):
         if value is not None:
             conds.append(column == value)
     if f.min_reward is not None:
@@ -260,11 +271,17 @@ def search(engine: Engine, f: ExperienceFilter, *, limit: int = 50, before: int 
         conds.append(e.reward <= f.max_reward)
     if before is not None:
         conds.append(e.seq < before)
-    q = select(*_SUMMARY).order_by(e.seq.desc()).limit(limit + 1)
-    if conds:
-        q = q.where(and_(*conds))
+    if f.agent is not None:
+        scopes = [f.agent] if f.agents is None or f.agent in f.agents else []
+    else:
+        scopes = [None] if f.agents is None else list(f.agents)
+    rows = []
     with engine.connect() as conn:
-        rows = conn.execute(q).all()
+        for agent in scopes:
+            where = conds + ([e.agent == agent] if agent is not None else [])
+            q = select(*_SUMMARY).order_by(e.seq.desc()).limit(limit + 1)
+            rows += conn.execute(q.where(and_(*where)) if where else q).all()
+    rows = sorted(rows, key=lambda r: r.seq, reverse=True)[:limit + 1]
     page = [dict(r._mapping) | {"created_at": _timestamp(r.created_at)} for r in rows[:limit]]
     return {"experiences": page, "next_before": page[-1]["seq"] if len(rows) > limit else None}
 

@@ -10,6 +10,10 @@ buffer functions the services call: the Trainer's poll (oldest committed of an a
 commit (consume_batch), a publication's lineage (consumed_ids of one version), /feedback
 (apply_feedback), /commit, /experiences (by agent and status, and by task), the back-pressure count,
 a retention pass with nothing to purge, and deleting one user's data.
+
+The same buffers then serve ``kaizen dashboard`` (its app on a loopback port, called with httpx as
+the page's script calls it): the time of each API call a page makes, and of a whole page's data
+(overview: /api/me, /api/agents, /api/overview), median of DASHBOARD_REPEAT.
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ from tests.bench.common import table
 SIZES = (10_000, int(os.environ.get("KAIZEN_SCALE_ROWS", "1000000")))
 AGENTS = ("a0", "a1", "a2", "a3")
 REPEAT = 15
+DASHBOARD_REPEAT = 5
 
 
 def _fill(path: Path, rows: int) -> str:
@@ -67,6 +72,12 @@ def _fill(path: Path, rows: int) -> str:
         if len(batch) >= 20_000:
             flush()
     flush()
+    metrics = json.dumps({"loss": 0.01, "kl": 0.001, "entropy": 0.5, "clip_frac": 0.1, "logprob_mismatch": 0.01,
+                          "staleness_mean": 1.0, "tokens_per_s": 500.0, "reward_mean": 0.5})
+    conn.executemany(  # one Trainer step per version and agent, as the rows' trained_in say
+        "INSERT INTO trainer_steps (agent, step, version, consumed, discarded, metrics, created_at) VALUES (?,?,?,?,?,?,?)",
+        [(a, v, v, 1000, 0, metrics, start.isoformat(sep=" ")) for a in AGENTS
+         for v in range(1, rows // (1000 * len(AGENTS)) + 2)])
     conn.commit()
     conn.execute("ANALYZE")
     conn.close()
@@ -121,8 +132,48 @@ def _measure(url: str, rows: int) -> dict[str, float]:
     return out
 
 
+def _measure_dashboard(url: str, root: Path) -> dict[str, float]:
+    import httpx
+
+    from services.dashboard.app import create_app
+    from services.dashboard.config import DashboardConfig
+    from tests.helpers import ThreadedServer
+
+    config = DashboardConfig.model_validate({"buffer": {"url": url}, "checkpoints": {"root": str(root)}})
+    with ThreadedServer(create_app(config)) as server, httpx.Client(base_url=server.url, timeout=120) as client:
+        def get(path: str, **params) -> dict:
+            r = client.get(path, params=params)
+            r.raise_for_status()
+            return r.json()
+
+        one = get("/api/experiences", agent="a1", limit=1)["experiences"][0]["experience_id"]
+        calls = {
+            "overview page (me + agents + overview)": lambda: [get("/api/me"), get("/api/agents"),
+                                                               get("/api/overview", agent="a1")],
+            "/api/agents (4 agents, counts by status)": lambda: get("/api/agents"),
+            "/api/overview (one agent)": lambda: get("/api/overview", agent="a1"),
+            "/api/trainer (one agent)": lambda: get("/api/trainer", agent="a1"),
+            "/api/versions (one agent)": lambda: get("/api/versions", agent="a1"),
+            "/api/experiences (newest 50)": lambda: get("/api/experiences", agent="a1"),
+            "/api/experiences (status, reward, page 3)": lambda: get(
+                "/api/experiences", agent="a2", status="consumed", min_reward=1,
+                before=get("/api/experiences", agent="a2", status="consumed", min_reward=1, limit=100)["next_before"]),
+            "/api/experiences/{id}": lambda: get(f"/api/experiences/{one}"),
+        }
+        out = {}
+        for name, call in calls.items():
+            call()  # warm: the first call of a connection and the page cache
+            times = []
+            for _ in range(DASHBOARD_REPEAT):
+                t0 = time.perf_counter()
+                call()
+                times.append((time.perf_counter() - t0) * 1e3)
+            out[name] = statistics.median(times)
+    return out
+
+
 def main() -> str:
-    results = {}
+    results, dashboard = {}, {}
     with tempfile.TemporaryDirectory(prefix="kaizen-scale-") as d:
         for n in SIZES:
             t0 = time.perf_counter()
@@ -130,13 +181,21 @@ def main() -> str:
             fill_s = time.perf_counter() - t0
             results[n] = _measure(url, n)
             results[n]["_fill_s"] = fill_s
+            dashboard[n] = _measure_dashboard(url, Path(d) / f"checkpoints{n}")
             Path(d, f"b{n}.db").unlink()
     small, big = SIZES
     rows = [[op, f"{results[small][op]:.2f}", f"{results[big][op]:.2f}", f"{results[big][op] / results[small][op]:.2f}"]
             for op in results[small] if not op.startswith("_")]
-    return table(f"scale: buffer queries on {small:,} vs {big:,} experiences (SQLite, median ms of {REPEAT}; goal: ratio "
-                 f"about 1; filling took {results[small]['_fill_s']:.0f} s and {results[big]['_fill_s']:.0f} s)",
-                 ["operation", f"{small:,} ms", f"{big:,} ms", "ratio"], rows)
+    dash = [[op, f"{dashboard[small][op]:.1f}", f"{dashboard[big][op]:.1f}", f"{dashboard[big][op] / dashboard[small][op]:.2f}"]
+            for op in dashboard[small]]
+    return "\n".join([
+        table(f"scale: buffer queries on {small:,} vs {big:,} experiences (SQLite, median ms of {REPEAT}; goal: ratio "
+              f"about 1; filling took {results[small]['_fill_s']:.0f} s and {results[big]['_fill_s']:.0f} s)",
+              ["operation", f"{small:,} ms", f"{big:,} ms", "ratio"], rows),
+        table(f"scale: kaizen dashboard's API on the same buffers (4 agents; median ms of {DASHBOARD_REPEAT}, over HTTP on "
+              "loopback; aggregates scan one agent's index range, lists are keyset pages)",
+              ["call", f"{small:,} ms", f"{big:,} ms", "ratio"], dash),
+    ])
 
 
 if __name__ == "__main__":

@@ -93,13 +93,14 @@ function linkWithAgent(path, params = {}) {
 
 function currentAgent() { return new URLSearchParams(location.search).get("agent") || ""; }
 
-async function pickAgent(agents) {
+async function pickAgent(agents, page) {
   const select = document.getElementById("agent");
   select.replaceChildren(...agents.map((a) => el("option", { value: a.name, text: a.name })));
   let agent = currentAgent();
   if (!agents.some((a) => a.name === agent)) {
     agent = agents.length ? agents[0].name : "";
-    if (agent) history.replaceState(null, "", linkWithAgentFor(agent));
+    // the experiences page searches what its address says (every agent, or one the key cannot see: none)
+    if (agent && page !== "experiences") history.replaceState(null, "", linkWithAgentFor(agent));
   }
   select.value = agent;
   select.onchange = () => { location.href = linkWithAgentFor(select.value); };
@@ -125,7 +126,7 @@ async function overview(main, agent) {
       card("serving version", o.serving, o.serving === null ? "–" : "v" + o.serving, "serving"),
       card("candidate", o.candidate, o.candidate === null ? "none" : "v" + o.candidate, "candidate"),
       card("experiences", total, fmtInt(total), "experiences"),
-      card("rewarded", rewarded, fmtInt(rewarded), "rewarded"),
+      card("with a reward", rewarded, fmtInt(rewarded), "rewarded"),
       ...STATUSES.map((s) => card(s, o.statuses[s], fmtInt(o.statuses[s]), "status-" + s)),
     ),
     el("div", { class: "grid" },
@@ -261,7 +262,7 @@ async function versions(main, agent) {
         el("td", { text: x.step ?? "–" }),
         el("td", { "data-col": "trained_on", "data-value": x.trained_on },
           x.trained_on ? el("a", { href: linkWithAgent("/experiences", { trained_in: x.version }), text: fmtInt(x.trained_on) + " experiences" }) : "–",
-          x.guard && x.guard.refused ? el("span", { class: "badge alarm", text: "guard refused an update" }) : null),
+          x.guard && x.guard.guard_refused ? el("span", { class: "badge alarm", text: "guard refused an update" }) : null),
         el("td", { "data-col": "served", "data-value": x.served },
           x.served ? el("a", { href: linkWithAgent("/experiences", { version: x.version }), text: fmtInt(x.served) }) : "0"),
         el("td", { text: x.reward ? `${fmt(x.reward.mean)} (n=${x.reward.n})` : "–" }),
@@ -323,6 +324,7 @@ async function experiences(main) {
 }
 
 function tokenColor(logprob) {
+  if (logprob === null || logprob === undefined) return "#eef2f6"; // not sampled (a demonstration)
   const p = Math.exp(Math.max(-30, logprob));
   return `hsl(${Math.round(120 * p)}, 75%, ${Math.round(80 + 8 * p)}%)`;
 }
@@ -347,7 +349,8 @@ async function experience(main, id) {
     ["reward", x.reward === null ? null : String(x.reward)], ["trained in", x.trained_in === null ? null : "v" + x.trained_in],
     ["finish reason", x.finish_reason], ["completion", x.completion_id], ["request id", x.request_id], ["user", x.user_id],
     ["created", fmtTime(x.created_at)], ["prompt tokens", x.prompt_tokens], ["response tokens", x.tokens.length]];
-  const mean = x.tokens.length ? x.tokens.reduce((s, t) => s + t.logprob, 0) / x.tokens.length : null;
+  const sampled = x.tokens.filter((t) => t.logprob !== null);
+  const mean = sampled.length ? sampled.reduce((s, t) => s + t.logprob, 0) / sampled.length : null;
   put(main,
     el("h1", { text: "Experience " + x.experience_id }),
     el("dl", { class: "kv" }, kv.map(([k, v]) => [el("dt", { text: k }), el("dd", { "data-field": k, text: v === null || v === undefined ? "–" : v })])),
@@ -356,8 +359,8 @@ async function experience(main, id) {
       el("span", { "data-figure": "mean-logprob", "data-value": mean ?? "", text: ` · mean logprob ${fmt(mean)}` }),
       x.tokens_as_text ? null : el("span", { text: " · token ids (no tokenizer: set model.path)" })),
     el("div", { class: "tokens", id: "tokens" }, x.tokens.map((t, i) => el("span", {
-      class: "tok", "data-i": i, "data-id": t.id, "data-logprob": t.logprob, style: "background:" + tokenColor(t.logprob),
-      title: `token ${t.id} · logprob ${t.logprob.toFixed(4)} · p ${Math.exp(t.logprob).toFixed(3)}`,
+      class: "tok", "data-i": i, "data-id": t.id, "data-logprob": t.logprob ?? "", style: "background:" + tokenColor(t.logprob),
+      title: t.logprob === null ? `token ${t.id} · not sampled (a demonstration)` : `token ${t.id} · logprob ${t.logprob.toFixed(4)} · p ${Math.exp(t.logprob).toFixed(3)}`,
       text: t.text === null ? `⟨${t.id}⟩` : t.text }))),
     x.purged_at ? el("p", { class: "muted", text: "Its raw text was purged by retention at " + fmtTime(x.purged_at) + "." }) : null,
     el("h2", { text: "Messages (the prompt)" }),
@@ -393,7 +396,7 @@ async function route() {
     const me = await api("/api/me");
     document.getElementById("who").textContent = me.auth ? "key: " + me.name : "";
     const { agents } = await api("/api/agents");
-    const agent = await pickAgent(agents);
+    const agent = await pickAgent(agents, page);
     main.replaceChildren();
     if (page === "experiences" && path.split("/")[2]) await experience(main, decodeURIComponent(path.split("/")[2]));
     else if (page === "experiences") await experiences(main);

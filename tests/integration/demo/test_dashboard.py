@@ -188,6 +188,7 @@ def test_bad_input_gets_a_clear_error_in_openai_shape(dashboard):
         ("/api/experiences", {"limit": 0}, 400, "limit"),
         ("/api/experiences", {"before": 2**63}, 400, "before"),
         ("/api/experiences", {"min_reward": "nan"}, 400, "min_reward"),
+        ("/api/experiences", {"task_id": "a\x00b"}, 400, "task_id"),
         ("/api/overview", {}, 400, "agent"),
         ("/api/overview", {"agent": "nobody"}, 404, "agent"),
         ("/api/experiences/chatcmpl-none-0", {}, 404, "experience_id"),
