@@ -146,6 +146,20 @@ def _format_validation_error(exc: ValidationError) -> str:
     return "; ".join(lines)
 
 
+def read_yaml_mapping(path: str | os.PathLike) -> dict[str, Any]:
+    """The mapping a YAML config file holds; ConfigError naming the file otherwise."""
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError(f"config file {str(p)!r} does not exist")
+    try:
+        loaded = yaml.safe_load(p.read_text()) or {}
+    except yaml.YAMLError as e:
+        raise ConfigError(f"config file {str(p)!r} is not valid YAML: {e}") from e
+    if not isinstance(loaded, dict):
+        raise ConfigError(f"config file {str(p)!r} must hold a mapping at the top level")
+    return loaded
+
+
 def load_config(
     model: type[T],
     path: str | os.PathLike | None = None,
@@ -157,16 +171,7 @@ def load_config(
     """Build ``model`` from YAML at ``path``, then the environment, then dotted overrides."""
     data: dict = dict(base or {})
     if path is not None:
-        p = Path(path)
-        if not p.is_file():
-            raise ConfigError(f"config file {str(p)!r} does not exist")
-        try:
-            loaded = yaml.safe_load(p.read_text()) or {}
-        except yaml.YAMLError as e:
-            raise ConfigError(f"config file {str(p)!r} is not valid YAML: {e}") from e
-        if not isinstance(loaded, dict):
-            raise ConfigError(f"config file {str(p)!r} must hold a mapping at the top level")
-        data.update(loaded)
+        data.update(read_yaml_mapping(path))
     for key, value in _env_pairs(model, os.environ if env is None else env):
         _set_dotted(data, key, value, origin="environment")
     for key, value in parse_overrides(overrides):

@@ -11,13 +11,11 @@ from __future__ import annotations
 
 import logging
 import os
-from pathlib import Path
 from typing import Any, Sequence
 
-import yaml
 from pydantic import Field
 
-from services.common.config import BufferSection, ConfigError, ConfigModel, load_config
+from services.common.config import BufferSection, ConfigModel, load_config, read_yaml_mapping
 from services.explorer.config import AuthSection
 
 log = logging.getLogger(__name__)
@@ -64,15 +62,7 @@ def load_dashboard_config(path: str | os.PathLike | None, overrides: Sequence[st
     """A dashboard config, an Explorer config or a Trainer config (their other sections skipped)."""
     data: dict[str, Any] = {}
     if path is not None:
-        p = Path(path)
-        if not p.is_file():
-            raise ConfigError(f"config file {str(p)!r} does not exist")
-        try:
-            loaded = yaml.safe_load(p.read_text()) or {}
-        except yaml.YAMLError as e:
-            raise ConfigError(f"config file {str(p)!r} is not valid YAML: {e}") from e
-        if not isinstance(loaded, dict):
-            raise ConfigError(f"config file {str(p)!r} must hold a mapping at the top level")
+        loaded = read_yaml_mapping(path)
         skipped = sorted(k for k in loaded if k in _other_services_sections())
         if skipped:
             log.info("config sections of the Explorer or the Trainer skipped: %s", ", ".join(skipped))

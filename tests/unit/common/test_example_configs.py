@@ -22,7 +22,7 @@ CONFIG_FILES = sorted([*REPO.glob("configs/*.yaml"), *REPO.glob("configs/example
 
 
 def _model_for(name: str) -> type:
-    """The config model a file belongs to, by its name (``*explorer*``, ``*trainer*``, ``demo``)."""
+    """The config model a file belongs to, by its name (``*explorer*``, ``*trainer*``, ``demo``, ``dashboard``)."""
     if "explorer" in name:
         return ExplorerConfig
     if "trainer" in name:
@@ -31,6 +31,10 @@ def _model_for(name: str) -> type:
         from services.agents.dataset import TrainJobConfig
 
         return TrainJobConfig
+    if name.startswith("dashboard"):
+        from services.dashboard.config import DashboardConfig
+
+        return DashboardConfig
     if name.startswith("demo"):
         from services.demo.config import DemoConfig
 
