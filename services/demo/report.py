@@ -132,13 +132,14 @@ def report(cfg, stack, loop, stages: list[Stage], *, serving: dict, explorer_req
         f"  trainer steps {last.step if last else 0}, versions published {len(versions) - len(release)}, "
         f"versions hot-loaded by the Explorer {serving['reloads']}, failed requests {loop.failed_requests}",
         f"  wall time {seconds:.0f}s; plot {png}",
+        f"  look through it: kaizen dashboard --config {stack.run / 'explorer.yaml'}  (then http://127.0.0.1:8300/)",
     ]
     guard = guard_counts(stack.run)
     if guard["checked"]:
-        lines.insert(-1, f"  guard (an update that makes the demonstrations' NLL jump is undone): {guard['checked']} steps "
+        lines.insert(-2, f"  guard (an update that makes the demonstrations' NLL jump is undone): {guard['checked']} steps "
                          f"checked, {guard['redone']} redone at half the learning rate, {guard['refused']} refused")
     if release:
-        lines.insert(-1, "  release check (the gate on hand-published candidates): " + ", ".join(
+        lines.insert(-2, "  release check (the gate on hand-published candidates): " + ", ".join(
             f"v{d['version']} {d['candidate']} {d['decision']}" for d in release))
     print("\n".join(lines), flush=True)
     (stack.run / "summary.json").write_text(json.dumps({

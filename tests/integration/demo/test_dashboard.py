@@ -337,3 +337,8 @@ def test_chromium_asks_for_a_key_and_opens_with_a_read_key(browser, keyed_dashbo
     page.wait_for_selector("[data-figure='experiences']", timeout=30_000)
     assert "reader" in page.inner_text("#who")
     page.screenshot(path=str(shots / "overview-with-key.png"))
+
+
+def test_the_demo_says_how_to_open_its_run_in_the_dashboard(demo_run):
+    out = (demo_run.parent.parent / "demo.out").read_text()
+    assert f"kaizen dashboard --config {demo_run / 'explorer.yaml'}" in out
