@@ -193,11 +193,16 @@ class LearnerWorker:
             for micro in _chunks(_by_length([i for i in items if i.demonstration]), cfg.trainer.micro_batch_size):
                 stats.add(self._demonstration_step(micro, norms), 1.0 / cfg.trainer.epochs)
             self._all_reduce(params + critic_params)
-            stats.add({"grad_norm": float(torch.nn.utils.clip_grad_norm_(params, cfg.optim.grad_clip))}, 1.0 / cfg.trainer.epochs)
-            opt.step()
+            grad_norm = float(torch.nn.utils.clip_grad_norm_(params, cfg.optim.grad_clip))
+            stats.add({"grad_norm": grad_norm}, 1.0 / cfg.trainer.epochs)
+            # A gradient of exactly zero (every advantage 0: a GRPO group all right or all wrong) carries no
+            # evidence; AdamW would still move the weights along its old momentum, about as far as a real
+            # step. So the adapter stays as it is (every replica sees the same reduced norm).
+            if grad_norm != 0.0:
+                opt.step()
             if critic_opt:
-                torch.nn.utils.clip_grad_norm_(critic_params, cfg.optim.grad_clip)
-                critic_opt.step()
+                if float(torch.nn.utils.clip_grad_norm_(critic_params, cfg.optim.grad_clip)) != 0.0:
+                    critic_opt.step()
         stats.learner_seconds = time.perf_counter() - t0
         return stats
 
