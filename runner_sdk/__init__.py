@@ -4,7 +4,14 @@ It selects which requests become training data, computes rewards, and sends feed
 to the Kaizen Explorer. See README.md ("Runner SDK") for a ten-line example of each mode.
 """
 
-from runner_sdk.client import AgentClient, ExplorerClient, ExplorerError, tracked_async_http_client, tracked_http_client
+from runner_sdk.client import (
+    AgentClient,
+    ExplorerClient,
+    ExplorerError,
+    SyncExplorerClient,
+    tracked_async_http_client,
+    tracked_http_client,
+)
 from runner_sdk.environment import Environment, EnvironmentRunner, EpisodeResult
 from runner_sdk.records import AgentRun, RunnerStats
 from runner_sdk.rewards import ExactMatch, FunctionReward, LLMJudge, RegexMatch, RewardCalculator
@@ -33,6 +40,7 @@ __all__ = [
     "RunnerStats",
     "SamplingRate",
     "SelectionStrategy",
+    "SyncExplorerClient",
     "TrainingRunner",
     "carry_context",
     "mark",

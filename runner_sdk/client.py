@@ -1,4 +1,4 @@
-"""HTTP client of the Explorer (same method names as its routes) and the call tracking.
+"""HTTP clients of the Explorer, async and sync (same method names as its routes), and the call tracking.
 
 Calls to ``/chat/completions`` made while an ``AgentRun`` is current carry its task and run ids
 (``X-Task-Id`` / ``X-Run-Id``) and have the completion id the Explorer returns collected into
@@ -134,70 +134,148 @@ def tracked_async_http_client(*, timeout: float = 600.0, **kwargs: Any) -> httpx
     return httpx.AsyncClient(transport=TrackingAsyncTransport(), timeout=timeout, **kwargs)
 
 
-class ExplorerClient:
-    """Async client of the Explorer's API; method names mirror its routes."""
+@dataclass(frozen=True)
+class _Call:
+    """One request to the Explorer, built once for both clients, and how to read its answer."""
 
-    def __init__(self, endpoint: str, *, api_key: str | None = None, timeout: float = 30.0):
-        self.endpoint = endpoint.rstrip("/")
-        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-        self._http = httpx.AsyncClient(base_url=self.endpoint, headers=headers, timeout=timeout,
-                                       transport=TrackingAsyncTransport())
+    method: str
+    path: str
+    json: dict[str, Any] | None = None
+    params: dict[str, Any] | None = None
+    key: str | None = None  # return only this key of the JSON answer (lists come as {"data": [...]})
+    text: bool = False  # the answer is plain text (Prometheus), not JSON
+    answer: Any = None  # answered here, without a request (see commit)
 
-    async def _call(self, method: str, path: str, **kwargs) -> Any:
-        r = await self._http.request(method, path, **kwargs)
-        if r.status_code >= 400:
-            try:
-                err = r.json().get("error", {})
-            except ValueError:
-                err = {}
-            raise ExplorerError(r.status_code, err.get("message") or r.text[:500], err.get("code"))
-        return r.json()
 
-    async def chat_completions(self, **body: Any) -> dict[str, Any]:
-        return await self._call("POST", "/v1/chat/completions", json=body)
+def _present(body: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in body.items() if v is not None}
 
-    async def feedback(self, *, reward: float, msg_ids: list[str] | None = None, task_id: str | None = None,
-                       run_id: str | None = None, labels: list[str] | None = None, comment: str | None = None,
-                       source: str | None = None, agent: str | None = None, expected: Any = None) -> dict[str, Any]:
+
+def _answer(call: _Call, r: httpx.Response) -> Any:
+    """The one mapping from the Explorer's answer to a value or an ``ExplorerError``."""
+    if r.status_code >= 400:
+        try:
+            err = r.json().get("error", {})
+        except ValueError:
+            err = {}
+        raise ExplorerError(r.status_code, err.get("message") or r.text[:500], err.get("code"))
+    if call.text:
+        return r.text
+    body = r.json()
+    return body[call.key] if call.key else body
+
+
+class _ExplorerRoutes:
+    """The Explorer's routes, each written once: a method builds its ``_Call`` and hands it to
+    ``_send``, which ``ExplorerClient`` awaits and ``SyncExplorerClient`` runs directly. So every
+    method returns a coroutine on the async client and the value itself on the sync one."""
+
+    endpoint: str
+
+    def _send(self, call: _Call) -> Any:
+        raise NotImplementedError
+
+    def chat_completions(self, **body: Any) -> Any:
+        return self._send(_Call("POST", "/v1/chat/completions", json=body))
+
+    def feedback(self, *, reward: float, msg_ids: list[str] | None = None, task_id: str | None = None,
+                 run_id: str | None = None, labels: list[str] | None = None, comment: str | None = None,
+                 source: str | None = None, agent: str | None = None, expected: Any = None) -> Any:
         """``expected``: what the run was expected to produce, kept with the reward (a gated release
         replays held-out calls and scores them with the same reward calculator)."""
         body = {"msg_ids": msg_ids, "reward": reward, "task_id": task_id, "run_id": run_id,
                 "labels": labels, "comment": comment, "source": source, "agent": agent, "expected": expected}
-        return await self._call("POST", "/feedback", json={k: v for k, v in body.items() if v is not None})
+        return self._send(_Call("POST", "/feedback", json=_present(body)))
 
-    async def episode_feedback(self, *, task_id: str, run_id: str, reward: float, **extra: Any) -> dict[str, Any]:
+    def episode_feedback(self, *, task_id: str, run_id: str, reward: float, **extra: Any) -> Any:
         """The reward of a whole episode: it reaches every call made under task_id + run_id (a team
         reward in a multi-agent episode); ``agent=NAME`` narrows it to that agent's calls."""
-        return await self.feedback(reward=reward, task_id=task_id, run_id=run_id, **extra)
+        return self.feedback(reward=reward, task_id=task_id, run_id=run_id, **extra)
 
-    async def demonstrations(self, *, model: str, messages: list[dict[str, Any]], response: dict[str, Any],
-                             tools: list[dict[str, Any]] | None = None, task_id: str | None = None,
-                             comment: str | None = None) -> dict[str, Any]:
+    def demonstrations(self, *, model: str, messages: list[dict[str, Any]], response: dict[str, Any],
+                       tools: list[dict[str, Any]] | None = None, task_id: str | None = None,
+                       comment: str | None = None) -> Any:
         """Store the ideal ``response`` (an assistant message, tool calls included) to ``messages``
         as a demonstration: a new agent's cold start, trained by supervised terms."""
         body = {"model": model, "messages": messages, "response": response, "tools": tools, "task_id": task_id,
                 "comment": comment}
-        return await self._call("POST", "/demonstrations", json={k: v for k, v in body.items() if v is not None})
+        return self._send(_Call("POST", "/demonstrations", json=_present(body)))
 
-    async def commit(self, *, task_id: str | None = None, msg_ids: list[str] | None = None) -> dict[str, Any]:
+    def commit(self, *, task_id: str | None = None, msg_ids: list[str] | None = None) -> Any:
         if msg_ids is not None and not msg_ids:
             # Nothing named, nothing to commit. Never sent: an older Explorer reads an empty list
             # as "every rewarded row", a newer one refuses it.
-            return {"status": "success", "committed": 0}
-        body = {k: v for k, v in {"task_id": task_id, "msg_ids": msg_ids}.items() if v is not None}
-        return await self._call("POST", "/commit", json=body)
+            return self._send(_Call("POST", "/commit", answer={"status": "success", "committed": 0}))
+        return self._send(_Call("POST", "/commit", json=_present({"task_id": task_id, "msg_ids": msg_ids})))
 
-    async def experiences(self, **filters: Any) -> list[dict[str, Any]]:
-        return (await self._call("GET", "/experiences", params={k: v for k, v in filters.items() if v is not None}))["data"]
+    def experiences(self, **filters: Any) -> Any:
+        """Recorded experiences (a list), filtered as ``GET /experiences`` filters them."""
+        return self._send(_Call("GET", "/experiences", params=_present(filters), key="data"))
 
-    async def models(self) -> list[dict[str, Any]]:
-        return (await self._call("GET", "/v1/models"))["data"]
+    def models(self) -> Any:
+        """The served agents (a list), each with the version it serves."""
+        return self._send(_Call("GET", "/v1/models", key="data"))
 
-    async def health(self) -> dict[str, Any]:
-        return await self._call("GET", "/health")
+    def versions(self, *, agent: str) -> Any:
+        """An agent's published versions (a list) with their release decisions."""
+        return self._send(_Call("GET", "/versions", params={"agent": agent}, key="data"))
+
+    def health(self) -> Any:
+        return self._send(_Call("GET", "/health"))
+
+    def metrics(self) -> Any:
+        """The Explorer's Prometheus metrics, as text."""
+        return self._send(_Call("GET", "/metrics", text=True))
+
+
+def _headers(api_key: str | None) -> dict[str, str]:
+    return {"Authorization": f"Bearer {api_key}"} if api_key else {}
+
+
+class ExplorerClient(_ExplorerRoutes):
+    """Async client of the Explorer's API; method names mirror its routes (``await client.feedback(...)``)."""
+
+    def __init__(self, endpoint: str, *, api_key: str | None = None, timeout: float = 30.0):
+        self.endpoint = endpoint.rstrip("/")
+        self._http = httpx.AsyncClient(base_url=self.endpoint, headers=_headers(api_key), timeout=timeout,
+                                       transport=TrackingAsyncTransport())
+
+    async def _send(self, call: _Call) -> Any:
+        if call.answer is not None:
+            return call.answer
+        return _answer(call, await self._http.request(call.method, call.path, json=call.json, params=call.params))
 
     async def aclose(self) -> None:
         await self._http.aclose()
+
+    async def __aenter__(self) -> "ExplorerClient":
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+
+class SyncExplorerClient(_ExplorerRoutes):
+    """The same client for synchronous code: the same methods, answering directly (``client.feedback(...)``)."""
+
+    def __init__(self, endpoint: str, *, api_key: str | None = None, timeout: float = 30.0):
+        self.endpoint = endpoint.rstrip("/")
+        self._http = httpx.Client(base_url=self.endpoint, headers=_headers(api_key), timeout=timeout,
+                                  transport=TrackingTransport())
+
+    def _send(self, call: _Call) -> Any:
+        if call.answer is not None:
+            return call.answer
+        return _answer(call, self._http.request(call.method, call.path, json=call.json, params=call.params))
+
+    def close(self) -> None:
+        self._http.close()
+
+    def __enter__(self) -> "SyncExplorerClient":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
 
 @dataclass
