@@ -217,8 +217,7 @@ def build_parser() -> argparse.ArgumentParser:
 def _key(args: argparse.Namespace) -> int:
     import json
 
-    from services.explorer.access import key_digest, new_key
-    from services.explorer.config import SCOPES, ApiKeySection
+    from services.common.http.access import SCOPES, ApiKeySection, key_digest, new_key
 
     if args.action == "hash":
         key = sys.stdin.readline().strip()

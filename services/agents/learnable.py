@@ -233,7 +233,7 @@ class LearnableAgent:
             choice = r.json()["choices"][0]
             message = {k: v for k, v in choice["message"].items() if k in ("role", "content", "tool_calls") and v is not None}
             return {"role": "assistant", **message}, choice["experience_id"]
-        from services.explorer.tool_calls import parse_tool_calls
+        from services.common.tool_calls import parse_tool_calls
 
         prompt_ids, response_ids, logprobs, text = self.model.sample(messages, self.tool_schemas, max_tokens=self.max_tokens,
                                                                      temperature=self.temperature)

@@ -23,11 +23,10 @@ from sqlalchemy.engine import Engine, make_url
 
 from services.common.buffer import create_buffer_engine
 from services.common.config import ConfigError
+from services.common.http.access import Access, Principal, check_agent
+from services.common.http.errors import APIError, check_storable, error_response, install_error_handlers, logged_error
 from services.dashboard import queries
 from services.dashboard.config import DashboardConfig
-from services.explorer.access import Access, Principal, check_agent
-from services.explorer.errors import APIError, error_response, install_error_handlers, logged_error
-from services.explorer.protocol import check_storable
 
 log = logging.getLogger(__name__)
 

@@ -24,12 +24,12 @@ from services.explorer.adapters import AdapterRegistry
 from services.explorer.completions import CompletionsService
 from services.explorer.config import ExplorerConfig
 from services.explorer.demonstrations import DemonstrationService
-from services.explorer.access import Access
+from services.common.http.access import Access
 from services.explorer.backpressure import Backpressure
 from services.explorer.deps import authenticate, require
 from services.explorer.engines import Engine, build_engine
 from services.explorer.edge import EdgeMiddleware
-from services.explorer.errors import install_error_handlers
+from services.explorer.errors import install_explorer_error_handlers
 from services.explorer.feedback import FeedbackService
 from services.explorer.metrics import ExplorerMetrics
 from services.explorer.journal import DEAD_LETTERS, Journal
@@ -176,7 +176,7 @@ def create_app(config: ExplorerConfig, *, engine: Engine | None = None) -> FastA
     # /openapi.json is served by routes/health.py, behind the key like every other route but /health.
     app = FastAPI(title="Kaizen Explorer", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.kaizen = state
-    install_error_handlers(app)
+    install_explorer_error_handlers(app)
     app.include_router(health.router)  # /health alone needs no key
     scoped = {"chat": (chat.router, translated.router), "feedback": (feedback.router, demonstrations.router),
               "read": (experiences.router, health.metrics_router), ("chat", "read"): (models.router,)}

@@ -13,7 +13,7 @@ from typing import Any, AsyncIterator, Mapping
 
 from starlette.types import Receive
 
-from services.explorer.errors import APIError
+from services.common.http.errors import APIError
 from services.explorer.protocol import CompletionRequest
 from services.explorer.service import ChatService, PreparedChat
 

@@ -10,6 +10,7 @@ from sqlalchemy.engine import make_url
 
 from services.common.checkpoints import AGENT_NAME
 from services.common.config import BufferSection, CheckpointsSection, ConfigModel, ModelSection
+from services.common.http.access import AuthSection
 from services.common.release import ReleaseSection
 
 
@@ -98,49 +99,6 @@ class ServerSection(ConfigModel):
         description="The URL this Explorer answers on, for its own release evaluations (they call its HTTP API like a "
         "client). Default: learned from the first request it serves, else http://127.0.0.1:<port>.",
     )
-
-
-SCOPES = ("chat", "feedback", "read", "admin")
-
-
-class ApiKeySection(ConfigModel):
-    """One API key, stored as its SHA-256 (``kaizen key new`` makes a key and prints this entry)."""
-
-    name: str = Field(min_length=1, max_length=128, description="Who holds it: the audit log and metrics name it.")
-    sha256: str = Field(pattern=r"^[0-9a-f]{64}$", description="Hex SHA-256 of the key; the key itself is never stored.")
-    scopes: list[Literal["chat", "feedback", "read", "admin"]] = Field(
-        default_factory=lambda: ["chat", "feedback"],
-        description="chat: the model APIs and /v1/models; feedback: /feedback, /commit, /demonstrations; read: "
-        "/experiences, /versions, /metrics, /openapi.json, /v1/models; admin: /admin/* (rollback, release decisions, "
-        "the audit log) and deleting experiences.",
-    )
-    agents: list[str] | None = Field(default=None, description="The agents it may use (chat, feedback, commits); absent: all.")
-    requests_per_min: int | None = Field(default=None, ge=1, description="Requests a minute before 429 (absent: no limit).")
-    tokens_per_min: int | None = Field(
-        default=None, ge=1, description="Prompt and completion tokens a minute before 429 (absent: no limit).")
-    train: bool = Field(default=True, description="Whether its traffic may be trained on (metadata.train overrides per request).")
-
-
-class AuthSection(ConfigModel):
-    keys: list[ApiKeySection] = Field(default_factory=list, description="API keys, hashed, with scopes, agents and quotas.")
-    api_keys: list[str] = Field(
-        default_factory=list,
-        description="Plain keys with every scope (older configs; prefer keys, which are stored hashed). Empty, with "
-        "no keys either: no auth.",
-    )
-
-    @model_validator(mode="after")
-    def _unique(self) -> "AuthSection":
-        names = [k.name for k in self.keys]
-        if len(set(names)) != len(names):
-            raise ValueError("auth.keys: each key needs a name of its own")
-        for k in self.keys:
-            if k.name in ("anonymous", "release-gate") or k.name.startswith("api_keys["):
-                raise ValueError(f"auth.keys: the name {k.name!r} is reserved")
-            for agent in k.agents or ():
-                if not AGENT_NAME.match(agent):
-                    raise ValueError(f"auth.keys[{k.name}].agents: invalid agent name {agent!r}")
-        return self
 
 
 class AgentsSection(ConfigModel):

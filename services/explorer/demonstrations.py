@@ -18,7 +18,7 @@ from services.common.ids import experience_id, new_id
 from services.common.records import DEMONSTRATION_KIND, Experience, ExperienceStatus
 from services.explorer.adapters import AdapterRegistry, UnknownModel
 from services.explorer.engines.base import Engine
-from services.explorer.errors import APIError
+from services.common.http.errors import APIError
 from services.explorer.protocol import Demonstration, DemonstrationRequest
 from services.explorer.service import normalize_messages
 

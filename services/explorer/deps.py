@@ -7,8 +7,8 @@ from typing import TYPE_CHECKING, Annotated
 
 from fastapi import Depends, Request
 
-from services.explorer.access import Access, Principal
-from services.explorer.errors import APIError
+from services.common.http.access import Access, Principal
+from services.common.http.errors import APIError
 from services.explorer.completions import CompletionsService
 from services.explorer.feedback import FeedbackService
 from services.explorer.messages import MessagesService

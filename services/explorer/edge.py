@@ -19,7 +19,7 @@ import sys
 from typing import TYPE_CHECKING
 
 from services.common.logging import request_id
-from services.explorer.errors import error_body, logged_error
+from services.common.http.errors import error_body, logged_error
 from services.explorer.metrics import ExplorerMetrics
 
 if TYPE_CHECKING:

@@ -19,7 +19,7 @@ from sqlalchemy.engine import Engine
 from services.common import buffer
 from services.common.buffer import UnknownIds
 from services.common.ids import id_age_seconds
-from services.explorer.access import Principal, audit_entry, check_agent, ids_target
+from services.common.http.access import Principal, audit_entry, check_agent, ids_target
 from services.explorer.metrics import ExplorerMetrics
 from services.explorer.protocol import CommitRequest, FeedbackRequest
 from services.explorer.recorder import Recorder

@@ -15,7 +15,7 @@ from typing import Any, AsyncIterator, Mapping
 
 from starlette.types import Receive
 
-from services.explorer.errors import APIError
+from services.common.http.errors import APIError
 from services.explorer.protocol import MessagesRequest
 from services.explorer.service import ChatService, PreparedChat
 

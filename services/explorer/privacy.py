@@ -126,7 +126,7 @@ def consent(metadata: dict[str, Any] | None, default: bool) -> bool:
     if isinstance(value, str) and value.lower() in ("true", "false"):
         value = value.lower() == "true"
     if not isinstance(value, bool):
-        from services.explorer.errors import APIError
+        from services.common.http.errors import APIError
 
         raise APIError(400, "metadata.train must be true or false", param="metadata.train")
     return value

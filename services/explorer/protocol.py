@@ -17,8 +17,8 @@ from typing import Annotated, Any, Literal, Union
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, Strict, field_validator, model_validator
 
 from services.common.checkpoints import AGENT_NAME
-from services.common.storable import RUN_ID_MAX, TASK_ID_MAX, find_unstorable
-from services.explorer.errors import APIError
+from services.common.http.errors import APIError, check_storable
+from services.common.storable import RUN_ID_MAX, TASK_ID_MAX
 
 # JSON numbers and booleans only: "0.7" or true where a number belongs is a client bug to report.
 Float = Annotated[float, Strict()]
@@ -51,18 +51,6 @@ class _Lenient(BaseModel):
 
 STOP_MAX_CHARS = 1000
 AGENT_PATTERN = AGENT_NAME.pattern
-
-
-def check_storable(value: Any, param: str) -> None:
-    """400 naming the first string in ``value`` that the buffer cannot store."""
-    bad = find_unstorable(value, param)
-    if bad is not None:
-        where, why = bad
-        raise APIError(
-            400, f"invalid value for {where!r}: the string {why}; Kaizen records every request and no "
-            "database can store it (send valid Unicode without NUL characters)",
-            param=where, code="invalid_string",
-        )
 
 
 def check_grouping_id(value: Any, param: str) -> None:

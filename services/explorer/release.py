@@ -46,7 +46,7 @@ from services.common.release import (
 )
 from services.explorer.adapters import AdapterRegistry
 from services.explorer.episodes import EpisodePins
-from services.explorer.errors import APIError
+from services.common.http.errors import APIError
 from services.explorer.metrics import ExplorerMetrics
 
 log = logging.getLogger("kaizen.release")

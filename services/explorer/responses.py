@@ -27,8 +27,8 @@ from starlette.types import Receive
 
 from services.common import buffer
 from services.common.ids import experience_id
-from services.explorer.access import Principal
-from services.explorer.errors import APIError
+from services.common.http.access import Principal
+from services.common.http.errors import APIError
 from services.explorer.protocol import ChatCompletion, ResponsesRequest
 from services.explorer.recorder import Recorder
 from services.explorer.service import ChatService, PreparedChat, off_loop

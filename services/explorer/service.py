@@ -26,13 +26,13 @@ from services.common.ids import experience_id, new_id
 from services.common.logging import request_id as current_request_id
 from services.common.release import EVAL_TASK_PREFIX
 from services.common.records import Experience
-from services.explorer.access import Principal, Quotas, check_agent
+from services.common.http.access import Principal, Quotas, check_agent
 from services.explorer.backpressure import Backpressure
 from services.explorer.adapters import AdapterHandle, AdapterRegistry, UnknownModel
 from services.explorer.config import ExplorerConfig
 from services.explorer.engines.base import ChoiceUpdate, Engine, GenerateRequest, SamplingParams
 from services.explorer.episodes import EpisodePins
-from services.explorer.errors import APIError, error_body, logged_error
+from services.common.http.errors import APIError, error_body, logged_error
 from services.explorer.metrics import ExplorerMetrics
 from services.explorer.privacy import Redactor, consent
 from services.explorer.protocol import (
@@ -51,7 +51,7 @@ from services.explorer.protocol import (
     check_storable,
 )
 from services.explorer.recorder import Recorder
-from services.explorer.tool_calls import ToolCallStreamFilter, call_grammar, parse_tool_calls
+from services.common.tool_calls import ToolCallStreamFilter, call_grammar, parse_tool_calls
 
 log = logging.getLogger(__name__)
 

@@ -8,7 +8,7 @@ from fastapi import APIRouter
 
 from services.common import buffer
 
-from services.explorer.access import check_agent
+from services.common.http.access import check_agent
 from services.explorer.deps import PrincipalDep, StateDep
 from services.explorer.protocol import Demonstration, DemonstrationRequest
 

@@ -8,10 +8,9 @@ from fastapi import APIRouter, Query
 
 from services.common import buffer
 from services.common.records import ExperienceStatus
-from services.explorer.access import check_agent
+from services.common.http.access import check_agent
 from services.explorer.deps import PrincipalDep, StateDep
-from services.explorer.errors import APIError
-from services.explorer.protocol import check_storable
+from services.common.http.errors import APIError, check_storable
 
 router = APIRouter()
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from fastapi import APIRouter
 
 from services.explorer.deps import StateDep
-from services.explorer.errors import APIError
+from services.common.http.errors import APIError
 
 router = APIRouter()
 

@@ -9,9 +9,9 @@ from typing import Annotated
 from fastapi import APIRouter, Depends, Query
 
 from services.common import buffer
-from services.explorer.access import Principal, audit_entry
+from services.common.http.access import Principal, audit_entry
 from services.explorer.deps import StateDep, require
-from services.explorer.protocol import check_storable
+from services.common.http.errors import check_storable
 
 router = APIRouter()
 

@@ -10,7 +10,7 @@ from typing import Annotated
 from fastapi import APIRouter, Depends, Query
 
 from services.common import buffer
-from services.explorer.access import Principal, audit_entry, check_agent
+from services.common.http.access import Principal, audit_entry, check_agent
 from services.explorer.deps import ReleasesDep, StateDep, require
 from services.explorer.protocol import AGENT_PATTERN, ReleaseDecisionRequest, RollbackRequest, check_storable
 

@@ -8,7 +8,7 @@ import inspect
 from fastapi import APIRouter, Request
 from starlette.responses import JSONResponse, StreamingResponse
 
-from services.explorer.access import Principal
+from services.common.http.access import Principal
 from services.explorer.deps import CompletionsDep, MessagesDep, PrincipalDep, ResponsesDep
 from services.explorer.service import off_loop, recorded_header
 from services.explorer.protocol import CompletionRequest, MessagesRequest, ResponsesRequest

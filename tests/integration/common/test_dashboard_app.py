@@ -10,7 +10,7 @@ from services.common import buffer
 from services.common.records import Experience
 from services.dashboard.app import create_app
 from services.dashboard.config import DashboardConfig
-from services.explorer.access import key_digest
+from services.common.http.access import key_digest
 from tests.helpers import ThreadedServer
 
 pytestmark = pytest.mark.integration

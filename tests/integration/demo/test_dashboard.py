@@ -21,7 +21,7 @@ import httpx
 import pytest
 import yaml
 
-from services.explorer.access import key_digest
+from services.common.http.access import key_digest
 from tests.helpers import REPO, free_port, kaizen_process, wait_http
 from tests.integration.demo.conftest import AGENT
 

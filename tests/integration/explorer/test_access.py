@@ -10,7 +10,7 @@ import json
 import httpx
 import pytest
 
-from services.explorer.access import key_digest
+from services.common.http.access import key_digest
 from tests.integration.adapters import publish_adapter, train_reply_adapter
 
 pytestmark = pytest.mark.integration

@@ -13,7 +13,7 @@ import httpx
 import pytest
 
 from services.common import buffer
-from services.explorer.access import key_digest
+from services.common.http.access import key_digest
 from tests.helpers import free_port, kaizen_process, wait_http
 
 pytestmark = pytest.mark.integration

@@ -12,7 +12,7 @@ import pytest
 from sqlalchemy import update
 
 from services.common import buffer
-from services.explorer.access import key_digest
+from services.common.http.access import key_digest
 
 pytestmark = pytest.mark.integration
 

@@ -11,7 +11,7 @@ from services.common.config import ConfigError, ModelSection, load_config
 from services.common.tiny_model import CHAT_TEMPLATE, build_tokenizer
 from services.explorer.config import ExplorerConfig
 from services.common.grammar import GrammarCache
-from services.explorer.tool_calls import call_grammar, parse_tool_calls
+from services.common.tool_calls import call_grammar, parse_tool_calls
 
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Weather of a city",
           "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}]

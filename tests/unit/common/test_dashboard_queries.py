@@ -156,3 +156,13 @@ def test_config_takes_an_explorer_or_trainer_config_and_names_an_unknown_key(tmp
         load_dashboard_config(None, ["dashboard.port=70000"])
     with pytest.raises(ConfigError, match="does not exist"):
         load_dashboard_config(tmp_path / "missing.yaml")
+
+
+def test_the_sections_the_dashboard_skips_are_those_of_the_explorer_and_the_trainer():
+    # The dashboard names them itself so that it imports neither service; this keeps the names true.
+    from services.dashboard.config import OTHER_SERVICES_SECTIONS, DashboardConfig
+    from services.explorer.config import ExplorerConfig
+    from services.trainer.config import TrainerConfig
+
+    theirs = (set(ExplorerConfig.model_fields) | set(TrainerConfig.model_fields)) - set(DashboardConfig.model_fields)
+    assert OTHER_SERVICES_SECTIONS == theirs

@@ -11,7 +11,7 @@ import pytest
 from services.common.config import load_config
 from services.explorer.adapters import AdapterRegistry
 from services.explorer.config import ExplorerConfig
-from services.explorer.errors import APIError
+from services.common.http.errors import APIError
 from services.explorer.metrics import ExplorerMetrics
 from services.explorer.protocol import ChatCompletionRequest
 from services.explorer.service import ChatService

@@ -1,6 +1,6 @@
 import json
 
-from services.explorer.tool_calls import ToolCallStreamFilter, parse_tool_calls
+from services.common.tool_calls import ToolCallStreamFilter, parse_tool_calls
 
 
 def test_parse_single_and_multiple_calls():
