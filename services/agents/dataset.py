@@ -34,7 +34,7 @@ from typing import Any, Callable
 import httpx
 from pydantic import Field
 
-from services.common.config import ConfigError, ConfigModel, ModelSection
+from services.common.config import ConfigError, ConfigModel, ModelSection, deep_merge
 from services.common.plugins import load_dataset, load_object
 
 log = logging.getLogger("kaizen.train")
@@ -114,13 +114,13 @@ class AgentTrainer:
     # ------------------------------------------------------------------ the services
 
     def _start(self, run: Path):
-        from services.demo.run import Stack, merge
+        from services.demo.run import Stack
 
         cfg, agents = self.cfg, self.cfg.agents
         stack = Stack(run, agents[0])
         model = {"model": cfg.model.model_dump(exclude_none=True)}
-        explorer = stack.explorer_config(model, merge({"agents": {"names": agents, "default": agents[0]}}, cfg.explorer.config))
-        trainer = stack.trainer_config(model, merge({"trainer": {"agents": agents}}, cfg.trainer.config))
+        explorer = stack.explorer_config(model, deep_merge({"agents": {"names": agents, "default": agents[0]}}, cfg.explorer.config))
+        trainer = stack.trainer_config(model, deep_merge({"trainer": {"agents": agents}}, cfg.trainer.config))
         stack.start(explorer, trainer)
         return stack
 

@@ -201,3 +201,12 @@ def _redact(node: Any) -> Any:
 def dump_config(config: BaseModel) -> str:
     """The resolved config as YAML for the start-up log, with keys and passwords hidden."""
     return yaml.safe_dump(_redact(config.model_dump(mode="json")), sort_keys=False).rstrip()
+
+
+def deep_merge(base: Mapping[str, Any], extra: Mapping[str, Any]) -> dict[str, Any]:
+    """``base`` with ``extra`` laid over it: a mapping in both is merged key by key, anything else in
+    ``extra`` replaces the value in ``base``. Neither argument is changed."""
+    out = dict(base)
+    for k, v in extra.items():
+        out[k] = deep_merge(out[k], v) if isinstance(v, Mapping) and isinstance(out.get(k), Mapping) else v
+    return out

@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import Field, model_validator
 
-from services.common.config import ConfigModel
+from services.common.config import ConfigModel, deep_merge
 
 if TYPE_CHECKING:
     from sqlalchemy.engine import Engine
@@ -150,14 +150,7 @@ class ReleaseSection(ReleasePolicy):
 
     def policy(self, agent: str) -> ReleasePolicy:
         base = self.model_dump(exclude={"agents", "poll_interval_s"})
-        return ReleasePolicy.model_validate(_merge(base, self.agents.get(agent) or {}))
-
-
-def _merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
-    out = dict(base)
-    for k, v in over.items():
-        out[k] = _merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
-    return out
+        return ReleasePolicy.model_validate(deep_merge(base, self.agents.get(agent) or {}))
 
 
 # ---------------------------------------------------------------------------------------------

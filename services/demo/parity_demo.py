@@ -18,8 +18,9 @@ import httpx
 
 from runner_sdk import EnvironmentRunner
 from services.demo import parity_task
+from services.common.config import deep_merge
 from services.demo.config import DemoConfig
-from services.demo.run import EvalResult, OnlineLoop, Round, Stack, gate_section, merge, new_run_dir, release_check, say
+from services.demo.run import EvalResult, OnlineLoop, Round, Stack, gate_section, new_run_dir, release_check, say
 
 
 class ParityDemo:
@@ -60,7 +61,7 @@ class ParityDemo:
         from services.trainer.learner import LearnerWorker
 
         ws = self.p.warm_start
-        cfg = merge(trainer_cfg, {"algorithm": {"name": "sft", "sft_min_reward": 0.0}, "log_level": "warning",
+        cfg = deep_merge(trainer_cfg, {"algorithm": {"name": "sft", "sft_min_reward": 0.0}, "log_level": "warning",
                                   "optim": {"lr": ws.lr}, "trainer": {"micro_batch_size": 64}})
         worker = LearnerWorker(cfg)
         worker.setup()

@@ -29,7 +29,7 @@ import httpx
 import yaml
 
 from services.common import buffer, checkpoints
-from services.common.config import load_config
+from services.common.config import deep_merge, load_config
 from services.demo.config import DemoConfig
 from services.explorer.config import ExplorerConfig
 from services.trainer.config import TrainerConfig
@@ -37,13 +37,6 @@ from services.trainer.config import TrainerConfig
 
 def say(msg: str) -> None:
     print(msg, flush=True)
-
-
-def merge(base: dict, extra: dict) -> dict:
-    out = dict(base)
-    for k, v in extra.items():
-        out[k] = merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
-    return out
 
 
 def new_run_dir(base: str) -> Path:
@@ -98,7 +91,7 @@ class Stack:
             "agents": {"names": [self.agent], "default": self.agent},
             "reload": {"poll_interval_s": 0.25},
         }
-        cfg = merge(merge(shared, base), extra)
+        cfg = deep_merge(deep_merge(shared, base), extra)
         ExplorerConfig.model_validate(cfg)  # fail now, naming the key, not in a subprocess
         return cfg
 
@@ -110,7 +103,7 @@ class Stack:
             "trainer": {"run_dir": str(self.run / "trainer"), "agents": [self.agent], "progress": False},
             "log_level": "info",
         }
-        cfg = merge(merge(shared, base), extra)
+        cfg = deep_merge(deep_merge(shared, base), extra)
         TrainerConfig.model_validate(cfg)
         return cfg
 

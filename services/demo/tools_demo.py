@@ -27,8 +27,9 @@ from pathlib import Path
 from runner_sdk import ExplorerClient
 from services.common import buffer
 from services.demo import agent_app, tools_task
+from services.common.config import deep_merge
 from services.demo.config import DemoConfig
-from services.demo.run import EvalResult, OnlineLoop, Round, Stack, gate_section, merge, new_run_dir, release_check, say
+from services.demo.run import EvalResult, OnlineLoop, Round, Stack, gate_section, new_run_dir, release_check, say
 
 MODEL_NAME = "smollm2-135m-instruct"
 
@@ -172,7 +173,7 @@ class ToolsDemo:
         finally:
             db.dispose()
         items = [demonstration_item(d) for d in demos]
-        worker = LearnerWorker(merge(trainer_cfg, {"log_level": "warning"}))
+        worker = LearnerWorker(deep_merge(trainer_cfg, {"log_level": "warning"}))
         worker.setup()
         agent = self.control_agent
         worker.ensure_agent(agent, adapter_dir=str(checkpoints.version_dir(self.stack.root, self.cfg.agent, start_version)))
