@@ -1,0 +1,205 @@
+"""The Explorer's writes: recording experiences, rewarding them (feedback) and committing them to training."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+from sqlalchemy import and_, insert, or_, select, update
+from sqlalchemy.engine import Connection, Engine
+
+from services.common.buffer.engine import _lock_rows, iter_chunks, utcnow, write_transaction
+from services.common.buffer.governance import _audit, _buried
+from services.common.buffer.schema import TERMINAL, AlreadyConsumed, ForbiddenAgents, UnknownIds, experiences
+from services.common.records import Experience, ExperienceStatus
+
+
+def _now_row(**values: Any) -> dict:
+    values["updated_at"] = utcnow()
+    return values
+
+
+def insert_experiences(*, engine: Engine, records: Sequence[Experience]) -> None:
+    """Insert a batch of new experiences in one transaction (never one deleted on request)."""
+    if not records:
+        return
+    with engine.connect() as conn:
+        buried = _buried(conn, [r.experience_id for r in records])
+    records = [r for r in records if r.experience_id not in buried]
+    if not records:
+        return
+    now = utcnow()
+    rows = []
+    for r in records:
+        row = r.model_dump(mode="python")
+        row["status"] = r.status.value
+        row["created_at"] = r.created_at or now
+        row["updated_at"] = now
+        rows.append(row)
+    with write_transaction(engine) as conn:
+        conn.execute(insert(experiences), rows)
+
+
+def insert_missing_experiences(*, engine: Engine, records: Sequence[Experience]) -> int:
+    """Insert the records whose experience_id is not in the buffer yet (a retried batch, a replayed
+    journal); returns how many were inserted."""
+    if not records:
+        return 0
+    ids = [r.experience_id for r in records]
+    with engine.connect() as conn:
+        have: set[str] = _buried(conn, ids)
+        for chunk in iter_chunks(ids, 500):
+            have.update(conn.scalars(select(experiences.c.experience_id).where(experiences.c.experience_id.in_(chunk))))
+    missing = [r for r in records if r.experience_id not in have]
+    insert_experiences(engine=engine, records=missing)
+    return len(missing)
+
+
+def _resolve(conn: Connection, msg_ids: Sequence[str], *, lock: bool) -> dict[str, list[tuple[str, str]]]:
+    """Map each msg id (completion id or experience id) to its [(experience_id, status)].
+
+    With ``lock``, the rows are locked (``_lock_rows``) and the statuses are the locked ones.
+    """
+    ids = list(dict.fromkeys(msg_ids))
+    found: dict[str, list[tuple[str, str]]] = {i: [] for i in ids}
+    for chunk in iter_chunks(ids, 500):
+        q = select(
+            experiences.c.experience_id, experiences.c.completion_id, experiences.c.status
+        ).where(or_(experiences.c.experience_id.in_(chunk), experiences.c.completion_id.in_(chunk)))
+        for exp_id, comp_id, status in conn.execute(q):
+            if exp_id in found:
+                found[exp_id].append((exp_id, status))
+            if comp_id in found:
+                found[comp_id].append((exp_id, status))
+    if lock:
+        current = _lock_rows(conn, {e for rows in found.values() for e, _ in rows})
+        found = {i: [(e, current[e][0]) for e, _ in rows if e in current] for i, rows in found.items()}
+    return found
+
+
+def episode_experience_ids(*, engine: Engine, task_id: str, run_id: str, agent: str | None = None) -> list[str]:
+    """The experience ids of every call of an episode (task_id + run_id), or of ``agent``'s calls in
+    it, in arrival order."""
+    e = experiences.c
+    q = select(e.experience_id).where(e.task_id == task_id, e.run_id == run_id).order_by(e.seq)
+    if agent is not None:
+        q = q.where(e.agent == agent)
+    with engine.connect() as conn:
+        return list(conn.scalars(q))
+
+
+def find_unknown_ids(*, engine: Engine, msg_ids: Sequence[str]) -> list[str]:
+    """The msg ids that name no recorded completion or experience."""
+    with engine.connect() as conn:
+        found = _resolve(conn, msg_ids, lock=False)
+    return [i for i, rows in found.items() if not rows]
+
+
+@dataclass
+class FeedbackResult:
+    experience_ids: list[str]
+
+
+def apply_feedback(
+    *,
+    engine: Engine,
+    msg_ids: Sequence[str],
+    reward: float,
+    feedback: dict[str, Any],
+    task_id: str | None = None,
+    run_id: str | None = None,
+    agents: Sequence[str] | None = None,
+    audit: dict[str, Any] | None = None,
+) -> FeedbackResult:
+    """Set the reward of every experience the ids name, all or nothing.
+
+    Raises UnknownIds if any id names nothing, AlreadyConsumed if any experience was already
+    trained on (or discarded), ForbiddenAgents if ``agents`` is given and an experience belongs to
+    another agent; in each case nothing changes. ``audit``: a row for ``audit_log`` (actor, action,
+    target, details), written in the same transaction.
+    """
+    with write_transaction(engine) as conn:
+        found = _resolve(conn, msg_ids, lock=True)
+        unknown = [i for i, rows in found.items() if not rows]
+        if unknown:
+            raise UnknownIds(unknown)
+        targets = sorted({e for rows in found.values() for e, _ in rows})
+        _check_agents(conn, targets, agents)
+        frozen = sorted({e for rows in found.values() for e, s in rows if s in TERMINAL})
+        if frozen:
+            raise AlreadyConsumed(frozen)
+        values = _now_row(reward=float(reward), feedback=feedback)
+        if task_id is not None:
+            values["task_id"] = task_id
+        if run_id is not None:
+            values["run_id"] = run_id
+        # Recorded rows become rewarded; committed rows keep their status and take the new reward.
+        for chunk in iter_chunks(targets, 500):
+            base = and_(experiences.c.experience_id.in_(chunk), experiences.c.status.notin_(TERMINAL))
+            conn.execute(
+                update(experiences)
+                .where(base, experiences.c.status == ExperienceStatus.RECORDED.value)
+                .values(status=ExperienceStatus.REWARDED.value, **values)
+            )
+            conn.execute(
+                update(experiences)
+                .where(base, experiences.c.status != ExperienceStatus.RECORDED.value)
+                .values(**values)
+            )
+        _audit(conn, audit, count=len(targets))
+    return FeedbackResult(experience_ids=targets)
+
+
+def _check_agents(conn: Connection, experience_ids: Sequence[str], agents: Sequence[str] | None) -> None:
+    if agents is None:
+        return
+    found: set[str] = set()
+    for chunk in iter_chunks(list(experience_ids), 500):
+        found.update(conn.scalars(select(experiences.c.agent).where(experiences.c.experience_id.in_(chunk)).distinct()))
+    if others := found - set(agents):
+        raise ForbiddenAgents(others)
+
+
+def commit_experiences(
+    *, engine: Engine, task_id: str | None = None, msg_ids: Sequence[str] | None = None,
+    agents: Sequence[str] | None = None, audit: dict[str, Any] | None = None,
+) -> int:
+    """Mark rewarded experiences committed (visible to the Trainer); returns how many.
+
+    With ``msg_ids``, only the experiences they name (unknown ids raise UnknownIds and change
+    nothing); with ``task_id``, only that task's; with neither, every rewarded experience. An
+    empty ``msg_ids`` names nothing and commits nothing. ``agents``: only these agents' rows
+    (ids of another agent's raise ForbiddenAgents). ``audit``: as in ``apply_feedback``.
+    """
+    if msg_ids is not None and not msg_ids:
+        return 0
+    with write_transaction(engine) as conn:
+        conds = [experiences.c.status == ExperienceStatus.REWARDED.value]
+        if task_id is not None:
+            conds.append(experiences.c.task_id == task_id)
+        if agents is not None:
+            conds.append(experiences.c.agent.in_(list(agents)))
+        untrainable = experiences.c.trainable.is_(False)
+        if msg_ids:
+            found = _resolve(conn, msg_ids, lock=False)
+            unknown = [i for i, rows in found.items() if not rows]
+            if unknown:
+                raise UnknownIds(unknown)
+            targets = {e for rows in found.values() for e, _ in rows}
+            _check_agents(conn, sorted(targets), agents)
+        else:
+            targets = set(conn.scalars(select(experiences.c.experience_id).where(and_(*conds))))
+        # Lock first, in the common order, then update only what is still rewarded once locked.
+        locked = _lock_rows(conn, targets)
+        chosen = sorted(e for e, (status, _) in locked.items() if status == ExperienceStatus.REWARDED.value)
+        n = 0
+        for chunk in iter_chunks(chosen, 500):
+            mine = and_(*conds, experiences.c.experience_id.in_(chunk))
+            result = conn.execute(
+                update(experiences).where(mine, ~untrainable).values(**_now_row(status=ExperienceStatus.COMMITTED.value))
+            )
+            n += result.rowcount or 0
+            # Recorded for audit only (no consent, or redacted without ids): done with, never trained.
+            conn.execute(update(experiences).where(mine, untrainable).values(**_now_row(status=ExperienceStatus.DISCARDED.value)))
+        _audit(conn, audit, committed=n)
+        return n

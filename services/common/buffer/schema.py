@@ -1,0 +1,169 @@
+"""The buffer's tables and indexes, the predicates several queries share, and the errors its calls raise.
+
+Changing a table here is a change of the on-disk contract: a new column must be nullable, and
+``engine._migrate`` adds it to databases made by an older Kaizen.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+from sqlalchemy import (
+    JSON,
+    BigInteger,
+    Boolean,
+    Column,
+    DateTime,
+    Float,
+    Index,
+    Integer,
+    MetaData,
+    String,
+    Table,
+)
+
+from services.common.records import DEMONSTRATION_KIND, Experience, ExperienceStatus
+
+metadata = MetaData()
+
+_ID = BigInteger().with_variant(Integer, "sqlite")  # SQLite autoincrements INTEGER keys only
+
+experiences = Table(
+    "experiences",
+    metadata,
+    Column("seq", _ID, primary_key=True, autoincrement=True),
+    Column("experience_id", String(96), nullable=False, unique=True),
+    Column("completion_id", String(96), nullable=False, index=True),
+    Column("agent", String(128), nullable=False),
+    Column("model_version", Integer, nullable=False),
+    Column("task_id", String(256), index=True),
+    Column("run_id", String(128)),
+    Column("prompt_token_ids", JSON, nullable=False),
+    Column("response_token_ids", JSON, nullable=False),
+    Column("response_logprobs", JSON, nullable=False),
+    Column("messages", JSON, nullable=False),
+    Column("response", JSON, nullable=False),
+    Column("tools", JSON),
+    Column("finish_reason", String(32)),
+    Column("sampling", JSON, nullable=False),
+    Column("reward", Float),
+    Column("feedback", JSON),
+    Column("status", String(16), nullable=False, index=True),
+    Column("trained_in", Integer),
+    Column("created_at", DateTime(timezone=True), nullable=False),
+    Column("updated_at", DateTime(timezone=True), nullable=False),
+    # Added after the first release: _migrate adds them to older databases (nullable, no default).
+    Column("user_id", String(256), index=True),  # whose traffic this is (metadata.user_id or a header)
+    Column("request_id", String(64)),  # the HTTP request that produced it (X-Request-Id, also in the logs)
+    Column("trainable", Boolean),  # false: never trained (consent, redaction); null: trainable
+    Column("privacy", JSON),  # redactions and consent: what was done to this record and why
+    Column("purged_at", DateTime(timezone=True)),  # when retention removed its raw text (purge_text)
+)
+
+# Retention's scan (purge_text): rows older than a date whose text is still there.
+Index("ix_experiences_created_purged", experiences.c.created_at, experiences.c.purged_at)
+# The Trainer's poll: committed rows of one agent in arrival order.
+Index("ix_experiences_agent_status_seq", experiences.c.agent, experiences.c.status, experiences.c.seq)
+
+trainer_steps = Table(
+    "trainer_steps",
+    metadata,
+    Column("id", _ID, primary_key=True, autoincrement=True),
+    Column("agent", String(128), nullable=False, index=True),
+    Column("step", Integer, nullable=False),
+    Column("version", Integer, nullable=False),
+    Column("consumed", Integer, nullable=False),
+    Column("discarded", Integer, nullable=False),
+    Column("state_ref", String(512)),
+    Column("metrics", JSON),
+    Column("created_at", DateTime(timezone=True), nullable=False),
+)
+
+# Every decision about which version serves (release policy, rollbacks), with who took it and why.
+release_decisions = Table(
+    "release_decisions",
+    metadata,
+    Column("id", _ID, primary_key=True, autoincrement=True),
+    Column("agent", String(128), nullable=False),
+    Column("version", Integer, nullable=False),  # the version the decision is about
+    Column("decision", String(32), nullable=False),  # candidate, canary_started, promoted, rejected, rolled_back, alarm
+    Column("serving", Integer),  # the version that serves once the decision is carried out
+    Column("actor", String(128), nullable=False),  # gate, canary, guard, trainer, admin:<key name>, cli
+    Column("reason", String(2000)),
+    Column("figures", JSON),  # the test's statistics: sample sizes, means, bounds
+    Column("created_at", DateTime(timezone=True), nullable=False),
+)
+Index("ix_release_decisions_agent_id", release_decisions.c.agent, release_decisions.c.id)
+# Per-version reward statistics (canary, guard) without scanning an agent's whole history.
+Index("ix_experiences_agent_version", experiences.c.agent, experiences.c.model_version)
+# A version's lineage (the experiences it was trained on) at publication, without a scan.
+Index("ix_experiences_agent_trained_in", experiences.c.agent, experiences.c.trained_in, experiences.c.status)
+
+# An agent's newest experiences first (the dashboard's lists), whatever the planner's statistics.
+Index("ix_experiences_agent_seq", experiences.c.agent, experiences.c.seq)
+# The dashboard's aggregates per agent (over time, per version) read this index alone, never the rows.
+Index("ix_experiences_dashboard", experiences.c.agent, experiences.c.model_version, experiences.c.created_at,
+      experiences.c.status, experiences.c.reward)
+
+# Who did what through the admin and feedback endpoints.
+audit_log = Table(
+    "audit_log",
+    metadata,
+    Column("id", _ID, primary_key=True, autoincrement=True),
+    Column("actor", String(128), nullable=False),  # the API key's name, or "anonymous" without keys
+    Column("action", String(64), nullable=False),
+    Column("target", JSON),
+    Column("details", JSON),
+    Column("created_at", DateTime(timezone=True), nullable=False, index=True),
+)
+
+# Experiences deleted on request (a user's data): a replayed journal or a retried batch never
+# writes them again.
+tombstones = Table(
+    "tombstones",
+    metadata,
+    Column("experience_id", String(96), primary_key=True),
+    Column("deleted_at", DateTime(timezone=True), nullable=False),
+)
+
+TERMINAL = (ExperienceStatus.CONSUMED.value, ExperienceStatus.DISCARDED.value)
+
+# Demonstrations (records posted to /demonstrations) stay committed: the Trainer replays them.
+_DEMONSTRATION = experiences.c.completion_id.startswith(DEMONSTRATION_KIND + "-")
+
+
+def _row_to_experience(row: Any) -> Experience:
+    data = dict(row._mapping)
+    data.pop("seq", None)
+    return Experience.model_validate(data)
+
+
+class BufferError(Exception):
+    """Base of the errors a buffer call reports to its caller."""
+
+
+class UnknownIds(BufferError):
+    def __init__(self, ids: Sequence[str]):
+        self.ids = list(ids)
+        super().__init__(f"unknown id(s): {', '.join(self.ids)}")
+
+
+class ForbiddenAgents(BufferError):
+    """The request names experiences of agents its API key may not use."""
+
+    def __init__(self, agents: Sequence[str]):
+        self.agents = sorted(agents)
+        super().__init__(f"this API key may not use agent(s) {', '.join(map(repr, self.agents))}")
+
+
+class AlreadyConsumed(BufferError):
+    def __init__(self, ids: Sequence[str]):
+        self.ids = list(ids)
+        super().__init__(
+            f"experience(s) already trained on or discarded, reward can no longer change: "
+            f"{', '.join(self.ids)}"
+        )
+
+
+class BatchChanged(BufferError):
+    """Rows of a batch changed (reward replaced, status moved) between reading and consuming."""
