@@ -35,6 +35,7 @@ import httpx
 from pydantic import Field
 
 from services.common.config import ConfigError, ConfigModel, ModelSection, deep_merge
+from services.common.launch import Stack, new_run_dir
 from services.common.plugins import load_dataset, load_object
 
 log = logging.getLogger("kaizen.train")
@@ -114,8 +115,6 @@ class AgentTrainer:
     # ------------------------------------------------------------------ the services
 
     def _start(self, run: Path):
-        from services.demo.run import Stack
-
         cfg, agents = self.cfg, self.cfg.agents
         stack = Stack(run, agents[0])
         model = {"model": cfg.model.model_dump(exclude_none=True)}
@@ -178,8 +177,6 @@ class AgentTrainer:
         return score
 
     def train(self) -> TrainReport:
-        from services.demo.run import new_run_dir
-
         cfg, t = self.cfg, self.cfg.train
         run = new_run_dir(cfg.run_dir)
         report = TrainReport(run_dir=run)

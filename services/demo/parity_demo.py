@@ -1,9 +1,9 @@
 """`kaizen demo task=parity`: the tiny random model learns "Is N even or odd?" (fast; what CI runs).
 
 1. builds the tiny model if it is missing; 2. a warm start that teaches the format, not the rule
-(see parity_task.warm_start_code), published as v1; 3. a real Explorer and a real Trainer (see
-run.Stack) and a simulated agent app (the runner SDK's EnvironmentRunner) asking "Is N even or
-odd?"; 4. progress while it runs; 5. a table of held-out reward before and after, and a plot.
+(see parity_task.warm_start_code), published as v1; 3. a real Explorer and a real Trainer
+(services.common.launch.Stack) and a simulated agent app (the runner SDK's EnvironmentRunner) asking
+"Is N even or odd?"; 4. progress while it runs; 5. a table of held-out reward before and after, and a plot.
 """
 
 from __future__ import annotations
@@ -17,10 +17,11 @@ import time
 import httpx
 
 from runner_sdk import EnvironmentRunner
-from services.demo import parity_task
 from services.common.config import deep_merge
+from services.common.launch import Stack, new_run_dir
+from services.demo import parity_task
 from services.demo.config import DemoConfig
-from services.demo.run import EvalResult, OnlineLoop, Round, Stack, gate_section, new_run_dir, release_check, say
+from services.demo.run import EvalResult, OnlineLoop, Round, demo_stack, gate_section, release_check, say
 
 
 class ParityDemo:
@@ -130,7 +131,7 @@ def run_parity(cfg: DemoConfig) -> int:
         say(f"- building the tiny model at {cfg.model_path}")
         build_tiny_model(cfg.model_path)
     run = new_run_dir(cfg.run_dir)
-    stack = Stack(run, cfg.agent)
+    stack = demo_stack(run, cfg.agent)
     demo = ParityDemo(cfg, stack)
     explorer_cfg, trainer_cfg = demo.explorer_config(), demo.trainer_config()
     ws = cfg.parity.warm_start

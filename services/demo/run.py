@@ -3,7 +3,8 @@
     kaizen demo [--config configs/demo.yaml] [task=tools|parity] [dotted.key=value ...]
 
 What both tasks share lives here: a real Explorer and a real Trainer started as separate processes
-on one SQLite buffer and one checkpoint folder in a fresh run folder (``Stack``), and the online
+on one SQLite buffer and one checkpoint folder in a fresh run folder (``demo_stack``, a
+services.common.launch.Stack that checks the demo's configs), and the online
 loop that keeps simulated traffic flowing while the Trainer trains and the Explorer hot-loads
 (``OnlineLoop``). The tasks themselves: services/demo/tools_demo.py (the default: SmolLM2 learns a
 calculator tool) and services/demo/parity_demo.py (the tiny model learns parity; what CI runs).
@@ -12,24 +13,18 @@ calculator tool) and services/demo/parity_demo.py (the tiny model learns parity;
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import os
 import shutil
 import signal
-import socket
 import statistics
-import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Awaitable, Callable
 
-import httpx
-import yaml
-
 from services.common import buffer, checkpoints
-from services.common.config import deep_merge, load_config
+from services.common.config import load_config
+from services.common.launch import Stack
 from services.demo.config import DemoConfig
 from services.explorer.config import ExplorerConfig
 from services.trainer.config import TrainerConfig
@@ -37,16 +32,6 @@ from services.trainer.config import TrainerConfig
 
 def say(msg: str) -> None:
     print(msg, flush=True)
-
-
-def new_run_dir(base: str) -> Path:
-    run = Path(base) / time.strftime("%Y%m%d-%H%M%S")
-    n = 0
-    while run.exists():
-        n += 1
-        run = Path(base) / f"{time.strftime('%Y%m%d-%H%M%S')}-{n}"
-    run.mkdir(parents=True)
-    return run
 
 
 @dataclass
@@ -67,103 +52,9 @@ class EvalResult:
         return (self.high - self.low) / 2
 
 
-class Stack:
-    """A real Explorer and a real Trainer as subprocesses (`python -m services.cli ...`), sharing
-    only a SQLite buffer and a checkpoint folder in the run folder, as in production."""
-
-    def __init__(self, run: Path, agent: str):
-        self.run = run
-        self.agent = agent
-        self.root = run / "checkpoints"
-        self.db_url = f"sqlite:///{run / 'buffer.db'}"
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            self.port = s.getsockname()[1]
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.procs: dict[str, subprocess.Popen] = {}
-
-    def explorer_config(self, base: dict, extra: dict) -> dict:
-        """``base`` (the task's settings) over what every demo Explorer has, then ``extra``; validated."""
-        shared = {
-            "buffer": {"url": self.db_url},
-            "checkpoints": {"root": str(self.root)},
-            "server": {"host": "127.0.0.1", "port": self.port, "log_level": "warning"},
-            "agents": {"names": [self.agent], "default": self.agent},
-            "reload": {"poll_interval_s": 0.25},
-        }
-        cfg = deep_merge(deep_merge(shared, base), extra)
-        ExplorerConfig.model_validate(cfg)  # fail now, naming the key, not in a subprocess
-        return cfg
-
-    def trainer_config(self, base: dict, extra: dict) -> dict:
-        shared = {
-            "buffer": {"url": self.db_url},
-            "checkpoints": {"root": str(self.root), "keep_versions": 1000},
-            "save_interval": 1,
-            "trainer": {"run_dir": str(self.run / "trainer"), "agents": [self.agent], "progress": False},
-            "log_level": "info",
-        }
-        cfg = deep_merge(deep_merge(shared, base), extra)
-        TrainerConfig.model_validate(cfg)
-        return cfg
-
-    def start(self, explorer_cfg: dict, trainer_cfg: dict, timeout_s: float = 300) -> None:
-        for name, cfg in (("explorer", explorer_cfg), ("trainer", trainer_cfg)):
-            path = self.run / f"{name}.yaml"
-            path.write_text(yaml.safe_dump(cfg, sort_keys=False))
-            log = open(self.run / f"{name}.log", "ab")
-            env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-            if name == "trainer" and not (cfg.get("ray") or {}).get("address"):
-                # The demo's Trainer starts its own Ray. Without an address, ray.init() joins whatever
-                # /tmp/ray/ray_current_cluster names, even a cluster that died long ago.
-                env.setdefault("RAY_ADDRESS", "local")
-            self.procs[name] = subprocess.Popen(
-                [sys.executable, "-m", "services.cli", name, "--config", str(path)],
-                stdout=log, stderr=subprocess.STDOUT, env=env)
-        deadline = time.monotonic() + timeout_s
-        while True:
-            self.check_alive()
-            with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
-                    return
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"the Explorer did not start within {timeout_s:.0f} s; see {self.run}/explorer.log")
-            time.sleep(0.3)
-
-    def check_alive(self) -> None:
-        if any(p.poll() is not None for p in self.procs.values()):
-            raise RuntimeError(f"a service exited; see {self.run}/explorer.log and trainer.log")
-
-    def stop(self, *names: str) -> None:
-        """Stop these services (all when none is named: the Trainer first); a stopped one is forgotten."""
-        chosen = [n for n in (names or reversed(list(self.procs))) if n in self.procs]
-        for n in chosen:
-            if self.procs[n].poll() is None:
-                self.procs[n].send_signal(signal.SIGTERM)
-        for n in chosen:
-            try:
-                self.procs[n].wait(60)
-            except subprocess.TimeoutExpired:
-                self.procs[n].kill()
-            del self.procs[n]
-
-    def serving(self, agent: str | None = None) -> dict:
-        """An agent's entry in /v1/models (this stack's agent by default): the version it serves and how
-        many it has loaded."""
-        data = httpx.get(f"{self.url}/v1/models", timeout=10).json()["data"]
-        return next(m for m in data if m["id"] == (agent or self.agent))
-
-    def http_statuses(self) -> dict[str, dict[str, int]]:
-        """The Explorer's own count of the answers it gave, by route and HTTP status (from /metrics)."""
-        from prometheus_client.parser import text_string_to_metric_families
-
-        out: dict[str, dict[str, int]] = {}
-        text = httpx.get(f"{self.url}/metrics", timeout=10).text
-        for family in text_string_to_metric_families(text):
-            for s in family.samples:
-                if s.name == "kaizen_requests_total":
-                    out.setdefault(s.labels["route"], {})[s.labels["status"]] = int(s.value)
-        return out
+def demo_stack(run: Path, agent: str) -> Stack:
+    """The demo's Explorer and Trainer in ``run``; their configs are checked before they start."""
+    return Stack(run, agent, config_models={"explorer": ExplorerConfig, "trainer": TrainerConfig})
 
 
 @dataclass
@@ -284,7 +175,7 @@ def _wait_for_decision(stack: Stack, version: int, timeout_s: float) -> dict:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         stack.check_alive()
-        rows = httpx.get(f"{stack.url}/versions", params={"agent": stack.agent}, timeout=10).json()["data"]
+        rows = stack.explorer.versions(agent=stack.agent)
         row = next((r for r in rows if r["version"] == version), {})
         final = [d for d in row.get("decisions", []) if d["decision"] in ("promoted", "rejected")]
         if final:

@@ -2,8 +2,8 @@
 from its own traffic, on a laptop CPU.
 
 1. builds SmolLM2-135M-Instruct (`kaizen pretrained`) if it is missing; 2. starts a real Explorer
-and a real Trainer (run.Stack); 3. posts the hand-written demonstrations (services/demo/tools_task.py)
-to ``POST /demonstrations``: the Trainer's cold start (``algorithm.cold_start_steps`` supervised
+and a real Trainer (services.common.launch.Stack); 3. posts the hand-written demonstrations
+(services/demo/tools_task.py) to ``POST /demonstrations``: the Trainer's cold start (``algorithm.cold_start_steps`` supervised
 steps) runs while the base model is measured on the held-out problems; 4. measures the cold-start
 version; 5. the online loop: the agent app (services/demo/agent_app.py, the official `openai`
 client with ``tools=[calculator]``) answers traffic problems, a group of runs per task_id, sends each
@@ -26,10 +26,11 @@ from pathlib import Path
 
 from runner_sdk import ExplorerClient
 from services.common import buffer
-from services.demo import agent_app, tools_task
 from services.common.config import deep_merge
+from services.common.launch import Stack, new_run_dir
+from services.demo import agent_app, tools_task
 from services.demo.config import DemoConfig
-from services.demo.run import EvalResult, OnlineLoop, Round, Stack, gate_section, new_run_dir, release_check, say
+from services.demo.run import EvalResult, OnlineLoop, Round, demo_stack, gate_section, release_check, say
 
 MODEL_NAME = "smollm2-135m-instruct"
 
@@ -278,7 +279,7 @@ def run_tools(cfg: DemoConfig) -> int:
         say(f"- building {MODEL_NAME} at {cfg.model_path} (once, about 35 s)")
         build_pretrained(MODEL_NAME, cfg.model_path)
     run = new_run_dir(cfg.run_dir)
-    stack = Stack(run, cfg.agent)
+    stack = demo_stack(run, cfg.agent)
     demo = ToolsDemo(cfg, stack)
     explorer_cfg, trainer_cfg = demo.explorer_config(), demo.trainer_config()
     cold_steps = trainer_cfg["algorithm"]["cold_start_steps"]
