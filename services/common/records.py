@@ -18,6 +18,10 @@ from pydantic import BaseModel, Field
 # sampled, trained by supervised terms only, replayed by the Trainer rather than consumed.
 DEMONSTRATION_KIND = "demo"
 
+# Evaluation traffic's task ids start with this (the release gate's calls): never rewarded, never
+# trained, never counted online. services.common.release publishes it too.
+EVAL_TASK_PREFIX = "release-eval/"
+
 
 def is_demonstration_id(completion_id: str) -> bool:
     return completion_id.startswith(DEMONSTRATION_KIND + "-")

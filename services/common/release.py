@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Any, Literal
 from pydantic import Field, model_validator
 
 from services.common.config import ConfigModel, deep_merge
+from services.common.records import EVAL_TASK_PREFIX  # published here too: the evaluation's task ids
 
 if TYPE_CHECKING:
     from sqlalchemy.engine import Engine
@@ -34,9 +35,6 @@ if TYPE_CHECKING:
     from services.common.records import ReleaseDecision
 
 log = logging.getLogger("kaizen.release")
-
-# Evaluation traffic's task ids start with this: never rewarded, never trained, never counted online.
-EVAL_TASK_PREFIX = "release-eval/"
 
 
 class SuiteSection(ConfigModel):

@@ -10,9 +10,8 @@ from sqlalchemy.engine import Engine
 
 from services.common.buffer.engine import utcnow, write_transaction
 from services.common.buffer.schema import _DEMONSTRATION, _row_to_experience, experiences, release_decisions
-from services.common.records import Experience, ReleaseDecision
+from services.common.records import EVAL_TASK_PREFIX, Experience, ReleaseDecision
 
-EVAL_TASK_PREFIX = "release-eval/"  # services.common.release.EVAL_TASK_PREFIX (evaluation traffic)
 
 def record_decision(
     *, engine: Engine, agent: str, version: int, decision: str, serving: int | None, actor: str,
