@@ -20,27 +20,27 @@ from sqlalchemy.engine import Engine as DBEngine
 from services.common import buffer
 from services.common.buffer import create_buffer_engine
 from services.common.config import dump_config
-from services.explorer.adapters import AdapterRegistry
-from services.explorer.completions import CompletionsService
-from services.explorer.config import ExplorerConfig
-from services.explorer.demonstrations import DemonstrationService
 from services.common.http.access import Access
-from services.explorer.backpressure import Backpressure
-from services.explorer.deps import authenticate, require
-from services.explorer.engines import Engine, build_engine
-from services.explorer.edge import EdgeMiddleware
-from services.explorer.errors import install_explorer_error_handlers
-from services.explorer.feedback import FeedbackService
-from services.explorer.metrics import ExplorerMetrics
-from services.explorer.journal import DEAD_LETTERS, Journal
-from services.explorer.recorder import Recorder
-from services.explorer.messages import MessagesService
-from services.explorer.release import ReleaseController
-from services.explorer.responses import ResponsesService
-from services.explorer.routes import (
+from services.explorer.api import (
     chat, demonstrations, experiences, feedback, health, models, privacy, releases, translated,
 )
-from services.explorer.service import ChatService
+from services.explorer.api.deps import authenticate, require
+from services.explorer.api.errors import install_explorer_error_handlers
+from services.explorer.config import ExplorerConfig
+from services.explorer.edge.backpressure import Backpressure
+from services.explorer.edge.metrics import ExplorerMetrics
+from services.explorer.edge.middleware import EdgeMiddleware
+from services.explorer.recording.feedback import FeedbackService
+from services.explorer.recording.journal import DEAD_LETTERS, Journal
+from services.explorer.recording.recorder import Recorder
+from services.explorer.release.controller import ReleaseController
+from services.explorer.serving.adapters import AdapterRegistry
+from services.explorer.serving.chat import ChatService
+from services.explorer.serving.demonstrations import DemonstrationService
+from services.explorer.serving.engines import Engine, build_engine
+from services.explorer.translate.completions import CompletionsService
+from services.explorer.translate.messages import MessagesService
+from services.explorer.translate.responses import ResponsesService
 
 log = logging.getLogger(__name__)
 

@@ -167,7 +167,7 @@ class RecorderSection(ConfigModel):
 
 
 class PrivacySection(ConfigModel):
-    """What the buffer keeps of users' traffic (services/explorer/privacy.py)."""
+    """What the buffer keeps of users' traffic (services/explorer/recording/privacy.py)."""
 
     redact: list[Literal["email", "phone", "card"]] = Field(
         default_factory=list,

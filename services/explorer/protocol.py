@@ -280,7 +280,7 @@ class ReleaseDecisionRequest(_Recorded):
 
 
 # ---------------------------------------------------------------------------------------------
-# Response bodies. Built once by services/explorer/service.py for plain and streaming answers.
+# Response bodies. Built once by services/explorer/serving/chat.py for plain and streaming answers.
 
 
 def _unset(value: Any) -> bool:
@@ -397,7 +397,7 @@ class Demonstration(BaseModel):
 
 # ---------------------------------------------------------------------------------------------
 # The Responses API (POST /v1/responses), served by translating to a chat request:
-# services/explorer/responses.py. Field order as in OpenAI's spec; input items are checked there.
+# services/explorer/translate/responses.py. Field order as in OpenAI's spec; input items are checked there.
 
 
 class ResponsesRequest(_Recorded):
@@ -427,7 +427,7 @@ class ResponsesRequest(_Recorded):
 
 # ---------------------------------------------------------------------------------------------
 # Anthropic's Messages API (POST /v1/messages), served by translating to a chat request:
-# services/explorer/messages.py. Content blocks are checked there.
+# services/explorer/translate/messages.py. Content blocks are checked there.
 
 
 class AnthropicMessage(_Lenient):
@@ -451,7 +451,7 @@ class MessagesRequest(_Recorded):
 
 
 class CompletionRequest(_Recorded):
-    """POST /v1/completions (legacy text completions): served by services/explorer/completions.py."""
+    """POST /v1/completions (legacy text completions): served by services/explorer/translate/completions.py."""
 
     model: str = Field(min_length=1)
     prompt: str | list[int] | list[str] | list[list[int]]

@@ -61,14 +61,14 @@ class BareEngine:
         self.setup = setup
 
     async def start(self):
-        from services.explorer.engines.hf import HFEngine
+        from services.explorer.serving.engines.hf import HFEngine
 
         self.engine = HFEngine(model_path=self.setup.model, dtype=self.setup.dtype, max_batch_size=32, torch_threads=1)
         await self.engine.start()
         self.prompts = {}
 
     async def one(self, i: int) -> int:
-        from services.explorer.engines.base import GenerateRequest, SamplingParams
+        from services.explorer.serving.engines.base import GenerateRequest, SamplingParams
 
         tok = self.engine.tokenizer
         text = tok.apply_chat_template(_messages(i), add_generation_prompt=True, tokenize=False)

@@ -21,8 +21,8 @@ from pathlib import Path
 
 from services.common.buffer import create_buffer_engine, insert_experiences
 from services.common.records import Experience
-from services.explorer.journal import DEAD_LETTERS, Journal
-from services.explorer.recorder import Recorder
+from services.explorer.recording.journal import DEAD_LETTERS, Journal
+from services.explorer.recording.recorder import Recorder
 from tests.bench.common import table
 
 REQUESTS = 2_000

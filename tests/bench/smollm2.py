@@ -241,13 +241,13 @@ class EngineTarget:
     async def start(self) -> None:
         t0 = time.monotonic()
         if self.kind == "hf":
-            from services.explorer.engines.hf import HFEngine
+            from services.explorer.serving.engines.hf import HFEngine
 
             self.engine = HFEngine(model_path=self.model, dtype=self.dtype, device="cpu", max_batch_size=max(CONCURRENCIES),
                                    max_model_len=MAX_MODEL_LEN, torch_threads=self.threads, seed=0)
         else:
             from services.explorer.config import VLLMSection
-            from services.explorer.engines.vllm import VLLMEngine
+            from services.explorer.serving.engines.vllm import VLLMEngine
 
             self.engine = VLLMEngine(model_path=self.model, dtype=self.dtype, max_batch_size=max(CONCURRENCIES),
                                      max_model_len=MAX_MODEL_LEN, seed=0,
@@ -268,7 +268,7 @@ class EngineTarget:
         return tok.encode(text, add_special_tokens=False)
 
     async def one(self, i: int) -> int:
-        from services.explorer.engines.base import GenerateRequest, SamplingParams
+        from services.explorer.serving.engines.base import GenerateRequest, SamplingParams
 
         req = GenerateRequest(request_id=f"{self.name}-{i}-{time.monotonic_ns()}", prompt_token_ids=self.prompt_ids(i),
                               params=SamplingParams(max_tokens=self.max_tokens, seed=i))

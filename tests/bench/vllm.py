@@ -149,7 +149,7 @@ def _servers(model: str, d: str) -> dict[str, Server]:
         f"buffer.url=sqlite:///{d}/buffer.db", f"checkpoints.root={d}/ck", "server.host=127.0.0.1",
         f"server.port={ex_port}", "server.log_level=warning",
     ]
-    # The flags that make vLLM's server match VLLMEngine.engine_args() (services/explorer/engines/vllm.py).
+    # The flags that make vLLM's server match VLLMEngine.engine_args() (services/explorer/serving/engines/vllm.py).
     vllm = [
         sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--served-model-name", "tiny",
         "--host", "127.0.0.1", "--port", str(vl_port), "--dtype", "float32", "--enforce-eager", "--seed", "0",

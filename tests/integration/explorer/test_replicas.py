@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from services.explorer.engines.replicas import ReplicatedEngine
+from services.explorer.serving.engines.replicas import ReplicatedEngine
 from tests.integration.adapters import publish_adapter, train_reply_adapter
 
 pytestmark = pytest.mark.integration

@@ -12,8 +12,8 @@ import random
 import pytest
 import torch
 
-from services.explorer.engines.base import AdapterRef, GenerateRequest, SamplingParams
-from services.explorer.engines.hf import HFEngine, _Request
+from services.explorer.serving.engines.base import AdapterRef, GenerateRequest, SamplingParams
+from services.explorer.serving.engines.hf import HFEngine, _Request
 
 PREFIX_LEN = 60
 

@@ -30,8 +30,8 @@ def prompt_ids(tokenizer, text: str) -> list[int]:
 
 
 async def _sample(model_path: Path, prompts: list[str], n: int, max_tokens: int, seed: int):
-    from services.explorer.engines.base import GenerateRequest, SamplingParams
-    from services.explorer.engines.hf import HFEngine
+    from services.explorer.serving.engines.base import GenerateRequest, SamplingParams
+    from services.explorer.serving.engines.hf import HFEngine
 
     engine = HFEngine(model_path=str(model_path), max_batch_size=64, seed=seed)
     await engine.start()

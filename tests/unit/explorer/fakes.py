@@ -7,7 +7,7 @@ import asyncio
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator
 
-from services.explorer.engines.base import AdapterRef, ChoiceUpdate, EngineStats, GenerateRequest
+from services.explorer.serving.engines.base import AdapterRef, ChoiceUpdate, EngineStats, GenerateRequest
 
 
 class CharTokenizer:

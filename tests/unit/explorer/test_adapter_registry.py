@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from services.common import checkpoints
-from services.explorer.adapters import AdapterRegistry, UnknownModel
+from services.explorer.serving.adapters import AdapterRegistry, UnknownModel
 from tests.unit.explorer.fakes import FakeEngine
 
 

@@ -9,12 +9,12 @@ import json
 import pytest
 
 from services.common.config import load_config
-from services.explorer.adapters import AdapterRegistry
-from services.explorer.config import ExplorerConfig
 from services.common.http.errors import APIError
-from services.explorer.metrics import ExplorerMetrics
+from services.explorer.config import ExplorerConfig
+from services.explorer.edge.metrics import ExplorerMetrics
 from services.explorer.protocol import ChatCompletionRequest
-from services.explorer.service import ChatService
+from services.explorer.serving.adapters import AdapterRegistry
+from services.explorer.serving.chat import ChatService
 from tests.unit.explorer.fakes import FakeEngine
 
 

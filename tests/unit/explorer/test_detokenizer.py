@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from services.common.tiny_model import build_tokenizer
-from services.explorer.engines.detokenizer import IncrementalDetokenizer
+from services.explorer.serving.engines.detokenizer import IncrementalDetokenizer
 
 
 @pytest.fixture(scope="module")

@@ -3,7 +3,7 @@ versions it holds count as in use until it is forgotten (then, or pushed out by 
 
 from __future__ import annotations
 
-from services.explorer.episodes import EpisodePins
+from services.explorer.serving.episodes import EpisodePins
 
 
 class Clock:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 
 from services.common.records import Experience
-from services.explorer.journal import Journal
+from services.explorer.recording.journal import Journal
 
 
 def _exp(i: int, task: str | None = "t") -> Experience:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from services.explorer.config import PrivacySection
-from services.explorer.privacy import Redactor
+from services.explorer.recording.privacy import Redactor
 
 
 def _redact(text: str, *patterns: str) -> str:

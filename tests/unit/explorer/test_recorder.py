@@ -12,8 +12,8 @@ import pytest
 
 from services.common import buffer
 from services.common.records import Experience
-from services.explorer.journal import DEAD_LETTERS, Journal
-from services.explorer.recorder import Recorder, RecordsNotWritten, RecordsSetAside
+from services.explorer.recording.journal import DEAD_LETTERS, Journal
+from services.explorer.recording.recorder import Recorder, RecordsNotWritten, RecordsSetAside
 from tests.helpers import write_locked
 
 # Strings that no buffer database stores; tests/integration/common adds PostgreSQL's own.

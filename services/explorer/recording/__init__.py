@@ -1,0 +1,3 @@
+"""What the Explorer keeps: the recorder and its journal, privacy (redaction at record time,
+consent) and feedback on recorded answers.
+"""

@@ -1,0 +1,102 @@
+"""Rewards and commits: the durable half of the Explorer's API.
+
+Both return only after their change is committed to the database. Feedback is all or nothing:
+an id that names nothing gives 404 and changes nothing. An id this replica is still writing is
+waited for (``recorder.feedback_wait_s``, then 503 with Retry-After: the database is not taking
+writes); a young id that some other replica may still be writing is retried for a short grace
+period before it counts as unknown (ids carry their creation time, see services.common.ids).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from datetime import datetime, timezone
+from typing import Any
+
+from sqlalchemy.engine import Engine
+
+from services.common import buffer
+from services.common.buffer import UnknownIds
+from services.common.http.access import Principal, audit_entry, check_agent, ids_target
+from services.common.ids import id_age_seconds
+from services.explorer.edge.metrics import ExplorerMetrics
+from services.explorer.protocol import CommitRequest, FeedbackRequest
+from services.explorer.recording.recorder import Recorder
+
+
+class FeedbackService:
+    def __init__(
+        self, *, db: Engine, recorder: Recorder, metrics: ExplorerMetrics, unknown_id_grace_s: float, wait_s: float = 5.0
+    ):
+        self._db = db
+        self._recorder = recorder
+        self._metrics = metrics
+        self._grace = unknown_id_grace_s
+        self._wait_s = wait_s
+
+    async def _settle(self, ids: list[str]) -> None:
+        """Wait until every id is written, by us or (for a short while) by another replica.
+
+        Raises RecordsNotWritten (503) when our own records cannot be written in time, and
+        RecordsSetAside (422) for records the buffer refused."""
+        await self._recorder.wait_written(ids, self._wait_s)
+        deadline = time.monotonic() + self._grace
+        delay = 0.02
+        while True:
+            unknown = await asyncio.to_thread(buffer.find_unknown_ids, engine=self._db, msg_ids=ids)
+            young = [i for i in unknown if (age := id_age_seconds(i)) is not None and -5 < age < self._grace]
+            if not unknown or len(young) < len(unknown) or time.monotonic() > deadline:
+                return  # apply_feedback will name whatever is still unknown
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, 0.5)
+
+    async def feedback(self, req: FeedbackRequest, principal: Principal) -> dict[str, Any]:
+        if req.episode:
+            check_agent(principal, req.agent, "agent")
+            ids = await self._episode(req.task_id, str(req.run_id), req.agent)
+        else:
+            ids = list(dict.fromkeys(req.msg_ids))
+            await self._settle(ids)
+        note = {
+            "labels": req.labels or [],
+            "comment": req.comment,
+            "source": req.source or "api",
+            "at": datetime.now(timezone.utc).isoformat(),
+        }
+        if req.expected is not None:
+            note["expected"] = req.expected
+        result = await asyncio.to_thread(
+            buffer.apply_feedback,
+            engine=self._db,
+            msg_ids=ids,
+            reward=req.reward,
+            feedback=note,
+            task_id=req.task_id,
+            run_id=None if req.run_id is None else str(req.run_id),
+            agents=principal.agent_list,
+            audit=audit_entry(principal, "feedback", {"task_id": req.task_id, "run_id": req.run_id} if req.episode
+                              else ids_target(ids), reward=req.reward),
+        )
+        self._metrics.feedback.inc(len(result.experience_ids))
+        return {"status": "success", "updated": len(result.experience_ids), "experience_ids": result.experience_ids}
+
+    async def _episode(self, task_id: str, run_id: str, agent: str | None = None) -> list[str]:
+        """Every call of an episode (or of one agent in it), once this replica's records of it are written."""
+        await self._recorder.flush(self._wait_s)
+        ids = await asyncio.to_thread(buffer.episode_experience_ids, engine=self._db, task_id=task_id, run_id=run_id,
+                                      agent=agent)
+        if not ids:
+            raise UnknownIds([f"episode task_id={task_id!r} run_id={run_id!r}" + (f" agent={agent!r}" if agent else "")])
+        return ids
+
+    async def commit(self, req: CommitRequest, principal: Principal) -> dict[str, Any]:
+        # Without ids, nothing in flight can qualify: only rewarded rows commit, and a reward
+        # is only ever set on a row that is already written.
+        if req.msg_ids:
+            await self._settle(list(req.msg_ids))
+        target = ids_target(list(req.msg_ids)) if req.msg_ids else {"task_id": req.task_id}
+        n = await asyncio.to_thread(buffer.commit_experiences, engine=self._db, task_id=req.task_id, msg_ids=req.msg_ids,
+                                    agents=principal.agent_list, audit=audit_entry(principal, "commit", target))
+        self._metrics.committed.inc(n)
+        return {"status": "success", "committed": n}

@@ -1,1 +1,0 @@
-"""HTTP routes: parse, call a service object, map the result."""

@@ -1,0 +1,99 @@
+"""POST /demonstrations: a conversation and its ideal assistant reply (tool calls included), rendered
+with the served chat template exactly as a sampled reply would be, and stored as a committed,
+labelled experience. The Trainer learns from demonstrations by supervised terms only (they were
+never sampled, so they carry no sampling logprobs): a new agent starts from a handful of them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from datetime import datetime, timezone
+from typing import Any
+
+from sqlalchemy.engine import Engine as DBEngine
+
+from services.common import buffer
+from services.common.http.errors import APIError
+from services.common.ids import experience_id, new_id
+from services.common.records import DEMONSTRATION_KIND, Experience, ExperienceStatus
+from services.explorer.protocol import Demonstration, DemonstrationRequest
+from services.explorer.serving.adapters import AdapterRegistry, UnknownModel
+from services.explorer.serving.chat import normalize_messages
+from services.explorer.serving.engines.base import Engine
+
+DEMONSTRATION_LABEL = "demonstration"
+
+
+def _check_tool_calls(messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> None:
+    names = {t["function"]["name"] for t in tools or []}
+    for i, m in enumerate(messages):
+        where = "response" if i == len(messages) - 1 else f"messages.{i}"
+        for j, call in enumerate(m.get("tool_calls") or []):
+            name = call["function"]["name"]
+            if name not in names:
+                known = f"the tools offered are {', '.join(sorted(names))}" if names else "no tools were offered"
+                raise APIError(400, f"{where}.tool_calls.{j} calls unknown tool {name!r}: {known}",
+                               param=f"{where}.tool_calls.{j}.function.name", code="unknown_tool")
+            try:
+                ok = isinstance(json.loads(call["function"]["arguments"]), dict)
+            except ValueError:
+                ok = False
+            if not ok:
+                raise APIError(400, f"{where}.tool_calls.{j}.function.arguments must be a JSON object",
+                               param=f"{where}.tool_calls.{j}.function.arguments")
+
+
+class DemonstrationService:
+    def __init__(self, *, engine: Engine, registry: AdapterRegistry, db: DBEngine):
+        self.engine = engine
+        self.registry = registry
+        self.db = db
+
+    def render(self, req: DemonstrationRequest) -> tuple[list[dict], dict, list[dict] | None, list[int], list[int]]:
+        """(messages, reply, tools, prompt ids, reply ids): the reply's ids are what the model would
+        have sampled, its turn's closing token included and nothing after it."""
+        messages = normalize_messages(req.messages)
+        (reply,) = normalize_messages([req.response])
+        tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
+        _check_tool_calls([*messages, reply], tools)
+        tok = self.engine.tokenizer
+        try:
+            prompt = tok.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=False)
+            full = tok.apply_chat_template([*messages, reply], tools=tools, add_generation_prompt=False, tokenize=False)
+        except Exception as e:
+            raise APIError(400, f"the model's chat template rejected this demonstration: {e}", param="messages") from None
+        if not full.startswith(prompt):
+            raise APIError(400, "the chat template does not render this reply as a continuation of the prompt "
+                           "(is the last message an assistant turn?)", param="messages")
+        prompt_ids = tok.encode(prompt, add_special_tokens=False)
+        reply_ids = tok.encode(full[len(prompt):], add_special_tokens=False)
+        if tok.eos_token_id in reply_ids:  # drop what the template adds after the turn's end
+            reply_ids = reply_ids[: len(reply_ids) - reply_ids[::-1].index(tok.eos_token_id)]
+        limit = self.engine.max_model_len
+        if len(prompt_ids) + len(reply_ids) > limit:
+            raise APIError(400, f"this model's maximum context length is {limit} tokens; the demonstration takes "
+                           f"{len(prompt_ids) + len(reply_ids)}", param="messages", code="context_length_exceeded")
+        return messages, reply, tools, prompt_ids, reply_ids
+
+    async def add(self, req: DemonstrationRequest) -> Demonstration:
+        try:
+            agent, _, pinned = self.registry.resolve(req.model)
+        except UnknownModel:
+            raise APIError(404, f"the model {req.model!r} does not exist (a new agent must be listed in agents.names)",
+                           param="model", code="model_not_found") from None
+        if pinned is not None:
+            raise APIError(400, "a demonstration belongs to an agent, not to a pinned version", param="model")
+        messages, reply, tools, prompt_ids, reply_ids = self.render(req)
+        cid = new_id(DEMONSTRATION_KIND)
+        record = Experience(
+            experience_id=experience_id(cid, 0), completion_id=cid, agent=agent, model_version=0,
+            task_id=req.task_id, prompt_token_ids=prompt_ids, response_token_ids=reply_ids, response_logprobs=[],
+            messages=messages, response=reply, tools=tools, finish_reason="stop", sampling={},
+            feedback={"labels": [DEMONSTRATION_LABEL], "source": "demonstration", "comment": req.comment,
+                      "at": datetime.now(timezone.utc).isoformat()},
+            status=ExperienceStatus.COMMITTED,
+        )
+        await asyncio.to_thread(buffer.insert_experiences, engine=self.db, records=[record])
+        return Demonstration(experience_id=record.experience_id, agent=agent, prompt_tokens=len(prompt_ids),
+                             response_tokens=len(reply_ids))

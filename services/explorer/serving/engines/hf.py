@@ -1,0 +1,611 @@
+"""The embedded rollout engine: transformers + peft with continuous batching, on CPU or GPU.
+
+One background thread owns the model. Every step it admits waiting requests (a batched prefill
+whose KV cache is merged into the running batch), samples one token for every running sequence,
+and runs one batched decode forward. Sequences leave the batch as soon as they finish, so short
+and long requests share the model without waiting for each other. Sequences of different agents
+share one forward through peft's mixed-adapter batches; adapters are loaded and removed between
+steps, so a new version never disturbs a request already running on the old one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import concurrent.futures
+import logging
+import queue
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, AsyncIterator
+
+import torch
+
+from services.common.grammar import GrammarCache
+from services.common.models import (
+    ModelLoadError, load_base_model, resolve_device, resolve_dtype, shared_prefix_len, stop_token_ids,
+)
+from services.explorer.serving.engines.base import (
+    AdapterRef,
+    ChoiceUpdate,
+    EngineError,
+    EngineOverloaded,
+    EngineStats,
+    GenerateRequest,
+)
+from services.explorer.serving.engines.detokenizer import IncrementalDetokenizer
+
+log = logging.getLogger(__name__)
+
+SWITCH_INTERVAL_S = 0.0005
+
+
+@dataclass
+class _Request:
+    req: GenerateRequest
+    loop: asyncio.AbstractEventLoop
+    out: asyncio.Queue
+    aborted: bool = False
+    enqueued_at: float = field(default_factory=time.monotonic)
+
+
+@dataclass
+class _Row:
+    """One sequence (a choice of a request) in the running batch."""
+
+    request: _Request
+    index: int
+    generator: torch.Generator | None
+    detok: IncrementalDetokenizer | None
+    prompt_len: int
+    out_ids: list[int] = field(default_factory=list)
+    out_lps: list[float] = field(default_factory=list)
+    out_top: list[list[tuple[int, float]]] = field(default_factory=list)
+    emitted: int = 0  # tokens already sent to the client
+    finish_reason: str | None = None
+    matcher: Any = None  # xgrammar GrammarMatcher of a constrained request
+
+    @property
+    def adapter_name(self) -> str | None:
+        a = self.request.req.adapter
+        return a.name if a else None
+
+
+def _aborted(index: int) -> ChoiceUpdate:
+    return ChoiceUpdate(index=index, token_ids=[], logprobs=[], text="", finish_reason="abort")
+
+
+def _pad_left(t: torch.Tensor, n: int, dim: int) -> torch.Tensor:
+    if n == 0:
+        return t
+    shape = list(t.shape)
+    shape[dim] = n
+    return torch.cat([t.new_zeros(shape), t], dim=dim)
+
+
+class HFEngine:
+    """Continuous-batching engine over a transformers causal LM with peft LoRA adapters."""
+
+    def __init__(
+        self,
+        *,
+        model_path: str,
+        chat_template: str | None = None,
+        dtype: str = "auto",
+        device: str = "auto",
+        max_batch_size: int = 32,
+        max_model_len: int | None = None,
+        max_waiting: int = 4096,
+        prefill_token_budget: int = 8192,
+        torch_threads: int | None = None,
+        seed: int = 0,
+        shared_prefix_min_tokens: int = 32,
+    ):
+        self.model_path = model_path
+        self._chat_template = chat_template
+        self._device = resolve_device(device)
+        self._dtype = resolve_dtype(dtype, self._device)
+        self.max_batch_size = max_batch_size
+        self._max_model_len_cfg = max_model_len
+        self.max_waiting = max_waiting
+        self.prefill_token_budget = prefill_token_budget
+        self._torch_threads = torch_threads
+        self._seed = seed
+        # Requests admitted together whose prompts share at least this many leading tokens compute
+        # that prefix once (0: never). Agents' prompts share their system prompt and tool list.
+        self.shared_prefix_min_tokens = shared_prefix_min_tokens
+        self.tokenizer: Any = None
+        self.max_model_len: int = 0
+        self._base: Any = None
+        self._peft: Any = None
+        self._adapters: dict[str, AdapterRef] = {}
+        self._active_adapter: str | None = None
+        self._cmds: queue.SimpleQueue = queue.SimpleQueue()
+        self._waiting: collections.deque[_Request] = collections.deque()
+        self._rows: list[_Row] = []
+        self._cache: Any = None
+        self._attn: torch.Tensor | None = None
+        self._pos: torch.Tensor | None = None
+        self._logits: torch.Tensor | None = None
+        self._thread: threading.Thread | None = None
+        self._stopping = False
+        self._gen = torch.Generator().manual_seed(seed)
+        self._eos: set[int] = set()
+        self._grammar_cache: GrammarCache | None = None
+        self.steps = 0
+        self.tokens_generated = 0
+        self.shared_prefix_tokens_saved = 0  # prompt tokens not recomputed thanks to a shared prefix
+
+    # ------------------------------------------------------------------ lifecycle
+
+    async def start(self) -> None:
+        await asyncio.to_thread(self._load)
+        # The engine thread holds the GIL only between torch ops, in short bursts; with Python's
+        # default 5 ms switch interval it waits up to that long to get it back from the HTTP thread
+        # after every op. A shorter interval hands it back sooner (the server shares one process).
+        sys.setswitchinterval(min(sys.getswitchinterval(), SWITCH_INTERVAL_S))
+        self._thread = threading.Thread(target=self._run, name="hf-engine", daemon=True)
+        self._thread.start()
+
+    def _load(self) -> None:
+        try:
+            self.tokenizer, model = load_base_model(self.model_path, dtype=self._dtype, device=self._device,
+                                                    chat_template=self._chat_template)
+        except ModelLoadError as e:
+            raise EngineError(str(e)) from e
+        model.eval()
+        self._base = model
+        ctx = getattr(model.config, "max_position_embeddings", None) or 2048
+        self.max_model_len = min(self._max_model_len_cfg or ctx, ctx)
+        self._eos = stop_token_ids(self.tokenizer, model)
+        log.info(
+            "hf engine: %s on %s (%s), max_model_len %d, max_batch_size %d",
+            self.model_path, self._device, self._dtype, self.max_model_len, self.max_batch_size,
+        )
+
+    async def shutdown(self) -> None:
+        if self._thread is None:
+            return
+        self._stopping = True
+        self._cmds.put(("stop",))
+        await asyncio.to_thread(self._thread.join, 30)
+        self._thread = None
+
+    def stats(self) -> EngineStats:
+        return EngineStats(
+            running=len(self._rows),
+            waiting=len(self._waiting) + self._cmds.qsize(),
+            extra={
+                "steps": float(self.steps),
+                "tokens_generated": float(self.tokens_generated),
+                "shared_prefix_tokens_saved": float(self.shared_prefix_tokens_saved),
+            },
+        )
+
+    # ------------------------------------------------------------------ public async API
+
+    async def generate(self, request: GenerateRequest) -> AsyncIterator[list[ChoiceUpdate]]:
+        if request.n > self.max_batch_size:
+            raise ValueError(f"n={request.n} exceeds the engine's max_batch_size {self.max_batch_size}")
+        if len(self._waiting) >= self.max_waiting:
+            raise EngineOverloaded(f"{len(self._waiting)} requests already waiting")
+        if self._thread is None:
+            raise EngineError("engine is not running")
+        state = _Request(req=request, loop=asyncio.get_running_loop(), out=asyncio.Queue())
+        self._cmds.put(("req", state))
+        remaining = request.n
+        try:
+            while remaining:
+                item = await state.out.get()
+                if isinstance(item, BaseException):
+                    raise EngineError(f"engine failed: {item}") from item
+                remaining -= sum(1 for u in item if u.finish_reason is not None)
+                yield item
+        finally:
+            if remaining:
+                self._cmds.put(("abort", state))
+
+    async def abort(self, request_id: str) -> None:
+        self._cmds.put(("abort_id", request_id))
+
+    async def add_adapter(self, adapter: AdapterRef) -> None:
+        await self._call_in_engine("add", adapter)
+
+    @property
+    def adapters(self) -> list[str]:
+        """Names of the adapter versions loaded now."""
+        return list(self._adapters)
+
+    async def remove_adapter(self, adapter: AdapterRef) -> None:
+        await self._call_in_engine("remove", adapter)
+
+    async def _call_in_engine(self, op: str, arg: Any) -> None:
+        fut: concurrent.futures.Future = concurrent.futures.Future()
+        if self._thread is None:  # not started yet: run inline
+            getattr(self, f"_{op}_adapter")(arg)
+            return
+        self._cmds.put((op, arg, fut))
+        await asyncio.wrap_future(fut)
+
+    # ------------------------------------------------------------------ adapters (engine thread)
+
+    def _add_adapter(self, ref: AdapterRef) -> None:
+        if ref.name in self._adapters:
+            return
+        from peft import PeftModel
+
+        t0 = time.monotonic()
+        if self._peft is None:
+            self._peft = PeftModel.from_pretrained(self._base, ref.path, adapter_name=ref.name)
+            self._peft.eval()
+        else:
+            self._peft.load_adapter(ref.path, adapter_name=ref.name)
+        self._peft.to(self._device)
+        self._active_adapter = None  # peft may have switched the active adapter
+        self._adapters[ref.name] = ref
+        log.info("loaded adapter %s from %s in %.0f ms", ref.name, ref.path, (time.monotonic() - t0) * 1e3)
+
+    def _remove_adapter(self, ref: AdapterRef) -> None:
+        if ref.name not in self._adapters:
+            return
+        if any(r.adapter_name == ref.name and not r.request.aborted for r in self._rows):
+            raise EngineError(f"adapter {ref.name} is still in use by a running request")
+        self._peft.delete_adapter(ref.name)
+        self._active_adapter = None
+        del self._adapters[ref.name]
+        log.info("removed adapter %s", ref.name)
+
+    # ------------------------------------------------------------------ engine loop
+
+    def _run(self) -> None:
+        if self._torch_threads:
+            torch.set_num_threads(self._torch_threads)  # per thread under OpenMP: set it here
+        while not self._stopping:
+            try:
+                self._drain_commands(block=not self._rows and not self._waiting)
+                if self._stopping:
+                    break
+                if self._waiting and len(self._rows) < self.max_batch_size:
+                    self._admit()
+                if not self._rows:
+                    continue
+                self._sample_and_emit()
+                self._prune()
+                if self._rows:
+                    self._decode()
+                self.steps += 1
+            except Exception as e:  # never let one bad batch kill the engine
+                log.exception("engine step failed; failing %d running requests", len(self._rows))
+                failed = {id(r.request): r.request for r in self._rows}
+                for st in failed.values():
+                    self._send(st, e)
+                self._reset_batch()
+        err = EngineError("engine shut down")
+        for r in self._rows:
+            self._send(r.request, err)
+        for st in self._waiting:
+            self._send(st, err)
+
+    def _drain_commands(self, block: bool) -> None:
+        while True:
+            try:
+                cmd = self._cmds.get(block=block, timeout=None) if block else self._cmds.get_nowait()
+            except queue.Empty:
+                return
+            block = False
+            kind = cmd[0]
+            if kind == "req":
+                self._waiting.append(cmd[1])
+            elif kind == "abort":
+                cmd[1].aborted = True
+            elif kind == "abort_id":
+                for st in list(self._waiting) + [r.request for r in self._rows]:
+                    if st.req.request_id == cmd[1]:
+                        st.aborted = True
+            elif kind in ("add", "remove"):
+                fut = cmd[2]
+                try:
+                    getattr(self, f"_{kind}_adapter")(cmd[1])
+                    fut.set_result(None)
+                except Exception as e:
+                    fut.set_exception(e)
+            elif kind == "stop":
+                self._stopping = True
+                return
+
+    def _send(self, st: _Request, item: Any) -> None:
+        try:
+            st.loop.call_soon_threadsafe(st.out.put_nowait, item)
+        except RuntimeError:
+            pass  # the caller's event loop is gone
+
+    def _reset_batch(self) -> None:
+        self._rows, self._cache, self._attn, self._pos, self._logits = [], None, None, None, None
+
+    def _forward(self, input_ids, attention_mask, position_ids, cache, adapters: list[str | None]):
+        """One forward pass, choosing the cheapest way to apply this batch's adapters."""
+        kwargs = dict(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            past_key_values=cache,
+            use_cache=True,
+            logits_to_keep=1,
+        )
+        with torch.inference_mode():
+            if self._peft is None or not self._adapters:
+                return self._base(**kwargs)
+            distinct = set(adapters)
+            if distinct == {None}:
+                with self._peft.disable_adapter():
+                    return self._peft(**kwargs)
+            if len(distinct) == 1:
+                name = adapters[0]
+                if self._active_adapter != name:
+                    self._peft.set_adapter(name)
+                    self._active_adapter = name
+                return self._peft(**kwargs)
+            return self._peft(**kwargs, adapter_names=[a or "__base__" for a in adapters])
+
+    def _admit(self) -> None:
+        """Prefill waiting requests and merge them into the running batch."""
+        from transformers import DynamicCache
+
+        budget = self.prefill_token_budget
+        space = self.max_batch_size - len(self._rows)
+        admitted: list[_Request] = []
+        while self._waiting:
+            st = self._waiting[0]
+            if st.aborted:
+                self._waiting.popleft()
+                self._send(st, [_aborted(i) for i in range(st.req.n)])
+                continue
+            cost = len(st.req.prompt_token_ids)
+            if st.req.n > space or (admitted and cost > budget):
+                break
+            self._waiting.popleft()
+            admitted.append(st)
+            space -= st.req.n
+            budget -= cost
+        admitted = [st for st in admitted if self._grammar_ready(st)]
+        if not admitted:
+            return
+        prompts = [st.req.prompt_token_ids for st in admitted]
+        adapters = [st.req.adapter.name if st.req.adapter else None for st in admitted]
+        try:
+            out, mask = self._prefill(prompts, adapters)
+        except Exception as e:  # fail these requests only; the running batch is untouched
+            log.exception("prefill of %d requests failed", len(admitted))
+            for st in admitted:
+                self._send(st, e)
+            return
+        lens = [len(p) for p in prompts]
+        # Each prompt was computed once; its n choices share (copies of) its cache.
+        expand = torch.repeat_interleave(
+            torch.arange(len(admitted)), torch.tensor([st.req.n for st in admitted])
+        ).to(self._device)
+        new_layers = [(k.index_select(0, expand), v.index_select(0, expand)) for k, v, *_ in out.past_key_values]
+        new_logits = out.logits[:, -1, :].float().index_select(0, expand)
+        new_mask = mask.index_select(0, expand)
+        new_pos = torch.tensor(lens, dtype=torch.long, device=self._device).index_select(0, expand)
+        new_rows = []
+        for st in admitted:
+            p = st.req.params
+            for i in range(st.req.n):
+                gen = None
+                if p.seed is not None:
+                    gen = torch.Generator().manual_seed((p.seed * 1_000_003 + i) % (2**63))
+                detok = IncrementalDetokenizer(self.tokenizer, p.stop) if (st.req.stream or p.stop) else None
+                matcher = self._grammars().matcher(p.grammar) if p.grammar else None
+                new_rows.append(_Row(st, i, gen, detok, len(st.req.prompt_token_ids), matcher=matcher))
+        if not self._rows:
+            self._cache = DynamicCache(ddp_cache_data=new_layers)
+            self._attn, self._pos, self._logits = new_mask, new_pos, new_logits
+        else:
+            old_t, new_t = self._attn.shape[1], new_mask.shape[1]
+            t = max(old_t, new_t)
+            merged = []
+            for (ko, vo, *_), (kn, vn) in zip(self._cache, new_layers):
+                merged.append((
+                    torch.cat([_pad_left(ko, t - old_t, 2), _pad_left(kn, t - new_t, 2)], 0),
+                    torch.cat([_pad_left(vo, t - old_t, 2), _pad_left(vn, t - new_t, 2)], 0),
+                ))
+            self._cache = DynamicCache(ddp_cache_data=merged)
+            self._attn = torch.cat([_pad_left(self._attn, t - old_t, 1), _pad_left(new_mask, t - new_t, 1)], 0)
+            self._pos = torch.cat([self._pos, new_pos])
+            self._logits = torch.cat([self._logits, new_logits])
+        self._rows.extend(new_rows)
+
+    def _shared_prefix_len(self, prompts: list[list[int]], adapters: list[str | None]) -> int:
+        """Leading tokens common to all ``prompts`` worth computing once (0: none).
+
+        Only when every prompt runs on the same adapter (a prefix's KV depends on it), and never
+        the whole of a prompt: each one keeps at least one token of its own to compute its logits.
+        """
+        if self.shared_prefix_min_tokens <= 0 or len(prompts) < 2 or len(set(adapters)) != 1:
+            return 0
+        n = shared_prefix_len(prompts)
+        return n if n >= self.shared_prefix_min_tokens else 0
+
+    def _prefill(self, prompts: list[list[int]], adapters: list[str | None]):
+        """One batched prefill of ``prompts``: (model output, attention mask on the device).
+
+        Prompts are left-padded to one width. When they share a long enough prefix, it is computed
+        once as a (1, L) forward, its KV copied to every row, and only the suffixes (left-padded
+        among themselves) are run on top of it; the mask is then [ones(L), suffix mask], padding in
+        the middle, and positions come from its cumsum, so every token sees exactly what it would
+        have seen in a forward of its whole prompt.
+        """
+        from transformers import DynamicCache
+
+        dev = self._device
+        shared = self._shared_prefix_len(prompts, adapters)
+        suffixes = [p[shared:] for p in prompts]
+        pad = self.tokenizer.pad_token_id or 0
+        lens = [len(s) for s in suffixes]
+        width = max(lens)
+        ids = torch.full((len(prompts), width), pad, dtype=torch.long)
+        mask = torch.zeros((len(prompts), width), dtype=torch.long)
+        for i, s in enumerate(suffixes):
+            ids[i, width - lens[i] :] = torch.tensor(s, dtype=torch.long)
+            mask[i, width - lens[i] :] = 1
+        mask = mask.to(dev)
+        cache = DynamicCache()
+        if shared:
+            prefix = torch.tensor([prompts[0][:shared]], dtype=torch.long, device=dev)
+            pre = self._forward(
+                prefix, torch.ones_like(prefix), torch.arange(shared, device=dev).unsqueeze(0), DynamicCache(),
+                adapters[:1],
+            )
+            rows = torch.zeros(len(prompts), dtype=torch.long, device=dev)
+            cache = DynamicCache(
+                ddp_cache_data=[(k.index_select(0, rows), v.index_select(0, rows)) for k, v, *_ in pre.past_key_values]
+            )
+            mask = torch.cat([mask.new_ones((len(prompts), shared)), mask], dim=1)
+        pos = (mask.cumsum(-1) - 1).clamp(min=0)[:, shared:]
+        out = self._forward(ids.to(dev), mask, pos, cache, adapters)
+        if shared:
+            self.shared_prefix_tokens_saved += shared * (len(prompts) - 1)
+        return out, mask
+
+    def _grammar_ready(self, st: _Request) -> bool:
+        """Compile a constrained request's grammar before it joins the batch; a grammar that fails
+        fails its request only."""
+        if st.req.params.grammar is None:
+            return True
+        try:
+            self._grammars().compile(st.req.params.grammar)
+            return True
+        except Exception as e:
+            log.error("grammar of %s failed: %s", st.req.request_id, e)
+            self._send(st, EngineError(f"constrained decoding failed: {e}"))
+            return False
+
+    def _grammars(self) -> GrammarCache:
+        if self._grammar_cache is None:
+            self._grammar_cache = GrammarCache(self.tokenizer, self._base.config.vocab_size, stop_token_ids=self._eos)
+        return self._grammar_cache
+
+    def _constrain(self, logits: torch.Tensor) -> torch.Tensor:
+        """Logits with what each constrained row's grammar disallows at -inf (a copy)."""
+        rows = [i for i, r in enumerate(self._rows) if r.matcher is not None and not r.matcher.is_terminated()]
+        if not rows:
+            return logits
+        cache = self._grammars()
+        bitmask = cache.new_bitmask(len(self._rows))
+        for i in rows:
+            self._rows[i].matcher.fill_next_token_bitmask(bitmask, i)
+        logits = logits.clone()
+        cache.apply(logits, bitmask.to(logits.device), rows)
+        return logits
+
+    def _sample_and_emit(self) -> None:
+        rows = self._rows
+        logits = self._constrain(self._logits)
+        temps = torch.tensor([r.request.req.params.temperature for r in rows], device=logits.device)
+        greedy = temps <= 0
+        logp = torch.log_softmax(logits / torch.where(greedy, 1.0, temps).unsqueeze(-1), dim=-1)
+        top_ps = [r.request.req.params.top_p for r in rows]
+        sample_lp = logp
+        if any(p < 1.0 for p in top_ps):
+            top_p = torch.tensor(top_ps, device=logits.device).unsqueeze(-1)
+            sorted_lp, order = logp.sort(dim=-1, descending=True)
+            probs_sorted = sorted_lp.exp()
+            drop = (probs_sorted.cumsum(-1) - probs_sorted) > top_p  # keeps at least the top token
+            sample_lp = torch.full_like(logp, float("-inf")).scatter(-1, order, sorted_lp.masked_fill(drop, float("-inf")))
+        cdf = sample_lp.exp().cumsum(-1)
+        u = torch.rand(len(rows), generator=self._gen)
+        for i, r in enumerate(rows):
+            if r.generator is not None:
+                u[i] = torch.rand(1, generator=r.generator)
+        u = (u.to(cdf.device) * cdf[:, -1]).clamp(min=1e-12).unsqueeze(-1)
+        sampled = torch.searchsorted(cdf, u).squeeze(-1).clamp(max=logits.shape[-1] - 1)
+        tokens = torch.where(greedy, logp.argmax(-1), sampled)
+        chosen = logp.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+        k = max(r.request.req.params.top_logprobs for r in rows)
+        top_vals = top_ids = None
+        if k > 0:
+            tv, ti = logp.topk(k, dim=-1)
+            top_vals, top_ids = tv.tolist(), ti.tolist()
+        tokens_l, chosen_l = tokens.tolist(), chosen.tolist()
+        self.tokens_generated += len(rows)
+
+        by_request: dict[int, list[ChoiceUpdate]] = {}
+        for i, r in enumerate(rows):
+            if r.request.aborted:  # its caller learns it ended (one that went away reads nothing)
+                r.finish_reason = "abort"
+                by_request.setdefault(id(r.request), []).append(_aborted(r.index))
+                continue
+            tok = tokens_l[i]
+            r.out_ids.append(tok)
+            r.out_lps.append(chosen_l[i])
+            p = r.request.req.params
+            if p.top_logprobs:
+                r.out_top.append(list(zip(top_ids[i][: p.top_logprobs], top_vals[i][: p.top_logprobs])))
+            if r.detok is not None:
+                r.detok.add(tok)
+            if r.matcher is not None and not r.matcher.is_terminated() and not r.matcher.accept_token(tok):
+                log.error("grammar refused token %d it allowed; ending choice %d of %s", tok, r.index, r.request.req.request_id)
+                r.finish_reason = "stop"
+            elif tok in self._eos or (r.detok is not None and r.detok.stopped):
+                r.finish_reason = "stop"
+            elif len(r.out_ids) >= p.max_tokens or r.prompt_len + len(r.out_ids) >= self.max_model_len:
+                r.finish_reason = "length"
+            if r.request.req.stream or r.finish_reason is not None:
+                by_request.setdefault(id(r.request), []).append(self._update_for(r))
+        for i, r in enumerate(rows):
+            ups = by_request.pop(id(r.request), None)
+            if ups:
+                self._send(r.request, ups)
+
+    def _update_for(self, r: _Row) -> ChoiceUpdate:
+        start = r.emitted
+        r.emitted = len(r.out_ids)
+        final = r.finish_reason is not None
+        if r.detok is not None:
+            text = r.detok.take(final=final)
+        else:
+            text = ""
+            if final:
+                text = self.tokenizer.decode(r.out_ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
+        return ChoiceUpdate(
+            index=r.index,
+            token_ids=r.out_ids[start:],
+            logprobs=r.out_lps[start:],
+            text=text,
+            top_logprobs=r.out_top[start:] if r.out_top else None,
+            finish_reason=r.finish_reason,
+        )
+
+    def _prune(self) -> None:
+        keep = [i for i, r in enumerate(self._rows) if r.finish_reason is None]
+        if len(keep) == len(self._rows):
+            return
+        if not keep:
+            self._reset_batch()
+            return
+        idx = torch.tensor(keep, device=self._attn.device)
+        self._rows = [self._rows[i] for i in keep]
+        attn = self._attn.index_select(0, idx)
+        live = (attn.sum(0) > 0).nonzero()
+        first = int(live[0]) if len(live) else 0  # columns that are padding for every row
+        self._attn = attn[:, first:]
+        self._pos = self._pos.index_select(0, idx)
+        self._logits = self._logits.index_select(0, idx)
+        from transformers import DynamicCache
+
+        self._cache = DynamicCache(
+            ddp_cache_data=[(k.index_select(0, idx)[:, :, first:], v.index_select(0, idx)[:, :, first:]) for k, v, *_ in self._cache]
+        )
+
+    def _decode(self) -> None:
+        rows = self._rows
+        ids = torch.tensor([[r.out_ids[-1]] for r in rows], dtype=torch.long, device=self._attn.device)
+        attn = torch.cat([self._attn, self._attn.new_ones((len(rows), 1))], dim=1)
+        out = self._forward(ids, attn, self._pos.unsqueeze(-1), self._cache, [r.adapter_name for r in rows])
+        self._cache = out.past_key_values
+        self._attn = attn
+        self._pos = self._pos + 1
+        self._logits = out.logits[:, -1, :].float()
