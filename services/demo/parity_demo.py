@@ -21,7 +21,8 @@ from services.common.config import deep_merge
 from services.common.launch import Stack, new_run_dir
 from services.demo import parity_task
 from services.demo.config import DemoConfig
-from services.demo.run import EvalResult, OnlineLoop, Round, demo_stack, gate_section, release_check, say
+from services.demo.loop import EvalResult, OnlineLoop, Round, demo_stack, gate_section, release_check, say
+from services.demo.report import Stage, report
 
 
 class ParityDemo:
@@ -162,8 +163,6 @@ def run_parity(cfg: DemoConfig) -> int:
         release = release_check(stack, cfg.model_path) if cfg.release_check else []
     finally:
         stack.stop()
-    from services.demo.report import Stage, report
-
     stages = [Stage(evals[0], None)]
     if ws.enabled:
         stages.append(Stage(evals[1], "warm start", "supervised on a last-digit code that is right for half the digits"))

@@ -9,7 +9,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from services.common import buffer, checkpoints
-from services.demo.run import EvalResult
+from services.demo.loop import EvalResult
 
 
 @dataclass
@@ -102,7 +102,7 @@ def report(cfg, stack, loop, stages: list[Stage], *, serving: dict, explorer_req
            metric: str, interval: str, title: str, control: Stage | None = None, release: list[dict] | None = None) -> int:
     """``control``: a control arm measured on the same questions, compared with the last stage (its
     gain_name names what the last stage had and the control arm lacked). ``release``: the release
-    check's decisions (run.release_check), whose candidates are not counted as published versions."""
+    check's decisions (loop.release_check), whose candidates are not counted as published versions."""
     release = release or []
     rows, counts, last = _traffic_rows(stack)
     versions = checkpoints.list_versions(stack.root, stack.agent)

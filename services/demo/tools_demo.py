@@ -30,7 +30,8 @@ from services.common.config import deep_merge
 from services.common.launch import Stack, new_run_dir
 from services.demo import agent_app, tools_task
 from services.demo.config import DemoConfig
-from services.demo.run import EvalResult, OnlineLoop, Round, demo_stack, gate_section, release_check, say
+from services.demo.loop import EvalResult, OnlineLoop, Round, demo_stack, gate_section, release_check, say
+from services.demo.report import Stage, report
 
 MODEL_NAME = "smollm2-135m-instruct"
 
@@ -309,8 +310,6 @@ def run_tools(cfg: DemoConfig) -> int:
         release = release_check(stack, cfg.model_path) if cfg.release_check else []
     finally:
         stack.stop()
-    from services.demo.report import Stage, report
-
     stages = [
         Stage(evals[0], None),
         Stage(evals[1], "cold start", f"{cold_steps} supervised steps on {len(demo.demos)} demonstrations"),

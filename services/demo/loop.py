@@ -1,0 +1,173 @@
+"""What both tasks of `kaizen demo` share: their Stack (services.common.launch, with the demo's
+config checks), the online loop that keeps simulated traffic flowing while the Trainer trains and the
+Explorer hot-loads (``OnlineLoop``), a held-out score (``EvalResult``) and the release check at the end."""
+
+from __future__ import annotations
+
+import asyncio
+import shutil
+import statistics
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Awaitable, Callable
+
+from services.common import buffer, checkpoints
+from services.common.launch import Stack
+from services.demo.config import DemoConfig
+from services.explorer.config import ExplorerConfig
+from services.trainer.config import TrainerConfig
+
+
+def say(msg: str) -> None:
+    print(msg, flush=True)
+
+
+def demo_stack(run: Path, agent: str) -> Stack:
+    """The demo's Explorer and Trainer in ``run``; their configs are checked before they start."""
+    return Stack(run, agent, config_models={"explorer": ExplorerConfig, "trainer": TrainerConfig})
+
+
+@dataclass
+class EvalResult:
+    """Held-out score of one version: the mean and its 95% interval [low, high]."""
+
+    label: str
+    version: int
+    mean: float
+    low: float
+    high: float
+    per_prompt: list[float] = field(default_factory=list)  # one score per held-out question, in a fixed order
+    seconds: float = 0.0
+
+    @property
+    def ci95(self) -> float:
+        """Half the width of the interval (symmetric intervals print as mean ± ci95)."""
+        return (self.high - self.low) / 2
+
+
+@dataclass
+class Round:
+    """One round of simulated traffic: its episodes' mean reward."""
+
+    t: float
+    reward: float
+    episodes: int
+    failed: int = 0
+
+
+class OnlineLoop:
+    """Rounds of traffic (``one_round``, the task's) until ``duration_s`` is up, paused while the
+    Trainer has a backlog, with a progress line every ``progress_every_s``."""
+
+    def __init__(self, cfg: DemoConfig, stack: Stack, *, start_version: int, max_backlog: int,
+                 one_round: Callable[[], Awaitable[Round]], baseline_committed: int = 0):
+        self.cfg = cfg
+        self.stack = stack
+        self.start_version = start_version
+        self.max_backlog = max_backlog
+        self.one_round = one_round
+        self.baseline_committed = baseline_committed  # committed rows that never leave (demonstrations)
+        self.rounds: list[Round] = []
+        self.t0 = time.monotonic()
+        self._extended = False
+
+    @property
+    def failed_requests(self) -> int:
+        return sum(r.failed for r in self.rounds)
+
+    async def run(self) -> None:
+        db = buffer.create_buffer_engine(self.stack.db_url, create_tables=False)
+        self.t0 = last_print = time.monotonic()
+        try:
+            while not self.done(db):
+                self.stack.check_alive()  # a dead Trainer would leave the traffic paused forever
+                committed = buffer.count_by_status(engine=db, agent=self.stack.agent).get("committed", 0)
+                if committed - self.baseline_committed >= self.max_backlog:  # the trainer is behind: no stale pile-up
+                    await asyncio.sleep(0.2)
+                else:
+                    r = await self.one_round()
+                    r.t = time.monotonic() - self.t0
+                    self.rounds.append(r)
+                if time.monotonic() - last_print >= self.cfg.progress_every_s:
+                    last_print = time.monotonic()
+                    self.progress(db)
+        finally:
+            db.dispose()
+
+    def done(self, db) -> bool:
+        """duration_s is up and, if min_new_versions asks for it, traffic has seen that many new versions
+        (or max_duration_s is up)."""
+        cfg, elapsed = self.cfg, time.monotonic() - self.t0
+        if elapsed < cfg.duration_s:
+            return False
+        if cfg.min_new_versions == 0 or elapsed >= (cfg.max_duration_s or 4 * cfg.duration_s):
+            return True
+        served = buffer.count_versions_served(engine=db, agent=self.stack.agent, newer_than=self.start_version)
+        if served >= cfg.min_new_versions:
+            return True
+        if not self._extended:
+            self._extended = True
+            say(f"  (extending the loop until traffic was served by {cfg.min_new_versions} versions after v{self.start_version})")
+        return False
+
+    def progress(self, db) -> None:
+        recent = self.rounds[-5:]
+        reward = statistics.fmean(r.reward for r in recent) if recent else float("nan")
+        last = buffer.last_trainer_step(engine=db, agent=self.stack.agent)
+        m = self.stack.serving()
+        say(f"  [{time.monotonic() - self.t0:5.0f}s] episodes {sum(r.episodes for r in self.rounds):5d}"
+            f" | reward (last rounds) {reward:.2f} | trainer steps {last.step if last else 0:3d}"
+            f" | serving v{m['version']} (reloads {m['reloads']}) | failed {self.failed_requests}")
+
+
+def gate_section(env: str, dataset: str, agent: str) -> dict:
+    """The demo Explorer's release policy: its Trainer publishes straight to LATEST (release.mode
+    immediate, the online loop as it always ran), while candidates published by hand (``kaizen
+    publish --candidate``, the release check below) go through a gate on this suite."""
+    return {"mode": "gated", "poll_interval_s": 0.5,
+            "gate": {"suite": {"env": env, "dataset": dataset, "agent": agent, "concurrency": 16}, "tolerance": 0.1}}
+
+
+def release_check(stack: Stack, model_path: str, timeout_s: float = 600) -> list[dict]:
+    """The release gate at work, once the Trainer is stopped: two candidates are published as ``kaizen
+    publish --candidate`` would, a deliberately broken copy of the serving adapter (its LoRA B
+    weights negated and scaled by 4) and an exact copy; the Explorer's gate scores each against the
+    serving version on the gate suite (one-sided paired t-test) and promotes or rejects it. One line
+    per decision; returns the decisions."""
+    from safetensors.torch import load_file, save_file
+
+    from services.common.publish import publish_adapter
+
+    serving = stack.serving()["version"]
+    if serving == 0:
+        say("- release check skipped: the base model serves (no adapter to copy)")
+        return []
+    say(f"- release check: two candidates beside v{serving}, decided by the Explorer's gate (paired t-test, tolerance 0.1)")
+    src = checkpoints.version_dir(stack.root, stack.agent, serving)
+    decisions = []
+    for name, label, scale in (("broken", "a deliberately broken copy", -4.0), ("copy", "an exact copy", 1.0)):
+        d = stack.run / f"candidate-{name}"
+        d.mkdir(exist_ok=True)
+        shutil.copyfile(src / "adapter_config.json", d / "adapter_config.json")
+        weights = load_file(str(src / "adapter_model.safetensors"))
+        save_file({k: v * scale if "lora_B" in k else v for k, v in weights.items()}, str(d / "adapter_model.safetensors"))
+        version = publish_adapter(d, agent=stack.agent, checkpoints_root=stack.root, base_model=model_path, candidate=True,
+                                  note=f"demo release check: {label} of v{serving}").version
+        decision = _wait_for_decision(stack, version, timeout_s)
+        say(f"  gate: v{version} ({label} of v{serving}) {decision['decision']}: {decision['reason']}")
+        decisions.append({"candidate": label, **decision})
+    return decisions
+
+
+def _wait_for_decision(stack: Stack, version: int, timeout_s: float) -> dict:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        stack.check_alive()
+        rows = stack.explorer.versions(agent=stack.agent)
+        row = next((r for r in rows if r["version"] == version), {})
+        final = [d for d in row.get("decisions", []) if d["decision"] in ("promoted", "rejected")]
+        if final:
+            return final[-1]
+        time.sleep(0.5)
+    raise TimeoutError(f"the gate did not decide about v{version} within {timeout_s:.0f} s; see {stack.run}/explorer.log")
