@@ -23,10 +23,6 @@ DEMONSTRATION_KIND = "demo"
 EVAL_TASK_PREFIX = "release-eval/"
 
 
-def is_demonstration_id(completion_id: str) -> bool:
-    return completion_id.startswith(DEMONSTRATION_KIND + "-")
-
-
 class ExperienceStatus(str, enum.Enum):
     """Lifecycle: recorded -> rewarded -> committed -> consumed (or discarded)."""
 

@@ -22,12 +22,6 @@ def masked_mean(values: torch.Tensor, mask: torch.Tensor, dim: int | None = None
     return masked_sum(values, mask, dim) / mask.sum(dim).clamp(min=1)
 
 
-def masked_std(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """Population standard deviation over masked entries."""
-    mean = masked_mean(values, mask)
-    return masked_mean((values - mean) ** 2, mask).sqrt()
-
-
 def aggregate(per_token: torch.Tensor, mask: torch.Tensor, normalizer: float) -> torch.Tensor:
     """``sum(per_token * mask) / normalizer``: the batch-level loss contribution of this shard.
 
