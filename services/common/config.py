@@ -21,15 +21,14 @@ from typing import Any, Mapping, Sequence, TypeVar
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
+from services.common.chat_templates import resolve_chat_template
+from services.common.config_error import ConfigError
+
 log = logging.getLogger(__name__)
 
 ENV_PREFIX = "KAIZEN_"
 
 T = TypeVar("T", bound="ConfigModel")
-
-
-class ConfigError(ValueError):
-    """A configuration that cannot be used; the message names the offending key."""
 
 
 class ConfigModel(BaseModel):
@@ -59,8 +58,6 @@ class ModelSection(ConfigModel):
     @field_validator("chat_template")
     @classmethod
     def _known_template(cls, value: str | None) -> str | None:
-        from services.common.chat_templates import resolve_chat_template
-
         if value is not None:
             resolve_chat_template(value)  # a ConfigError (a ValueError) names the key
         return value

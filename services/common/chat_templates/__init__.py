@@ -10,6 +10,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from services.common.config_error import ConfigError
+
 __all__ = ["BUILTIN_TEMPLATES", "load_tokenizer", "resolve_chat_template"]
 
 _HERE = Path(__file__).resolve().parent
@@ -20,8 +22,6 @@ BUILTIN_TEMPLATES = {"hermes-tools": "hermes-tools.jinja"}
 
 def resolve_chat_template(spec: str) -> str:
     """The Jinja text of a built-in template name or of a template file (ConfigError otherwise)."""
-    from services.common.config import ConfigError
-
     if spec in BUILTIN_TEMPLATES:
         return (_HERE / BUILTIN_TEMPLATES[spec]).read_text()
     path = Path(spec).expanduser()
