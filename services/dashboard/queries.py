@@ -30,7 +30,9 @@ Z95 = 1.959964  # two-sided 95% normal quantile: the confidence bands
 _WIDTHS = (1, 2, 5, 10, 15, 30, 60, 120, 300, 600, 900, 1800, 3600, 7200, 10800, 21600, 43200, 86400, 172800,
            604800)
 MAX_BUCKETS = 120
-TRAINER_FIGURES = ("reward_mean", "reward_std", "loss", "kl", "entropy", "clip_frac", "logprob_mismatch",
+# The figures every Trainer step records; each objective adds its own, listed in the step's
+# ``objective_figures`` and passed through unnamed.
+TRAINER_FIGURES = ("reward_mean", "reward_std", "loss", "kl", "entropy", "logprob_mismatch",
                    "staleness_mean", "tokens_per_s", "step_seconds", "grad_norm", "batch_size", "demo_nll")
 
 
@@ -179,12 +181,17 @@ def trainer(engine: Engine, agent: str, *, limit: int = 5000) -> dict[str, Any]:
         rows = conn.execute(q).all()[::-1]
         total = conn.execute(select(func.count()).where(t.agent == agent)).scalar() or 0
     steps = []
+    objective: dict[str, None] = {}  # the objectives' own figures, in order of first appearance
     for step, version, consumed, discarded, metrics, created in rows:
         m = metrics or {}
+        own = [k for k in m.get("objective_figures") or () if isinstance(k, str) and k not in TRAINER_FIGURES]
+        objective.update(dict.fromkeys(own))
         steps.append({"step": step, "version": version, "consumed": consumed, "discarded": discarded,
                       "at": _timestamp(created), "published": m.get("published"),
-                      **{k: m.get(k) for k in TRAINER_FIGURES if isinstance(m.get(k), (int, float))}})
-    return {"agent": agent, "steps": steps, "total_steps": int(total), "figures": list(TRAINER_FIGURES)}
+                      **{k: m.get(k) for k in (*TRAINER_FIGURES, *own)
+                         if isinstance(m.get(k), (int, float)) and not isinstance(m.get(k), bool)}})
+    return {"agent": agent, "steps": steps, "total_steps": int(total), "figures": list(TRAINER_FIGURES),
+            "objective_figures": list(objective)}
 
 
 def _manifest(root: str | Path, agent: str, version: int) -> dict[str, Any] | None:

@@ -1,9 +1,9 @@
 """From committed buffer rows to one training batch: what every objective shares.
 
 Pure logic over what ``buffer.fetch_committed`` returns, so every rule is unit-tested without a
-database. Rows without a reward or with broken logprobs are discarded, stale rows are discarded or
-down-weighted; then the agent's recipe (services/trainer/recipes/) picks the batch and, where it
-needs them, computes advantages. Rows neither trained on nor discarded stay committed for later.
+database. Rows with broken logprobs (and, for objectives that need one, without a reward) are
+discarded, stale rows are discarded or down-weighted; then the agent's recipe
+(services/trainer/recipes/, passed in) picks the batch and, where it needs them, computes advantages. Rows neither trained on nor discarded stay committed for later.
 """
 
 from __future__ import annotations
@@ -11,14 +11,12 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
-from typing import TYPE_CHECKING, Sequence, TypeVar
+from typing import Protocol, Sequence, TypeVar
 
 from services.common.records import CommittedExperience, TeamEpisode
+from services.trainer.sections import BatchRules
 
 T = TypeVar("T")
-
-if TYPE_CHECKING:
-    from services.trainer.config import TrainerConfig
 
 log = logging.getLogger(__name__)
 
@@ -33,7 +31,7 @@ class TrainItem:
     prompt_ids: list[int]
     response_ids: list[int]
     old_logprobs: list[float]
-    reward: float
+    reward: float | None  # None: a row an objective that needs no reward trains (a labelled one)
     temperature: float
     weight: float = 1.0
     advantage: float | None = None  # set at selection by recipes that know it then (GRPO)
@@ -130,7 +128,7 @@ def to_item(row: CommittedExperience, weight: float) -> TrainItem:
         prompt_ids=list(row.prompt_token_ids),
         response_ids=list(row.response_token_ids),
         old_logprobs=[float(x) for x in row.response_logprobs],
-        reward=float(row.reward),
+        reward=None if row.reward is None else float(row.reward),
         temperature=temperature if temperature > 0 else 1.0,  # greedy samples were scored at T=1
         weight=weight,
         seq=int(row.seq),
@@ -157,11 +155,22 @@ def demonstration_item(row: CommittedExperience) -> TrainItem:
     )
 
 
+class BatchPicker(Protocol):
+    """What the batch rules ask of an objective (services.trainer.recipes.Recipe is one)."""
+
+    needs_reward: bool
+
+    def refuses(self, row: CommittedExperience) -> str | None: ...
+
+    def select(self, usable: list[Usable], *, batch_size: int, now: datetime, sel: Selection, team: TeamEpisodes) -> None: ...
+
+
 def select_batch(
-    rows: list[CommittedExperience], *, cfg: "TrainerConfig", current_version: int, now: datetime | None = None,
+    rows: list[CommittedExperience], *, recipe: BatchPicker, cfg: BatchRules, current_version: int, now: datetime | None = None,
     demonstrations: list[CommittedExperience] = (), step: int = 0, team: TeamEpisodes | None = None,
 ) -> Selection:
-    """Pick the next batch of ``rows`` (oldest first) for one agent at ``current_version``.
+    """Pick the next batch of ``rows`` (oldest first) for one agent at ``current_version``, by the
+    rules every objective shares and then by the objective's ``recipe``.
 
     Demonstrations join every step that trains (``algorithm.demo_batch_size`` of them, in turn);
     while no batch of rollouts is ready, the first ``algorithm.cold_start_steps`` steps train on
@@ -169,15 +178,12 @@ def select_batch(
     of them are the step's guard set (always the same ones). ``team``: the team's episode rewards of
     the rows' tasks, for recipes whose group statistics count the team's episodes (GRPO).
     """
-    from services.trainer.recipes import recipe_for
-
-    recipe = recipe_for(cfg.algorithm.name)
     sel = Selection()
     st = cfg.staleness
     usable: list[Usable] = []
     for row in rows:
         lag = current_version - int(row.model_version)
-        if row.reward is None:
+        if row.reward is None and recipe.needs_reward:
             sel.discarded[row.experience_id] = "no reward"
             continue
         if not row.response_token_ids or len(row.response_token_ids) != len(row.response_logprobs):
@@ -190,11 +196,11 @@ def select_batch(
                 continue
             weight = st.downweight ** (lag - st.max_staleness)
             sel.stale_downweighted += 1
-        if (why := recipe.refuses(row, cfg)) is not None:
+        if (why := recipe.refuses(row)) is not None:
             sel.discarded[row.experience_id] = why
             continue
         usable.append((row, weight))
-    recipe.select(usable, cfg=cfg, now=aware(now), sel=sel, team=team or {})
+    recipe.select(usable, batch_size=cfg.train_batch_size, now=aware(now), sel=sel, team=team or {})
     a = cfg.algorithm
     if demonstrations and a.sft_coef > 0 and (sel.items or step < a.cold_start_steps):
         sel.demonstrations = [demonstration_item(d) for d in in_turn(demonstrations, a.demo_batch_size, step)]
@@ -202,7 +208,8 @@ def select_batch(
     return sel
 
 
-def catch_up_size(rows: list[CommittedExperience], *, cfg: "TrainerConfig", current_version: int, step: int) -> int:
+def catch_up_size(rows: list[CommittedExperience], *, cfg: BatchRules, current_version: int, step: int,
+                  needs_reward: bool = True) -> int:
     """How many experiences the next step takes: ``train_batch_size``, or more when a backlog waits.
 
     A row made by version m is trainable while ``current_version - m <= max_staleness``; with a
@@ -223,7 +230,7 @@ def catch_up_size(rows: list[CommittedExperience], *, cfg: "TrainerConfig", curr
     left: dict[int, int] = {}  # steps left -> rows
     for r in rows:
         lag = current_version - int(r.model_version)
-        if r.reward is None or lag > st.max_staleness:
+        if (r.reward is None and needs_reward) or lag > st.max_staleness:
             continue
         k = in_version + (st.max_staleness - max(lag, 0)) * S
         left[k] = left.get(k, 0) + 1
@@ -243,16 +250,16 @@ def in_turn(demos: Sequence[T], size: int, step: int) -> list[T]:
     return [demos[(start + k) % len(demos)] for k in range(size)]
 
 
-def take_oldest(usable: list[Usable], *, cfg: "TrainerConfig", sel: Selection) -> None:
-    """The plain rule: the oldest ``train_batch_size`` usable rows, once that many are there, and
+def take_oldest(usable: list[Usable], *, batch_size: int, sel: Selection) -> None:
+    """The plain rule: the oldest ``batch_size`` usable rows, once that many are there, and
     whole episodes only (the last one may take the batch a little over)."""
     episodes: dict[tuple, list[Usable]] = {}
     for r, w in usable:
         episodes.setdefault((r.task_id, r.run_id) if r.run_id is not None else (None, r.experience_id), []).append((r, w))
     chosen: list[Usable] = []
     for calls in episodes.values():
-        if len(chosen) >= cfg.train_batch_size:
+        if len(chosen) >= batch_size:
             break
         chosen += calls
-    if len(chosen) >= cfg.train_batch_size:
+    if len(chosen) >= batch_size:
         sel.items = [to_item(r, w) for r, w in chosen]

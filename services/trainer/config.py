@@ -1,77 +1,81 @@
-"""TrainerConfig: every setting of the Trainer service, documented once, here."""
+"""TrainerConfig: every setting of the Trainer service, documented once: here, in
+services/trainer/sections.py (what the objectives and batch rules read) and in each recipe's own
+section (services/trainer/recipes/)."""
 
 from __future__ import annotations
 
-from typing import Literal
+import logging
+from typing import Any, Literal
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import ConfigDict, Field, ValidationError, model_validator
 
 from services.common.config import BufferSection, CheckpointsSection, ConfigModel, ModelSection
 from services.common.release import ReleaseSection
+from services.trainer.recipes import REGISTRY, Recipe, RecipeConfig, build_recipe, recipe_class
+from services.trainer.sections import GuardSection, ObjectiveSection, StalenessSection
+
+log = logging.getLogger(__name__)
 
 
-class AlgorithmSection(ConfigModel):
-    name: str = Field(default="grpo", description="Objective (a recipe in services/trainer/recipes/): ppo, grpo or sft.")
-    level: Literal["token", "sequence"] = Field(
-        default="token", description="token: every token is an action; sequence: the whole response is one action (MARFT)."
-    )
-    sequence_logprob: Literal["sum", "mean"] = Field(
-        default="mean", description="Sequence level: log-prob of a response as the sum (true) or mean (GSPO) of its tokens."
-    )
-    clip_low: float = Field(default=0.2, ge=0, description="Ratio clipped below at 1 - clip_low.")
-    clip_high: float = Field(default=0.2, ge=0, description="Ratio clipped above at 1 + clip_high (DAPO: raise it).")
-    kl_coef: float = Field(default=0.0, ge=0, description="Weight of the KL penalty to the base model (adapter off).")
-    entropy_coef: float = Field(default=0.0, ge=0, description="Weight of an entropy bonus.")
-    kl_metric: bool = Field(
-        default=True, description="Log the KL to the base model every step even when kl_coef is 0 (one forward without gradients)."
-    )
-    # PPO
-    gamma: float = Field(default=1.0, ge=0, le=1, description="ppo: discount.")
-    lam: float = Field(default=0.95, ge=0, le=1, description="ppo: GAE lambda.")
-    value_clip: float = Field(default=0.2, gt=0, description="ppo: value-loss clipping range.")
-    vf_coef: float = Field(default=0.5, ge=0, description="ppo: weight of the value loss.")
-    critic_lr: float = Field(default=1e-3, gt=0, description="ppo: learning rate of the value head.")
-    # GRPO
-    std_normalize: bool = Field(default=True, description="grpo: divide group-centred rewards by the group std.")
-    min_group_size: int = Field(default=2, ge=1, description="grpo: smallest group trained as a group.")
-    group_size: int | None = Field(
-        default=None, ge=1, description="grpo: a group this large is complete at once; smaller ones wait group_wait_s."
-    )
-    group_wait_s: float = Field(default=30.0, ge=0, description="grpo: how long an incomplete group waits for more runs.")
-    small_groups: Literal["wait", "discard", "batch"] = Field(
-        default="batch",
-        description="grpo: after group_wait_s, groups under min_group_size keep waiting, are discarded, "
-        "or are trained against the batch mean.",
-    )
-    team_credit: bool = Field(
-        default=True,
-        description="Episodes several agents act in: grpo's group statistics count every rewarded episode of the team "
-        "for the task (also those this agent sat out, at their team reward, the reward of their last call), and ppo's "
-        "GAE runs through every turn of the joint episode (teammates' turns valued by this agent's critic). false: "
-        "each agent sees only its own calls. One agent alone: the same either way.",
-    )
-    # Demonstrations (POST /demonstrations): supervised terms only, in any objective
-    sft_coef: float = Field(
-        default=1.0, ge=0,
-        description="Weight of the supervised term on demonstrations added to every step (0: demonstrations unused).",
-    )
-    demo_batch_size: int = Field(default=16, ge=1, description="Demonstrations per step (taken in turn when there are more).")
-    cold_start_steps: int = Field(
-        default=0, ge=0,
-        description="While no batch of rollouts is ready, train the first this many steps on demonstrations alone.",
-    )
-    # SFT
-    sft_min_reward: float | None = Field(default=1.0, description="sft: train on experiences with at least this reward.")
-    sft_label: str | None = Field(default="demonstration", description="sft: also train on experiences with this feedback label.")
+class AlgorithmSection(ObjectiveSection):
+    """The objective: ``name`` picks a recipe (services/trainer/recipes/), whose own settings are the
+    section named after it (``algorithm.grpo.group_size``, ``algorithm.ppo.gamma``, ...); the keys
+    every objective shares are here. Sections of recipes not chosen may stay in a file (checked, unused)."""
 
-    @field_validator("name")
+    model_config = ConfigDict(extra="allow", validate_default=True)
+
+    name: str = Field(
+        default="grpo",
+        description="Objective: ppo, grpo, sft (labelled rows), rft (rewarded traffic), or module:RecipeClass for one "
+        "of your own (loaded in the Trainer and every learner).",
+    )
+
+    @model_validator(mode="before")
     @classmethod
-    def _known(cls, v: str) -> str:
-        from services.trainer.recipes import REGISTRY  # the recipes import torch: only when a trainer config is read
+    def _sections(cls, data: Any) -> Any:
+        """Validate the recipe sections, and move the flat keys of older configs (algorithm.group_size)
+        into the section of the recipe that owns them (algorithm.grpo.group_size), with a warning."""
+        if not isinstance(data, dict):
+            return data
+        data = dict(data)
+        name = data.get("name", cls.model_fields["name"].default)
+        chosen = recipe_class(name)  # a ValueError names an unknown one
+        owners = [chosen] + [r for r in REGISTRY.values() if r is not chosen]
+        for key in [k for k in data if k not in cls.model_fields and k not in REGISTRY and k != chosen.name]:
+            owner = next((r for r in owners if key in r.legacy_keys), None)
+            if owner is None:
+                continue  # an unknown key: named by the check after validation
+            section = dict(data.get(owner.name) or {})
+            section.setdefault(owner.legacy_keys[key], data.pop(key))
+            data[owner.name] = section
+            log.warning("config key algorithm.%s is now algorithm.%s.%s", key, owner.name, owner.legacy_keys[key])
+        return data
 
-        if v not in REGISTRY:
-            raise ValueError(f"unknown algorithm {v!r}; use one of {', '.join(sorted(REGISTRY))}")
-        return v
+    @model_validator(mode="after")
+    def _check_sections(self) -> "AlgorithmSection":
+        chosen = recipe_class(self.name)
+        extra = self.__pydantic_extra__  # a dict: extra="allow"
+        for key, value in list(extra.items()):
+            recipe = chosen if key == chosen.name else REGISTRY.get(key)
+            if recipe is None:
+                raise ValueError(f"unknown key algorithm.{key}; the recipes' sections are "
+                                 f"{', '.join(sorted(set(REGISTRY) | {chosen.name}))}")
+            if not isinstance(value, recipe.Config):
+                try:
+                    extra[key] = recipe.Config.model_validate(value or {})
+                except ValidationError as e:
+                    raise ValueError(f"algorithm.{key}: {e}") from None
+        if chosen.name not in extra:
+            extra[chosen.name] = chosen.Config()
+        return self
+
+    def section(self) -> RecipeConfig:
+        """The chosen recipe's own settings."""
+        return self.__pydantic_extra__[recipe_class(self.name).name]
+
+    def recipe(self) -> Recipe:
+        """The chosen objective, built with its settings."""
+        return build_recipe(self.name, self.section(), self)
 
 
 class LoraSection(ConfigModel):
@@ -90,37 +94,6 @@ class OptimSection(ConfigModel):
     betas: tuple[float, float] = Field(default=(0.9, 0.999), description="AdamW betas.")
     grad_clip: float = Field(default=1.0, gt=0, description="Clip the global gradient norm to this.")
     warmup_steps: int = Field(default=0, ge=0, description="Linear learning-rate warm-up steps.")
-
-
-class GuardSection(ConfigModel):
-    """A step that makes the agent much worse at its own demonstrations is undone before it is
-    published: their per-token NLL is measured before and after each update (needs demonstrations)."""
-
-    demonstrations: int = Field(
-        default=64, ge=0, description="The agent's first this many demonstrations are scored around every step (0: no guard).",
-    )
-    max_ratio: float = Field(
-        default=2.0, ge=1, description="An update is refused when their NLL after it exceeds max_ratio x before + slack.",
-    )
-    slack: float = Field(default=0.002, ge=0, description="Nats per token an update may add on top of max_ratio.")
-    retries: int = Field(
-        default=1, ge=0, description="A refused update is redone this many times, each at half the learning rate of the "
-        "last; when all are refused the step keeps the weights it started from (its data is consumed).",
-    )
-
-
-class StalenessSection(ConfigModel):
-    max_staleness: int = Field(default=4, ge=0, description="Experiences from more versions back than this are stale.")
-    policy: Literal["discard", "downweight"] = Field(default="discard", description="What happens to stale experiences.")
-    downweight: float = Field(default=0.5, gt=0, le=1, description="downweight: factor per version beyond max_staleness.")
-    catch_up_max_rows: int = Field(
-        default=1024, ge=0,
-        description="Catch-up on a backlog (a Trainer that was down, or slower than the traffic): while more committed "
-        "experiences wait than the coming steps can take before they pass max_staleness, a step takes as many as "
-        "it needs so that every one is trained in time, up to this many (train_batch_size at least). No trained "
-        "batch is ever more than max_staleness versions off the policy that made it; what still cannot be "
-        "trained in time is stale as before. 0: off (steps of train_batch_size, a backlog mostly goes stale).",
-    )
 
 
 class CheckpointsTrainerSection(CheckpointsSection):
@@ -213,6 +186,4 @@ class TrainerConfig(ConfigModel):
             if sch.order and self.trainer.agents and set(sch.order) - set(self.trainer.agents):
                 raise ValueError(f"trainer.schedule.order names agents outside trainer.agents: "
                                  f"{sorted(set(sch.order) - set(self.trainer.agents))}")
-        if self.algorithm.name == "sft" and self.algorithm.sft_min_reward is None and not self.algorithm.sft_label:
-            raise ValueError("sft needs algorithm.sft_min_reward or algorithm.sft_label to pick demonstrations")
         return self

@@ -22,21 +22,31 @@ from typing import Any
 import torch
 
 from services.common import checkpoints
+from services.common.buffer import iter_chunks
 from services.trainer.algorithms.masking import aggregate, masked_sum
 from services.trainer.algorithms.surrogate import kl_k3, kl_penalty
 from services.trainer.algorithms.sft import sft_loss
 from services.trainer.batches import Norms, TrainItem, episode_chunks
 from services.trainer.config import TrainerConfig
 from services.trainer.policy import Policy, pack
-from services.trainer.recipes import MicroBatch, recipe_for
+from services.trainer.recipes import MicroBatch
 from services.trainer.stats import StepStats
 
 log = logging.getLogger(__name__)
 
 
-def _chunks(items: list, size: int):
-    for i in range(0, len(items), size):
-        yield items[i : i + size]
+class _Scorer:
+    """``Recipe.extra_inputs``' view of the policy: logprobs of given tokens, without gradients."""
+
+    def __init__(self, policy: Policy, share_prefix_min: int):
+        self.policy, self.share_prefix_min = policy, share_prefix_min
+
+    @torch.no_grad()
+    def logprobs(self, prompts, responses, temperatures, *, adapter: bool = True) -> torch.Tensor:
+        p = self.policy
+        batch = pack(prompts, responses, temperatures, p.pad_id, share_prefix_min=self.share_prefix_min)
+        out = p.forward(batch, need_hidden=False, adapter=adapter)
+        return out.logprobs * batch.response_mask.to(p.device)  # (B, R)
 
 
 def _by_length(items: list[TrainItem]) -> list[TrainItem]:
@@ -60,7 +70,7 @@ class LearnerWorker:
         self.cfg = TrainerConfig.model_validate(config)
         self.rank = rank
         self.world_size = world_size
-        self.recipe = recipe_for(self.cfg.algorithm.name)
+        self.recipe = self.cfg.algorithm.recipe()
         self.policy: Policy | None = None
         self.optimizers: dict[str, torch.optim.Optimizer] = {}
         self.critic_optimizers: dict[str, torch.optim.Optimizer] = {}
@@ -122,7 +132,7 @@ class LearnerWorker:
         )
         if self.recipe.uses_critic:
             self.critic_optimizers[agent] = torch.optim.AdamW(self.policy.value_heads[agent].parameters(),
-                                                              lr=self.cfg.algorithm.critic_lr)
+                                                              lr=self.recipe.config.critic_lr)
 
     def adopt_adapter(self, agent: str, adapter_dir: str) -> None:
         """Continue ``agent`` from an adapter published from elsewhere (``kaizen publish``): its
@@ -186,11 +196,12 @@ class LearnerWorker:
                 critic_opt.zero_grad(set_to_none=False)
             rollouts = [i for i in items if not i.demonstration]
             for key, micro in enumerate(self._micro_batches(rollouts)):
-                per_epoch, first = self._micro_step(agent, micro, key=key, epoch=epoch, norms=norms, cache=cache,
+                per_epoch, objective, first = self._micro_step(agent, micro, key=key, epoch=epoch, norms=norms, cache=cache,
                                                     current_version=current_version)
                 stats.add(per_epoch, 1.0 / cfg.trainer.epochs)  # a step reports its epochs' mean
+                stats.add_objective(objective, 1.0 / cfg.trainer.epochs)
                 stats.add(first)
-            for micro in _chunks(_by_length([i for i in items if i.demonstration]), cfg.trainer.micro_batch_size):
+            for micro in iter_chunks(_by_length([i for i in items if i.demonstration]), cfg.trainer.micro_batch_size):
                 stats.add(self._demonstration_step(micro, norms), 1.0 / cfg.trainer.epochs)
             self._all_reduce(params + critic_params)
             grad_norm = float(torch.nn.utils.clip_grad_norm_(params, cfg.optim.grad_clip))
@@ -210,7 +221,7 @@ class LearnerWorker:
     def _nll(self, demos: list[TrainItem]) -> float:
         """Per-token NLL of ``demos`` under the active adapter (no gradients)."""
         total, tokens = 0.0, 0
-        for micro in _chunks(_by_length(demos), self.cfg.trainer.micro_batch_size):
+        for micro in iter_chunks(_by_length(demos), self.cfg.trainer.micro_batch_size):
             logprobs, mask = self._demonstration_logprobs(micro)
             total -= float(masked_sum(logprobs, mask))
             tokens += int(mask.sum())
@@ -238,9 +249,11 @@ class LearnerWorker:
             self.critic_optimizers[agent].load_state_dict(copy.deepcopy(saved["critic_optimizer"]))
 
     def _micro_step(self, agent: str, micro: list[TrainItem], *, key: int, epoch: int, norms: Norms, cache: dict,
-                    current_version: int) -> tuple[dict[str, float], dict[str, float]]:
+                    current_version: int) -> tuple[dict[str, float], dict[str, float], dict[str, float]]:
         """Forward, the recipe's loss (plus the KL penalty and entropy bonus every objective may
-        have), backward. Returns (statistics of every epoch, statistics of the first epoch only)."""
+        have), backward. Returns (statistics of every epoch, the recipe's statistics, statistics of
+        the first epoch only). The recipe's extra inputs are computed at the first epoch, before
+        any update, and kept for the step's other epochs."""
         a, p, recipe = self.cfg.algorithm, self.policy, self.recipe
         batch = pack([i.prompt_ids for i in micro], [i.response_ids for i in micro], [i.temperature for i in micro], p.pad_id,
                      share_prefix_min=self.cfg.trainer.shared_prefix_min_tokens)
@@ -267,31 +280,35 @@ class LearnerWorker:
             with torch.no_grad():
                 ref_lp = p.forward(batch, need_hidden=False, adapter=False, allowed=allowed).logprobs
             stats["kl_sum"] = float(masked_sum(kl_k3(out.logprobs.detach(), ref_lp), mask))
+        if ("extra", key) not in cache:
+            cache[("extra", key)] = recipe.extra_inputs(micro, _Scorer(p, self.cfg.trainer.shared_prefix_min_tokens))
         mb = MicroBatch(
             items=micro, logprobs=out.logprobs, old_logprobs=old_lp, mask=mask,
             weights=torch.tensor([it.weight for it in micro], device=dev),
-            rewards=torch.tensor([it.reward for it in micro], device=dev),
+            rewards=torch.tensor([it.reward or 0.0 for it in micro], device=dev),
             hidden=out.hidden if recipe.uses_critic else None,
             value_head=p.value_heads[agent] if recipe.uses_critic else None,
-            norms=norms, algorithm=a, sequence_level=a.level == "sequence" and recipe.uses_ratio,
+            norms=norms, objective=a, sequence_level=a.level == "sequence" and recipe.uses_ratio,
             key=key, first_epoch=epoch == 0, cache=cache, value_mask=response_mask if has_context else None,
+            extra=cache[("extra", key)],
         )
         loss, st = recipe.loss(mb)
+        objective = {k: float(v) for k, v in st.items() if k != "loss"}
         if recipe.uses_ratio and a.kl_coef > 0:
             kl = kl_penalty(out.logprobs, ref_lp, mask, norms.tokens)
             loss = loss + a.kl_coef * kl
-            st["kl_loss"], st["loss"] = kl.detach(), loss.detach()
+            stats["kl_loss"] = float(kl.detach())
+        stats["loss"] = float(loss.detach())  # the objective's (and KL penalty's); the entropy bonus is not a loss
         if a.entropy_coef > 0:
             loss = loss - a.entropy_coef * aggregate(out.entropy, mask, norms.tokens)
         loss.backward()
-        stats.update({k: float(v) for k, v in st.items()})
-        return stats, first
+        return stats, objective, first
 
     def _micro_batches(self, items: list[TrainItem]) -> list[list[TrainItem]]:
         """A recipe that credits an episode's calls together (a critic) sees whole episodes; the
         others get sequences of similar length together, so little of each forward is padding."""
         size = self.cfg.trainer.micro_batch_size
-        return episode_chunks(items, size) if self.recipe.uses_critic else list(_chunks(_by_length(items), size))
+        return episode_chunks(items, size) if self.recipe.uses_critic else list(iter_chunks(_by_length(items), size))
 
     def _demonstration_step(self, micro: list[TrainItem], norms: Norms) -> dict[str, float]:
         """The supervised term on demonstrations: ``sft_coef`` times their token-mean NLL, in the

@@ -30,7 +30,6 @@ _GAUGES = (
     ("loss", "kaizen_trainer_loss", "Loss of the last step"),
     ("kl", "kaizen_trainer_kl", "KL to the reference of the last step"),
     ("entropy", "kaizen_trainer_entropy", "Mean token entropy of the last step"),
-    ("clip_frac", "kaizen_trainer_clip_fraction", "Share of tokens clipped in the last step"),
     ("logprob_mismatch", "kaizen_trainer_logprob_mismatch", "Mean |sampling - trainer| logprob of the last step"),
     ("staleness_mean", "kaizen_trainer_staleness", "Mean versions between the batch's policy and the trained one"),
     ("tokens_per_s", "kaizen_trainer_tokens_per_second", "Tokens a second of the last step"),
@@ -54,6 +53,8 @@ class PrometheusMetrics:
                                registry=r)
         self.waiting = Gauge("kaizen_trainer_waiting", "1 while the Trainer waits for committed experiences", registry=r)
         self.gauges = {key: Gauge(name, doc, ["agent"], registry=r) for key, name, doc in _GAUGES}
+        self.objective = Gauge("kaizen_trainer_objective", "The objective's own figures of the last step (its recipe's "
+                               "statistics, e.g. clip_frac, policy_loss)", ["agent", "figure"], registry=r)
         self.server, _thread = start_http_server(port, addr=host, registry=r)
         self.port = self.server.server_port
         log.info("Prometheus metrics on http://%s:%d/metrics", host, self.port)
@@ -69,6 +70,10 @@ class PrometheusMetrics:
             value = record.get(key)
             if isinstance(value, (int, float)) and not isinstance(value, bool):
                 self.gauges[key].labels(agent).set(value)
+        for key in record.get("objective_figures", ()):
+            value = record.get(key)
+            if isinstance(value, (int, float)) and not isinstance(value, bool):
+                self.objective.labels(agent, key).set(value)
 
     def close(self) -> None:
         self.server.shutdown()

@@ -25,7 +25,6 @@ from __future__ import annotations
 import json
 import logging
 import signal
-import statistics
 import threading
 import time
 from dataclasses import dataclass
@@ -48,16 +47,15 @@ from services.trainer.batches import (
     aware,
     catch_up_size,
     context_item,
-    episodes_of,
     select_batch,
 )
 from services.trainer.config import TrainerConfig
+from services.trainer.learners import LearnerGroup, shard
 from services.trainer.metrics import MetricsSink
-from services.trainer.recipes import recipe_for
 from services.trainer.ray_cluster import LocalRayCluster
 from services.trainer.retention import prune_versions
 from services.trainer.schedule import Turn, current_turn, next_agent
-from services.trainer.stats import StepStats
+from services.trainer.stats import StepStats, step_record
 
 log = logging.getLogger("kaizen.trainer")
 
@@ -71,64 +69,6 @@ class AgentProgress:
     waiting_on: int | None = None  # the candidate whose release decision this agent's training waits for
 
 
-class LearnerGroup:
-    """The learner workers as Ray actors; rank 0 writes files."""
-
-    def __init__(self, cfg: TrainerConfig):
-        import ray
-
-        from services.trainer.learner import LearnerWorker
-
-        r = cfg.ray
-        remote = ray.remote(num_cpus=r.num_cpus_per_worker, num_gpus=r.num_gpus_per_worker)(LearnerWorker)
-        payload = cfg.model_dump(mode="json")
-        self.workers = [remote.remote(payload, rank, r.workers) for rank in range(r.workers)]
-        addr, port = ray.get(self.workers[0].rendezvous_address.remote()) if r.workers > 1 else (None, None)
-        info = ray.get([w.setup.remote(addr, port) for w in self.workers])
-        log.info("learners ready: %s", info)
-
-    def _all(self, calls) -> list[Any]:
-        import ray
-
-        return ray.get(calls)
-
-    def ensure_agent(self, agent: str, *, state_dir: str | None = None, adapter_dir: str | None = None) -> None:
-        self._all([w.ensure_agent.remote(agent, state_dir=state_dir, adapter_dir=adapter_dir) for w in self.workers])
-
-    def load_state(self, agent: str, path: str) -> None:
-        self._all([w.load_state.remote(agent, path) for w in self.workers])
-
-    def adopt_adapter(self, agent: str, adapter_dir: str) -> None:
-        self._all([w.adopt_adapter.remote(agent, adapter_dir) for w in self.workers])
-
-    def reset_agent(self, agent: str) -> None:
-        self._all([w.reset_agent.remote(agent) for w in self.workers])
-
-    def save_state(self, agent: str, path: str, meta: dict[str, Any]) -> None:
-        """Rank 0 writes files: every replica holds the same weights."""
-        self._all([self.workers[0].save_state.remote(agent, path, meta)])
-
-    def write_version(self, agent: str, root: str, version: int, manifest: dict[str, Any]) -> str:
-        return self._all([self.workers[0].write_version.remote(agent, root, version, manifest)])[0]
-
-    def train(self, agent: str, shards: list[list[TrainItem]], norms: Norms, step: int, version: int,
-              guard: list[TrainItem]) -> list[StepStats]:
-        return self._all([w.train_step.remote(agent, s, norms, step, version, guard) for w, s in zip(self.workers, shards)])
-
-
-def _shard(items: list[TrainItem], n: int) -> list[list[TrainItem]]:
-    """Split items into n shards of similar token counts, whole episodes each (their calls are
-    credited together): longest episode first, to the lightest shard."""
-    shards: list[list[TrainItem]] = [[] for _ in range(n)]
-    loads = [0] * n
-    size = lambda calls: sum(len(i.prompt_ids) + len(i.response_ids) for i in calls)  # noqa: E731
-    for calls in sorted(episodes_of(items), key=lambda c: -size(c)):
-        k = loads.index(min(loads))
-        shards[k].extend(calls)
-        loads[k] += size(calls)
-    return shards
-
-
 _MAX_DEMONSTRATIONS = 10_000  # read per poll; an agent's demonstrations are a few to a few hundred
 
 
@@ -140,7 +80,7 @@ class TrainerService:
         t = cfg.trainer
         self.metrics = MetricsSink(t.run_dir, progress=t.progress,
                                    prometheus=None if t.metrics_port is None else (t.metrics_host, t.metrics_port))
-        self.recipe = recipe_for(cfg.algorithm.name)
+        self.recipe = cfg.algorithm.recipe()
         self.learners: LearnerGroup | None = None
         self.agents: dict[str, AgentProgress] = {}
         self.stop_event = threading.Event()
@@ -444,11 +384,12 @@ class TrainerService:
     def _select(self, agent: str, progress: AgentProgress, rows: list, demos: list, team) -> Selection:
         """The next batch; larger than train_batch_size while a backlog would otherwise go stale
         (``catch_up_size``), unless the recipe cannot fill the larger one (GRPO's whole groups)."""
-        size = catch_up_size(rows, cfg=self.cfg, current_version=progress.published, step=progress.step)
+        size = catch_up_size(rows, cfg=self.cfg, current_version=progress.published, step=progress.step,
+                             needs_reward=self.recipe.needs_reward)
 
         def select(cfg: TrainerConfig) -> Selection:
-            return select_batch(rows, cfg=cfg, current_version=progress.published, demonstrations=demos,
-                                step=progress.step, team=team)
+            return select_batch(rows, recipe=self.recipe, cfg=cfg, current_version=progress.published,
+                                demonstrations=demos, step=progress.step, team=team)
 
         if size > self.cfg.train_batch_size:
             selection = select(self.cfg.model_copy(update={"train_batch_size": size}))
@@ -521,7 +462,7 @@ class TrainerService:
         cfg = self.cfg
         items = selection.items  # the rollouts this step consumes; demonstrations are replayed, not consumed
         norms = Norms.of(selection.all_items)
-        shards = _shard(selection.all_items, cfg.ray.workers)
+        shards = shard(selection.all_items, cfg.ray.workers)
         t0 = time.perf_counter()
         results = self.learners.train(agent, shards, norms, progress.step, progress.published, selection.guard)
         seconds = time.perf_counter() - t0
@@ -530,7 +471,9 @@ class TrainerService:
         self.learners.save_state(agent, str(state), {"agent": agent, "step": step, "version": version,
                                                      "parent": progress.published})
         failpoint("trainer.after_state_saved")
-        record = self._step_record(agent, step, version, selection, results, norms, seconds)
+        record = step_record(agent=agent, step=step, version=version, algorithm=cfg.algorithm.name, recipe=self.recipe,
+                             published=progress.published, selection=selection, total=StepStats.merged(results),
+                             norms=norms, seconds=seconds)
         try:
             buffer.consume_batch(
                 engine=self.db, agent=agent, step=step, version=version,
@@ -602,50 +545,6 @@ class TrainerService:
             except OSError as e:  # an old state left over is harmless; the next step tries again
                 log.warning("agent %s: could not delete the state of step %d: %s", agent, step, e)
 
-    def _step_record(self, agent: str, step: int, version: int, selection: Selection, results: list[StepStats],
-                     norms: Norms, seconds: float) -> dict[str, Any]:
-        """One line of the metrics log and of trainer_steps.metrics."""
-        total = StepStats.merged(results)
-        tokens = max(total.tokens, 1.0)
-        items = selection.items
-        rewards = [i.reward for i in items]  # none in a cold-start step (demonstrations only)
-        lags = [self.agents[agent].published - i.model_version for i in items] or [0]
-        rec: dict[str, Any] = {
-            "agent": agent, "step": step, "version": version, "algorithm": self.cfg.algorithm.name,
-            "batch_size": len(items), "tokens": int(norms.tokens), "demonstrations": len(selection.demonstrations),
-            "episodes": len(episodes_of(items)),
-            "reward_mean": statistics.fmean(rewards) if rewards else None,
-            "reward_std": statistics.pstdev(rewards) if rewards else None,
-            "loss": total.loss, "entropy": total.entropy_sum / tokens,
-            "tokens_per_s": total.tokens / max(seconds, 1e-9), "step_seconds": seconds,
-            "grad_norm": total.grad_norm, "lr": total.lr,
-            "staleness_mean": statistics.fmean(lags), "staleness_max": max(lags),
-            "stale_downweighted": selection.stale_downweighted, "discarded": len(selection.discarded),
-            "small_groups": selection.small_groups, "catch_up": selection.catch_up,
-            "team_episodes": selection.team_episodes, "teammate_turns": len(selection.context),
-            "logprob_mismatch": total.mismatch_sum / tokens,
-        }
-        if total.demo_nll is not None:
-            rec["demo_nll"] = total.demo_nll
-        if total.guard_before is not None:
-            rec["guard_nll_before"], rec["guard_nll_after"] = total.guard_before, total.guard_after
-            rec["guard_attempts"], rec["guard_refused"] = int(total.guard_attempts), bool(total.guard_refused)
-        for k in ("policy_loss", "value_loss", "kl_loss", "clip_frac", "ratio_mean", "nll"):
-            if getattr(total, k) is not None:
-                rec[k] = getattr(total, k)
-        if total.kl_sum is not None:
-            rec["kl"] = total.kl_sum / tokens
-        if total.on_policy_tokens:
-            rec["logprob_mismatch_on_policy"] = total.mismatch_on_policy_sum / total.on_policy_tokens
-        if total.adv_count is not None:
-            n = max(total.adv_count, 1.0)
-            mean = total.adv_sum / n
-            rec["advantage_mean"], rec["advantage_std"] = mean, max(total.adv_sq_sum / n - mean**2, 0.0) ** 0.5
-            rec["value_mean"] = total.value_sum / tokens
-        elif items and items[0].advantage is not None:
-            adv = [i.advantage for i in items]
-            rec["advantage_mean"], rec["advantage_std"] = statistics.fmean(adv), statistics.pstdev(adv)
-        return rec
 
 def run_trainer(cfg: TrainerConfig) -> int:
     service = TrainerService(cfg)

@@ -1,9 +1,16 @@
 """What one training step measured, as one typed record that crosses from the learners to the
-driver: additive sums over a learner's shard, merged over learners by ``StepStats.merged``."""
+driver: additive sums over a learner's shard, merged over learners by ``StepStats.merged``. The
+figures every objective has are fields; the objective's own (its recipe's ``loss`` statistics) are
+``objective``, summed by name and turned into the step record's figures by the recipe itself."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+import statistics
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+from services.trainer.batches import Norms, Selection, episodes_of
+from services.trainer.recipes.base import Recipe
 
 
 _SAME_ON_ALL = {"lr", "guard_before", "guard_after", "guard_attempts", "guard_refused"}
@@ -15,18 +22,9 @@ class StepStats:
     loss: float = 0.0
     entropy_sum: float = 0.0
     kl_sum: float | None = None  # KL to the base model, summed over tokens (kl_metric or kl_coef)
-    # From the recipe's loss (None when the objective has no such term)
-    policy_loss: float | None = None
-    value_loss: float | None = None
-    kl_loss: float | None = None
-    clip_frac: float | None = None
-    ratio_mean: float | None = None
-    nll: float | None = None
+    kl_loss: float | None = None  # the KL penalty (kl_coef > 0)
     demo_nll: float | None = None  # the supervised term on demonstrations (its share of their token mean)
-    adv_sum: float | None = None  # recipes that compute advantages in the learner (PPO)
-    adv_sq_sum: float | None = None
-    adv_count: float | None = None
-    value_sum: float | None = None
+    objective: dict[str, float] = field(default_factory=dict)  # the recipe's loss statistics, summed by name
     # First epoch only: how far the policy's logprobs are from those recorded at sampling
     mismatch_sum: float = 0.0
     mismatch_on_policy_sum: float = 0.0
@@ -48,6 +46,10 @@ class StepStats:
             now = getattr(self, k)  # AttributeError names the unknown statistic
             setattr(self, k, (now or 0.0) + float(v) * scale)
 
+    def add_objective(self, values: dict[str, float], scale: float = 1.0) -> None:
+        for k, v in values.items():
+            self.objective[k] = self.objective.get(k, 0.0) + float(v) * scale
+
     @classmethod
     def merged(cls, parts: list["StepStats"]) -> "StepStats":
         """Sums over learners; the gradient norm is the largest; the learning rate and the guard's
@@ -55,7 +57,10 @@ class StepStats:
         out = cls()
         for f in fields(cls):
             present = [getattr(p, f.name) for p in parts if getattr(p, f.name) is not None]
-            if f.name == "grad_norm":
+            if f.name == "objective":
+                for p in parts:
+                    out.add_objective(p.objective)
+            elif f.name == "grad_norm":
                 out.grad_norm = max(present, default=0.0)
             elif f.name in _SAME_ON_ALL:
                 if present:
@@ -63,3 +68,46 @@ class StepStats:
             elif present:
                 setattr(out, f.name, sum(present))
         return out
+
+
+def step_record(*, agent: str, step: int, version: int, algorithm: str, recipe: Recipe, published: int,
+                selection: Selection, total: StepStats, norms: Norms, seconds: float) -> dict[str, Any]:
+    """One line of the metrics log and of trainer_steps.metrics: the figures every step has, then
+    the objective's own (its recipe's ``statistics``, named in ``objective_figures``)."""
+    tokens = max(total.tokens, 1.0)
+    items = selection.items
+    rewards = [i.reward for i in items if i.reward is not None]  # none in a cold-start step (demonstrations only)
+    lags = [published - i.model_version for i in items] or [0]
+    rec: dict[str, Any] = {
+        "agent": agent, "step": step, "version": version, "algorithm": algorithm,
+        "batch_size": len(items), "tokens": int(norms.tokens), "demonstrations": len(selection.demonstrations),
+        "episodes": len(episodes_of(items)),
+        "reward_mean": statistics.fmean(rewards) if rewards else None,
+        "reward_std": statistics.pstdev(rewards) if rewards else None,
+        "loss": total.loss, "entropy": total.entropy_sum / tokens,
+        "tokens_per_s": total.tokens / max(seconds, 1e-9), "step_seconds": seconds,
+        "grad_norm": total.grad_norm, "lr": total.lr,
+        "staleness_mean": statistics.fmean(lags), "staleness_max": max(lags),
+        "stale_downweighted": selection.stale_downweighted, "discarded": len(selection.discarded),
+        "small_groups": selection.small_groups, "catch_up": selection.catch_up,
+        "team_episodes": selection.team_episodes, "teammate_turns": len(selection.context),
+        "logprob_mismatch": total.mismatch_sum / tokens,
+    }
+    if total.demo_nll is not None:
+        rec["demo_nll"] = total.demo_nll
+    if total.guard_before is not None:
+        rec["guard_nll_before"], rec["guard_nll_after"] = total.guard_before, total.guard_after
+        rec["guard_attempts"], rec["guard_refused"] = int(total.guard_attempts), bool(total.guard_refused)
+    if total.kl_loss is not None:
+        rec["kl_loss"] = total.kl_loss
+    if total.kl_sum is not None:
+        rec["kl"] = total.kl_sum / tokens
+    if total.on_policy_tokens:
+        rec["logprob_mismatch_on_policy"] = total.mismatch_on_policy_sum / total.on_policy_tokens
+    if items and items[0].advantage is not None:  # set at selection (GRPO)
+        adv = [i.advantage for i in items]
+        rec["advantage_mean"], rec["advantage_std"] = statistics.fmean(adv), statistics.pstdev(adv)
+    own = recipe.statistics(total.objective, tokens=total.tokens)  # the objective's own figures, passed through
+    rec.update(own)
+    rec["objective_figures"] = sorted(own)
+    return rec

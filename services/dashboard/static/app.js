@@ -8,7 +8,7 @@ const STATUSES = ["recorded", "rewarded", "committed", "consumed", "discarded"];
 const COLORS = { recorded: "#98a2b3", rewarded: "#f79009", committed: "#2f6fde", consumed: "#12b76a", discarded: "#f04438" };
 const TRAINER_CHARTS = [
   ["reward_mean", "reward (batch mean)"], ["loss", "loss"], ["kl", "KL to reference"], ["entropy", "entropy / token"],
-  ["clip_frac", "clip fraction"], ["logprob_mismatch", "logprob mismatch |sampling − trainer|"],
+  ["logprob_mismatch", "logprob mismatch |sampling − trainer|"],
   ["staleness_mean", "staleness (versions)"], ["tokens_per_s", "tokens / s"],
 ];
 
@@ -195,6 +195,8 @@ function versionTable(versions, serving) {
 
 async function trainer(main, agent) {
   const t = await api("/api/trainer", { agent });
+  // The objective's own figures (its recipe's statistics) come after the shared ones, named by their keys.
+  const charts = TRAINER_CHARTS.concat((t.objective_figures || []).map((k) => [k, k.replaceAll("_", " ")]));
   const last = t.steps[t.steps.length - 1] || {};
   put(main,
     el("h1", { text: `Trainer · ${agent}` }),
@@ -206,10 +208,10 @@ async function trainer(main, agent) {
       card("discarded", t.steps.reduce((s, x) => s + x.discarded, 0), fmtInt(t.steps.reduce((s, x) => s + x.discarded, 0)), "discarded"),
     ),
     t.steps.length ? null : el("p", { class: "muted", text: "No Trainer step recorded for this agent yet." }),
-    el("div", { class: "grid small" }, TRAINER_CHARTS.map(([k, label]) => panel(label, chartBox("chart-" + k)))),
-    panel("Last steps", stepsTable(t.steps.slice(-25).reverse())),
+    el("div", { class: "grid small" }, charts.map(([k, label]) => panel(label, chartBox("chart-" + k)))),
+    panel("Last steps", stepsTable(t.steps.slice(-25).reverse(), t.objective_figures || [])),
   );
-  for (const [k, label] of TRAINER_CHARTS) {
+  for (const [k, label] of charts) {
     if (t.steps.length && !t.steps.some((s) => s[k] !== undefined)) {
       document.getElementById("chart-" + k).parentElement.replaceChildren(el("p", { class: "muted", text: "not recorded by this Trainer's algorithm" }));
       continue;
@@ -222,8 +224,8 @@ async function trainer(main, agent) {
   }
 }
 
-function stepsTable(steps) {
-  const cols = ["reward_mean", "loss", "kl", "entropy", "clip_frac", "logprob_mismatch", "staleness_mean", "tokens_per_s"];
+function stepsTable(steps, objective) {
+  const cols = ["reward_mean", "loss", "kl", "entropy", ...objective, "logprob_mismatch", "staleness_mean", "tokens_per_s"];
   return el("table", { id: "steps" },
     el("thead", {}, el("tr", {}, el("th", { text: "step" }), el("th", { text: "version" }), el("th", { class: "num", text: "consumed" }),
       el("th", { class: "num", text: "discarded" }), cols.map((c) => el("th", { class: "num", text: c })), el("th", { text: "time" }))),

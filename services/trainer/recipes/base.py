@@ -1,19 +1,40 @@
-"""What a recipe is, what it gets from the learner, and the inputs every clipped-ratio loss shares."""
+"""What a recipe is, what it gets from the learner, and the inputs every clipped-ratio loss shares.
+
+A recipe owns its objective: its config section (``algorithm.<name>``, a ``RecipeConfig``), whether
+it needs a reward, how it picks a batch from the usable rows, what extra inputs a micro-batch
+carries (``extra_inputs``, e.g. a teacher's logprobs of the sampled tokens), its loss (a pure
+function under services/trainer/algorithms/) and the statistics it reports. The learner, the step
+record, the Trainer's /metrics and the dashboard pass those statistics through without naming them.
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from datetime import datetime
-from typing import TYPE_CHECKING, Any, Callable, Protocol
+from typing import Any, Callable, ClassVar, Protocol, Sequence
 
 import torch
 
+from services.common.config import ConfigModel
 from services.common.records import CommittedExperience
 from services.trainer.algorithms.advantages import sequence_logprob
-from services.trainer.batches import Norms, Selection, TeamEpisodes, TrainItem, Usable
+from services.trainer.batches import Norms, Selection, TeamEpisodes, TrainItem, Usable, take_oldest
+from services.trainer.sections import ObjectiveSection
 
-if TYPE_CHECKING:
-    from services.trainer.config import AlgorithmSection, TrainerConfig
+
+class RecipeConfig(ConfigModel):
+    """A recipe's own settings, the section ``algorithm.<recipe name>`` (none by default)."""
+
+
+class Scorer(Protocol):
+    """What the learner lends ``Recipe.extra_inputs``: scoring without gradients."""
+
+    def logprobs(self, prompts: Sequence[Sequence[int]], responses: Sequence[Sequence[int]],
+                 temperatures: Sequence[float], *, adapter: bool = True) -> torch.Tensor:
+        """(B, R) logprobs of ``responses`` after ``prompts`` (R the longest response, zero past
+        each row's end), under the agent's adapter as it was before this step's update (``adapter``)
+        or the base model (a teacher or reference that shares the tokenizer)."""
+        ...
 
 
 @dataclass
@@ -28,16 +49,17 @@ class MicroBatch:
     old_logprobs: torch.Tensor  # (B, R) recorded at sampling
     mask: torch.Tensor  # (B, R) 1 on the response tokens the policy is trained on (not teammates' context calls)
     weights: torch.Tensor  # (B,) staleness weights
-    rewards: torch.Tensor  # (B,)
+    rewards: torch.Tensor  # (B,) (0 where a recipe that needs none trains a row without one)
     hidden: torch.Tensor | None  # (B, R, H) final hidden states, for recipes with a critic
     value_head: Callable[[torch.Tensor], torch.Tensor] | None  # (B, R, H) -> (B, R)
     norms: Norms
-    algorithm: "AlgorithmSection"
+    objective: ObjectiveSection
     sequence_level: bool  # the whole response is one action
     key: int  # this micro-batch's index in the step
     first_epoch: bool
     cache: dict[Any, Any] = field(default_factory=dict)  # lives for one step (e.g. PPO's old values)
     value_mask: torch.Tensor | None = None  # (B, R) where a critic learns: mask plus the first token of context calls
+    extra: dict[str, torch.Tensor] = field(default_factory=dict)  # the recipe's extra_inputs, computed once a step
 
     @property
     def own(self) -> torch.Tensor:
@@ -51,24 +73,68 @@ class MicroBatch:
 
 
 class Recipe(Protocol):
-    name: str
-    uses_critic: bool  # needs a value head on the policy
-    uses_ratio: bool  # clipped importance ratio against the sampling logprobs (and the KL penalty)
-    team_rewards: bool  # its group statistics count the team's episodes: select gets their rewards
+    name: ClassVar[str]  # algorithm.name, and the key of its config section algorithm.<name>
+    Config: ClassVar[type[RecipeConfig]]
+    legacy_keys: ClassVar[dict[str, str]]  # flat algorithm.<key> of older configs -> its key in the section
+    needs_reward: ClassVar[bool]  # rows without a reward are discarded before select (else they reach it)
+    uses_critic: ClassVar[bool]  # needs a value head on the policy
+    uses_ratio: ClassVar[bool]  # clipped importance ratio against the sampling logprobs (and the KL penalty)
+    team_rewards: ClassVar[bool]  # its group statistics count the team's episodes: select gets their rewards
+    config: RecipeConfig
+    objective: ObjectiveSection
 
-    def refuses(self, row: CommittedExperience, cfg: "TrainerConfig") -> str | None:
+    def refuses(self, row: CommittedExperience) -> str | None:
         """Why this otherwise usable row is not for this objective (it is discarded), or None."""
         ...
 
-    def select(self, usable: list[Usable], *, cfg: "TrainerConfig", now: datetime, sel: Selection,
-               team: TeamEpisodes) -> None:
+    def select(self, usable: list[Usable], *, batch_size: int, now: datetime, sel: Selection, team: TeamEpisodes) -> None:
         """Fill ``sel.items`` (oldest first, advantages where known now), or leave it empty to wait.
         ``team``: the team's episode rewards of the usable rows' tasks (empty unless ``team_rewards``)."""
         ...
 
-    def loss(self, mb: MicroBatch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        """The micro-batch's share of the batch loss, and its statistics (StepStats field names)."""
+    def extra_inputs(self, items: list[TrainItem], scorer: Scorer) -> dict[str, torch.Tensor]:
+        """Tensors the loss needs beyond the policy's forward ((B, R) each, in ``items``' order),
+        computed once per micro-batch and step, before any update; ``MicroBatch.extra``."""
         ...
+
+    def loss(self, mb: MicroBatch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """The micro-batch's share of the batch loss, and its statistics: shares of the batch's
+        figures or sums, added over micro-batches and learners (``loss`` is the total's)."""
+        ...
+
+    def statistics(self, sums: dict[str, float], *, tokens: float) -> dict[str, float]:
+        """The step record's figures from the summed statistics of ``loss`` (``tokens``: response
+        tokens trained on)."""
+        ...
+
+
+class BaseRecipe:
+    """The defaults a recipe may keep: no section, a reward needed, no critic, the oldest rows,
+    no extra inputs, the statistics as summed."""
+
+    name: ClassVar[str]
+    Config: ClassVar[type[RecipeConfig]] = RecipeConfig
+    legacy_keys: ClassVar[dict[str, str]] = {}
+    needs_reward: ClassVar[bool] = True
+    uses_critic: ClassVar[bool] = False
+    uses_ratio: ClassVar[bool] = False
+    team_rewards: ClassVar[bool] = False
+
+    def __init__(self, config: RecipeConfig, objective: ObjectiveSection):
+        self.config = config
+        self.objective = objective
+
+    def refuses(self, row: CommittedExperience) -> str | None:
+        return None
+
+    def select(self, usable: list[Usable], *, batch_size: int, now: datetime, sel: Selection, team: TeamEpisodes) -> None:
+        take_oldest(usable, batch_size=batch_size, sel=sel)
+
+    def extra_inputs(self, items: list[TrainItem], scorer: Scorer) -> dict[str, torch.Tensor]:
+        return {}
+
+    def statistics(self, sums: dict[str, float], *, tokens: float) -> dict[str, float]:
+        return dict(sums)
 
 
 def ratio_inputs(mb: MicroBatch, advantages: torch.Tensor) -> tuple[dict[str, torch.Tensor], float]:
@@ -77,7 +143,7 @@ def ratio_inputs(mb: MicroBatch, advantages: torch.Tensor) -> tuple[dict[str, to
     ``advantages``: (B,) one per response, or (B, R) one per token.
     """
     if mb.sequence_level:
-        mode = mb.algorithm.sequence_logprob
+        mode = mb.objective.sequence_logprob
         adv = advantages if advantages.dim() == 1 else advantages[:, 0]
         return dict(
             logprobs=sequence_logprob(mb.logprobs, mb.mask, mode=mode),
@@ -91,5 +157,5 @@ def ratio_inputs(mb: MicroBatch, advantages: torch.Tensor) -> tuple[dict[str, to
     ), mb.norms.tokens
 
 
-def clip_args(a: "AlgorithmSection") -> dict[str, float]:
-    return dict(clip_low=a.clip_low, clip_high=a.clip_high)
+def clip_args(o: ObjectiveSection) -> dict[str, float]:
+    return dict(clip_low=o.clip_low, clip_high=o.clip_high)

@@ -5,26 +5,40 @@ them), the clipped ratio."""
 from __future__ import annotations
 
 from datetime import datetime
+from typing import Literal
 
 import torch
+from pydantic import Field
 
-from services.common.records import CommittedExperience
 from services.trainer.algorithms.advantages import batch_relative, episode_relative
 from services.trainer.algorithms.grpo import grpo_loss
 from services.trainer.batches import Selection, TeamEpisodes, Usable, aware, to_item
-from services.trainer.recipes.base import MicroBatch, clip_args, ratio_inputs
+from services.trainer.recipes.base import BaseRecipe, MicroBatch, RecipeConfig, clip_args, ratio_inputs
 
 
-class GRPO:
+class GRPOConfig(RecipeConfig):
+    std_normalize: bool = Field(default=True, description="Divide group-centred rewards by the group std.")
+    min_group_size: int = Field(default=2, ge=1, description="Smallest group trained as a group.")
+    group_size: int | None = Field(
+        default=None, ge=1, description="A group this large is complete at once; smaller ones wait group_wait_s."
+    )
+    group_wait_s: float = Field(default=30.0, ge=0, description="How long an incomplete group waits for more runs.")
+    small_groups: Literal["wait", "discard", "batch"] = Field(
+        default="batch",
+        description="After group_wait_s, groups under min_group_size keep waiting, are discarded, "
+        "or are trained against the batch mean.",
+    )
+
+
+class GRPO(BaseRecipe):
     name = "grpo"
-    uses_critic = False
+    Config = GRPOConfig
+    legacy_keys = {k: k for k in ("std_normalize", "min_group_size", "group_size", "group_wait_s", "small_groups")}
     uses_ratio = True
     team_rewards = True
+    config: GRPOConfig
 
-    def refuses(self, row: CommittedExperience, cfg) -> str | None:
-        return None
-
-    def select(self, usable: list[Usable], *, cfg, now: datetime, sel: Selection, team: TeamEpisodes) -> None:
+    def select(self, usable: list[Usable], *, batch_size: int, now: datetime, sel: Selection, team: TeamEpisodes) -> None:
         """Whole groups of whole episodes, oldest first. A group (task_id) is complete at
         ``group_size`` episodes (or ``min_group_size`` without one); an incomplete one waits
         ``group_wait_s``, then is trained, discarded or trained against the batch mean
@@ -33,7 +47,7 @@ class GRPO:
         With ``algorithm.team_credit``, a group is the team's episodes of the task: those of
         ``team`` this agent sat out count too, at their team reward (their last call's), in the
         group's size and statistics; they carry no calls of this agent, so nothing of them is trained."""
-        a = cfg.algorithm
+        a, team_credit = self.config, self.objective.team_credit
         groups: dict[str, dict[str, list[Usable]]] = {}
         agent = usable[0][0].agent if usable else None
         for row, w in usable:
@@ -43,10 +57,10 @@ class GRPO:
         fallback: list[list[Usable]] = []
         count = 0
         for task, episodes in groups.items():  # insertion order = oldest first
-            if count >= cfg.train_batch_size:
+            if count >= batch_size:
                 break
             sat_out = [ep.reward for run, ep in (team.get(task) or {}).items()
-                       if a.team_credit and run not in episodes and agent not in ep.agents]
+                       if team_credit and run not in episodes and agent not in ep.agents]
             n = len(episodes) + len(sat_out)
             calls = sum(len(e) for e in episodes.values())
             age = (now - max(aware(r.updated_at) for e in episodes.values() for r, _ in e)).total_seconds()
@@ -65,7 +79,7 @@ class GRPO:
                 fallback.extend(episodes.values())
                 count += calls
                 sel.small_groups += 1
-        if count < cfg.train_batch_size:
+        if count < batch_size:
             sel.team_episodes = 0
             return
         # An episode's reward is its last call's (an episode reward sent for all its calls is the same on each).
@@ -90,4 +104,4 @@ class GRPO:
 
     def loss(self, mb: MicroBatch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         inputs, normalizer = ratio_inputs(mb, mb.advantages)
-        return grpo_loss(**inputs, normalizer=normalizer, **clip_args(mb.algorithm))
+        return grpo_loss(**inputs, normalizer=normalizer, **clip_args(mb.objective))

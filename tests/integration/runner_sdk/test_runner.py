@@ -109,7 +109,7 @@ def test_shadow_repeats_form_grpo_groups(explorer):
     cfg = load_config(TrainerConfig, None, ["model.path=x", "algorithm.name=grpo", "train_batch_size=12",
                                             "algorithm.std_normalize=false"], env={})
     committed = buffer.fetch_committed(engine=explorer.state.db, agent="default", limit=100)
-    sel = select_batch(committed, cfg=cfg, current_version=0)
+    sel = select_batch(committed, recipe=cfg.algorithm.recipe(), cfg=cfg, current_version=0)
     assert len(sel.items) == 12
     for task in groups:
         adv = [i.advantage for i in sel.items if i.task_id == task]

@@ -15,6 +15,11 @@ from services.trainer.config import TrainerConfig
 NOW = datetime(2026, 1, 1, tzinfo=timezone.utc)
 
 
+def select(rows, *, cfg, **kw):
+    """The batch rules with the config's own objective."""
+    return select_batch(rows, recipe=cfg.algorithm.recipe(), cfg=cfg, **kw)
+
+
 def cfg(*overrides):
     return load_config(TrainerConfig, None, ["model.path=/m", *overrides], env={})
 
@@ -31,8 +36,8 @@ def row(i, *, task=None, version=0, reward=1.0, age_s=0.0, labels=None, resp=(5,
 
 def test_ppo_takes_the_oldest_batch_and_waits_for_enough():
     c = cfg("algorithm.name=ppo", "train_batch_size=3")
-    assert not select_batch([row(1), row(2)], cfg=c, current_version=0, now=NOW).ready
-    sel = select_batch([row(i) for i in range(5)], cfg=c, current_version=0, now=NOW)
+    assert not select([row(1), row(2)], cfg=c, current_version=0, now=NOW).ready
+    sel = select([row(i) for i in range(5)], cfg=c, current_version=0, now=NOW)
     assert [i.experience_id for i in sel.items] == ["e0", "e1", "e2"]
     assert sel.items[0].temperature == 0.7 and sel.items[0].old_logprobs == [-1.0, -1.0]
 
@@ -40,32 +45,32 @@ def test_ppo_takes_the_oldest_batch_and_waits_for_enough():
 def test_stale_rows_are_discarded_or_downweighted():
     rows = [row(1, version=0), row(2, version=5), row(3, version=3)]
     c = cfg("algorithm.name=ppo", "train_batch_size=2", "staleness.max_staleness=2")
-    sel = select_batch(rows, cfg=c, current_version=5, now=NOW)
+    sel = select(rows, cfg=c, current_version=5, now=NOW)
     assert "stale" in sel.discarded["e1"] and [i.experience_id for i in sel.items] == ["e2", "e3"]
     c = cfg("algorithm.name=ppo", "train_batch_size=3", "staleness.max_staleness=2", "staleness.policy=downweight",
             "staleness.downweight=0.5")
-    sel = select_batch(rows, cfg=c, current_version=5, now=NOW)
+    sel = select(rows, cfg=c, current_version=5, now=NOW)
     # v0 is 5 versions behind, 3 beyond the limit: 0.5 ** 3
     assert [i.weight for i in sel.items] == [0.125, 1.0, 1.0] and sel.stale_downweighted == 1
 
 
 def test_broken_rows_are_discarded():
     bad = row(1, resp=())
-    sel = select_batch([bad, row(2, reward=None)], cfg=cfg("algorithm.name=ppo"), current_version=0, now=NOW)
+    sel = select([bad, row(2, reward=None)], cfg=cfg("algorithm.name=ppo"), current_version=0, now=NOW)
     assert set(sel.discarded) == {"e1", "e2"}
 
 
 def test_sft_picks_demonstrations_by_reward_or_label():
     c = cfg("algorithm.name=sft", "train_batch_size=2", "algorithm.sft_min_reward=0.9")
     rows = [row(1, reward=0.2), row(2, reward=0.95), row(3, reward=0.0, labels=["demonstration"])]
-    sel = select_batch(rows, cfg=c, current_version=0, now=NOW)
-    assert [i.experience_id for i in sel.items] == ["e2", "e3"] and "not a demonstration" in sel.discarded["e1"]
+    sel = select(rows, cfg=c, current_version=0, now=NOW)
+    assert [i.experience_id for i in sel.items] == ["e2", "e3"] and "not labelled" in sel.discarded["e1"]
 
 
 def test_grpo_takes_whole_groups_with_relative_advantages():
     c = cfg("algorithm.name=grpo", "train_batch_size=4", "algorithm.std_normalize=false")
     rows = [row(1, task="a", reward=1.0), row(2, task="a", reward=0.0), row(3, task="b", reward=0.5), row(4, task="b", reward=0.5)]
-    sel = select_batch(rows, cfg=c, current_version=0, now=NOW)
+    sel = select(rows, cfg=c, current_version=0, now=NOW)
     assert [(i.experience_id, i.advantage) for i in sel.items] == [("e1", 0.5), ("e2", -0.5), ("e3", 0.0), ("e4", 0.0)]
 
 
@@ -74,15 +79,15 @@ def test_grpo_incomplete_groups_wait_then_fall_back():
     # group_size 2: a is complete; b (1 member, young) waits; c is alone but old.
     c = cfg("algorithm.name=grpo", "train_batch_size=3", "algorithm.group_size=2", "algorithm.group_wait_s=60",
             "algorithm.small_groups=batch")
-    sel = select_batch(rows, cfg=c, current_version=0, now=NOW)
+    sel = select(rows, cfg=c, current_version=0, now=NOW)
     assert [i.experience_id for i in sel.items] == ["e1", "e2", "e4"] and sel.small_groups == 1
     c = cfg("algorithm.name=grpo", "train_batch_size=3", "algorithm.group_size=2", "algorithm.group_wait_s=60",
             "algorithm.small_groups=discard")
-    sel = select_batch(rows, cfg=c, current_version=0, now=NOW)
+    sel = select(rows, cfg=c, current_version=0, now=NOW)
     # c is dropped; a alone is not a full batch yet, so nothing trains but the discard stands
     assert not sel.ready and "min_group_size" in sel.discarded["e4"]
     c = cfg("algorithm.name=grpo", "train_batch_size=3", "algorithm.group_size=2", "algorithm.small_groups=wait")
-    assert not select_batch(rows, cfg=c, current_version=0, now=NOW).ready
+    assert not select(rows, cfg=c, current_version=0, now=NOW).ready
 
 
 def test_sft_needs_a_rule():
@@ -103,7 +108,7 @@ def test_grpo_groups_episodes_not_calls():
     # Counted per call, the mean would be 5/6 and r1 would weigh five times r2.
     rows = [call(i, task="t", run="r1", reward=1.0) for i in range(5)] + [call(5, task="t", run="r2", reward=0.0)]
     c = cfg("algorithm.name=grpo", "train_batch_size=6", "algorithm.std_normalize=false", "algorithm.group_size=2")
-    sel = select_batch(rows, cfg=c, current_version=0, now=NOW)
+    sel = select(rows, cfg=c, current_version=0, now=NOW)
     adv = {i.experience_id: (i.advantage, i.weight) for i in sel.items}
     assert adv["e5"] == (approx(-0.5), approx(1.0))
     for k in range(5):
@@ -123,14 +128,14 @@ def test_grpo_groups_count_the_team_episodes_an_agent_sat_out():
                   "r3": TeamEpisode(0.0, frozenset({"b"})), "r4": TeamEpisode(0.0, frozenset({"b"})),
                   "r5": TeamEpisode(1.0, frozenset({"a"}))}}
     c = cfg("algorithm.name=grpo", "train_batch_size=2", "algorithm.std_normalize=false", "algorithm.group_size=4")
-    sel = select_batch([replace_now(r) for r in rows], cfg=c, current_version=0, now=NOW, team=team)
+    sel = select([replace_now(r) for r in rows], cfg=c, current_version=0, now=NOW, team=team)
     assert {i.experience_id: i.advantage for i in sel.items} == {"e0": approx(0.75), "e1": approx(-0.25)}
     assert sel.team_episodes == 2
     own = cfg("algorithm.name=grpo", "train_batch_size=2", "algorithm.std_normalize=false", "algorithm.group_size=4",
               "algorithm.team_credit=false")
-    assert not select_batch([replace_now(r) for r in rows], cfg=own, current_version=0, now=NOW, team=team).ready
+    assert not select([replace_now(r) for r in rows], cfg=own, current_version=0, now=NOW, team=team).ready
     own = cfg("algorithm.name=grpo", "train_batch_size=2", "algorithm.std_normalize=false", "algorithm.team_credit=false")
-    sel = select_batch(rows, cfg=own, current_version=0, now=NOW, team=team)
+    sel = select(rows, cfg=own, current_version=0, now=NOW, team=team)
     assert {i.experience_id: i.advantage for i in sel.items} == {"e0": approx(0.5), "e1": approx(-0.5)}
 
 
@@ -144,32 +149,32 @@ def replace_now(r):
 def test_ppo_batches_never_split_an_episode():
     rows = [call(0, task="t", run="a", reward=1.0), call(1, task="t", run="b", reward=0.0),
             call(2, task="t", run="a", reward=1.0), call(3, task="u", run="c", reward=0.0)]
-    sel = select_batch(rows, cfg=cfg("algorithm.name=ppo", "train_batch_size=2"), current_version=0, now=NOW)
+    sel = select(rows, cfg=cfg("algorithm.name=ppo", "train_batch_size=2"), current_version=0, now=NOW)
     assert sorted(i.experience_id for i in sel.items) == ["e0", "e2"]  # episode a whole; b waits for the next step
 
 
 def test_demonstrations_join_each_step_and_alone_only_for_the_cold_start():
     demos = [row(100 + k) for k in range(3)]
     c = cfg("algorithm.name=grpo", "train_batch_size=4", "algorithm.cold_start_steps=2", "algorithm.demo_batch_size=2")
-    sel = select_batch([], cfg=c, current_version=0, now=NOW, demonstrations=demos, step=0)
+    sel = select([], cfg=c, current_version=0, now=NOW, demonstrations=demos, step=0)
     assert sel.ready and not sel.items and [d.experience_id for d in sel.demonstrations] == ["e100", "e101"]
-    sel = select_batch([], cfg=c, current_version=0, now=NOW, demonstrations=demos, step=1)
+    sel = select([], cfg=c, current_version=0, now=NOW, demonstrations=demos, step=1)
     assert [d.experience_id for d in sel.demonstrations] == ["e102", "e100"]  # in turn
     assert all(d.demonstration and d.old_logprobs == [] for d in sel.demonstrations)
-    assert not select_batch([], cfg=c, current_version=0, now=NOW, demonstrations=demos, step=2).ready
+    assert not select([], cfg=c, current_version=0, now=NOW, demonstrations=demos, step=2).ready
     off = cfg("algorithm.name=grpo", "algorithm.cold_start_steps=2", "algorithm.sft_coef=0")
-    assert not select_batch([], cfg=off, current_version=0, now=NOW, demonstrations=demos, step=0).ready
+    assert not select([], cfg=off, current_version=0, now=NOW, demonstrations=demos, step=0).ready
 
 
 def test_the_guard_set_is_the_same_first_demonstrations_every_step():
     demos = [row(100 + k) for k in range(3)]
     c = cfg("algorithm.name=grpo", "algorithm.cold_start_steps=2", "algorithm.demo_batch_size=1", "guard.demonstrations=2")
     for step in (0, 1):
-        sel = select_batch([], cfg=c, current_version=0, now=NOW, demonstrations=demos, step=step)
+        sel = select([], cfg=c, current_version=0, now=NOW, demonstrations=demos, step=step)
         assert [d.experience_id for d in sel.guard] == ["e100", "e101"]
     off = cfg("algorithm.name=grpo", "algorithm.cold_start_steps=2", "guard.demonstrations=0")
-    assert select_batch([], cfg=off, current_version=0, now=NOW, demonstrations=demos, step=0).guard == []
-    assert select_batch([], cfg=c, current_version=0, now=NOW, step=0).guard == []  # no demonstrations, no guard
+    assert select([], cfg=off, current_version=0, now=NOW, demonstrations=demos, step=0).guard == []
+    assert select([], cfg=c, current_version=0, now=NOW, step=0).guard == []  # no demonstrations, no guard
 
 
 def test_catch_up_sizes_steps_so_a_backlog_is_trained_before_it_goes_stale():
@@ -199,5 +204,5 @@ def test_catch_up_sizes_steps_so_a_backlog_is_trained_before_it_goes_stale():
 
 def test_a_catch_up_batch_is_taken_oldest_first():
     c = cfg("algorithm.name=ppo", "train_batch_size=40")
-    sel = select_batch([row(i) for i in range(100)], cfg=c, current_version=0, now=NOW)
+    sel = select([row(i) for i in range(100)], cfg=c, current_version=0, now=NOW)
     assert [i.experience_id for i in sel.items] == [f"e{i}" for i in range(40)]

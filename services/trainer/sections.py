@@ -1,0 +1,89 @@
+"""The Trainer's config sections that the objectives and the batch rules read: a floor below both
+the recipes and ``TrainerConfig``, so that neither imports the other's room."""
+
+from __future__ import annotations
+
+from typing import Literal, Protocol
+
+from pydantic import Field
+
+from services.common.config import ConfigModel
+
+
+class ObjectiveSection(ConfigModel):
+    """What every objective shares: the action level, the ratio's clipping, the KL and entropy
+    terms, team credit, and the supervised term on demonstrations (the mixed objective)."""
+
+    level: Literal["token", "sequence"] = Field(
+        default="token", description="token: every token is an action; sequence: the whole response is one action (MARFT)."
+    )
+    sequence_logprob: Literal["sum", "mean"] = Field(
+        default="mean", description="Sequence level: log-prob of a response as the sum (true) or mean (GSPO) of its tokens."
+    )
+    clip_low: float = Field(default=0.2, ge=0, description="Ratio clipped below at 1 - clip_low.")
+    clip_high: float = Field(default=0.2, ge=0, description="Ratio clipped above at 1 + clip_high (DAPO: raise it).")
+    kl_coef: float = Field(default=0.0, ge=0, description="Weight of the KL penalty to the base model (adapter off).")
+    entropy_coef: float = Field(default=0.0, ge=0, description="Weight of an entropy bonus.")
+    kl_metric: bool = Field(
+        default=True, description="Log the KL to the base model every step even when kl_coef is 0 (one forward without gradients)."
+    )
+    team_credit: bool = Field(
+        default=True,
+        description="Episodes several agents act in: grpo's group statistics count every rewarded episode of the team "
+        "for the task (also those this agent sat out, at their team reward, the reward of their last call), and ppo's "
+        "GAE runs through every turn of the joint episode (teammates' turns valued by this agent's critic). false: "
+        "each agent sees only its own calls. One agent alone: the same either way.",
+    )
+    # Demonstrations (POST /demonstrations): the supervised term, added to any objective
+    sft_coef: float = Field(
+        default=1.0, ge=0,
+        description="Weight of the supervised term on demonstrations added to every step (0: demonstrations unused).",
+    )
+    demo_batch_size: int = Field(default=16, ge=1, description="Demonstrations per step (taken in turn when there are more).")
+    cold_start_steps: int = Field(
+        default=0, ge=0,
+        description="While no batch of rollouts is ready, train the first this many steps on demonstrations alone.",
+    )
+
+
+class GuardSection(ConfigModel):
+    """A step that makes the agent much worse at its own demonstrations is undone before it is
+    published: their per-token NLL is measured before and after each update (needs demonstrations)."""
+
+    demonstrations: int = Field(
+        default=64, ge=0, description="The agent's first this many demonstrations are scored around every step (0: no guard).",
+    )
+    max_ratio: float = Field(
+        default=2.0, ge=1, description="An update is refused when their NLL after it exceeds max_ratio x before + slack.",
+    )
+    slack: float = Field(default=0.002, ge=0, description="Nats per token an update may add on top of max_ratio.")
+    retries: int = Field(
+        default=1, ge=0, description="A refused update is redone this many times, each at half the learning rate of the "
+        "last; when all are refused the step keeps the weights it started from (its data is consumed).",
+    )
+
+
+class StalenessSection(ConfigModel):
+    max_staleness: int = Field(default=4, ge=0, description="Experiences from more versions back than this are stale.")
+    policy: Literal["discard", "downweight"] = Field(default="discard", description="What happens to stale experiences.")
+    downweight: float = Field(default=0.5, gt=0, le=1, description="downweight: factor per version beyond max_staleness.")
+    catch_up_max_rows: int = Field(
+        default=1024, ge=0,
+        description="Catch-up on a backlog (a Trainer that was down, or slower than the traffic): while more committed "
+        "experiences wait than the coming steps can take before they pass max_staleness, a step takes as many as "
+        "it needs so that every one is trained in time, up to this many (train_batch_size at least). No trained "
+        "batch is ever more than max_staleness versions off the policy that made it; what still cannot be "
+        "trained in time is stale as before. 0: off (steps of train_batch_size, a backlog mostly goes stale).",
+    )
+
+
+class BatchRules(Protocol):
+    """The settings the batch rules read (services/trainer/batches.py); a TrainerConfig is one."""
+
+    train_batch_size: int
+    save_interval: int
+    staleness: StalenessSection
+    guard: GuardSection
+
+    @property
+    def algorithm(self) -> ObjectiveSection: ...
