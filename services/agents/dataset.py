@@ -31,9 +31,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-import httpx
 from pydantic import Field
 
+from runner_sdk import EnvironmentRunner, SyncExplorerClient
 from services.common.config import ConfigError, ConfigModel, ModelSection, deep_merge
 from services.common.launch import Stack, new_run_dir
 from services.common.plugins import load_dataset, load_object
@@ -114,32 +114,34 @@ class AgentTrainer:
 
     # ------------------------------------------------------------------ the services
 
-    def _start(self, run: Path):
+    def _start(self, run: Path) -> Stack:
+        """An Explorer and a Trainer in ``run``. The Trainer's config is checked here (its model loads
+        torch, so only when services start); the Explorer's is checked by the Explorer, whose log's
+        last lines come with the error if it refuses it."""
+        from services.trainer.config import TrainerConfig
+
         cfg, agents = self.cfg, self.cfg.agents
-        stack = Stack(run, agents[0])
+        stack = Stack(run, agents[0], config_models={"trainer": TrainerConfig})
         model = {"model": cfg.model.model_dump(exclude_none=True)}
         explorer = stack.explorer_config(model, deep_merge({"agents": {"names": agents, "default": agents[0]}}, cfg.explorer.config))
         trainer = stack.trainer_config(model, deep_merge({"trainer": {"agents": agents}}, cfg.trainer.config))
         stack.start(explorer, trainer)
         return stack
 
-    def _versions(self, url: str) -> dict[str, int]:
-        data = httpx.get(f"{url}/v1/models", timeout=30).json()["data"]
-        return {m["id"]: int(m.get("version") or 0) for m in data if m["id"] in self.cfg.agents}
+    def _versions(self, explorer: SyncExplorerClient) -> dict[str, int]:
+        return {m["id"]: int(m.get("version") or 0) for m in explorer.models() if m["id"] in self.cfg.agents}
 
-    def _backlog(self, url: str, agent: str, limit: int) -> int:
-        r = httpx.get(f"{url}/experiences", params={"status": "committed", "agent": agent, "limit": min(limit, 1000)}, timeout=30)
-        r.raise_for_status()
-        return len(r.json()["data"])
+    def _backlog(self, explorer: SyncExplorerClient, agent: str, limit: int) -> int:
+        return len(explorer.experiences(status="committed", agent=agent, limit=min(limit, 1000)))
 
-    def _wait_for_trainer(self, url: str, stack, *, until: int, settle_s: float | None = None) -> None:
+    def _wait_for_trainer(self, explorer: SyncExplorerClient, stack, *, until: int, settle_s: float | None = None) -> None:
         """Until every agent has at most ``until`` committed experiences waiting (the Trainer trains
         them), or, with ``settle_s``, until the backlog has not moved for that long (what is left is
         less than a batch)."""
         deadline = time.monotonic() + self.cfg.train.backlog_wait_s
         seen, since = None, time.monotonic()
         while True:
-            backlog = [self._backlog(url, a, max(until, 1000) + 1) for a in self.cfg.agents]
+            backlog = [self._backlog(explorer, a, max(until, 1000) + 1) for a in self.cfg.agents]
             if all(n <= until for n in backlog):
                 return
             if backlog != seen:
@@ -155,17 +157,16 @@ class AgentTrainer:
 
     # ------------------------------------------------------------------ the loop
 
-    def _runner(self, url: str, *, repeat: int, feedback: bool, prefix: str):
-        from runner_sdk import EnvironmentRunner
-
+    def _runner(self, url: str, *, repeat: int, feedback: bool, prefix: str) -> EnvironmentRunner:
         t = self.cfg.train
         return EnvironmentRunner(endpoint=url, model=self.cfg.agents[0], make_env=self.make_env, agent=self.agent,
                                  repeat=repeat, concurrency=t.concurrency, max_steps=t.max_steps, feedback=feedback,
                                  task_id=lambda task, k: f"{prefix}-{k}-{random.getrandbits(32):08x}", timeout=600)
 
-    def _evaluate(self, url: str, report: TrainReport, epoch: int, round_: int) -> float:
-        versions = self._versions(url)
-        results = self._runner(url, repeat=self.cfg.eval.repeat, feedback=False, prefix="val").run_sync(self.val_dataset)
+    def _evaluate(self, explorer: SyncExplorerClient, report: TrainReport, epoch: int, round_: int) -> float:
+        versions = self._versions(explorer)
+        runner = self._runner(explorer.endpoint, repeat=self.cfg.eval.repeat, feedback=False, prefix="val")
+        results = runner.run_sync(self.val_dataset)
         failed = sum(r.error is not None for r in results)
         score = statistics.fmean(r.reward for r in results)
         # every numeric figure the environment reports in `info` (e.g. each agent's share), averaged
@@ -182,11 +183,12 @@ class AgentTrainer:
         report = TrainReport(run_dir=run)
         stack = None if cfg.explorer.url else self._start(run)
         url = cfg.explorer.url or stack.url
+        explorer = SyncExplorerClient(url, timeout=30)
         try:
             last_eval = None
             if self.val_dataset:
-                self._evaluate(url, report, 0, 0)
-                last_eval = self._versions(url)[cfg.agents[0]]
+                self._evaluate(explorer, report, 0, 0)
+                last_eval = self._versions(explorer)[cfg.agents[0]]
             rng = random.Random(cfg.seed)
             round_ = 0
             for epoch in range(1, t.epochs + 1):
@@ -195,24 +197,25 @@ class AgentTrainer:
                     rng.shuffle(tasks)
                 for k in range(0, len(tasks), t.tasks_per_round):
                     round_ += 1
-                    self._wait_for_trainer(url, stack, until=t.max_backlog)
+                    self._wait_for_trainer(explorer, stack, until=t.max_backlog)
                     results = self._runner(url, repeat=t.repeat, feedback=True, prefix=f"train-e{epoch}").run_sync(
                         tasks[k : k + t.tasks_per_round])
                     report.train_rewards.append(statistics.fmean(r.reward for r in results))
                     log.info("epoch %d round %d: train reward %.3f", epoch, round_, report.train_rewards[-1])
-                    version = self._versions(url)[cfg.agents[0]]
+                    version = self._versions(explorer)[cfg.agents[0]]
                     if self.val_dataset and version - last_eval >= cfg.eval.every_versions:
                         last_eval = version
-                        score = self._evaluate(url, report, epoch, round_)
+                        score = self._evaluate(explorer, report, epoch, round_)
                         if cfg.eval.target is not None and score >= cfg.eval.target:
                             report.stopped = f"validation reward reached the target {cfg.eval.target}"
                             return report
-            self._wait_for_trainer(url, stack, until=0, settle_s=30)  # the last rounds trained too, before the last score
-            if self.val_dataset and self._versions(url)[cfg.agents[0]] != last_eval:
-                self._evaluate(url, report, t.epochs, round_)
+            self._wait_for_trainer(explorer, stack, until=0, settle_s=30)  # the last rounds trained too, before the last score
+            if self.val_dataset and self._versions(explorer)[cfg.agents[0]] != last_eval:
+                self._evaluate(explorer, report, t.epochs, round_)
             report.stopped = f"{t.epochs} epochs done"
             return report
         finally:
+            explorer.close()
             if stack is not None:
                 stack.stop()
             self._write(report)

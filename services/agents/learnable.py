@@ -30,6 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
+from runner_sdk import ExplorerError, SyncExplorerClient
 from services.common import buffer, checkpoints
 from services.common.ids import experience_id, new_id
 from services.common.records import Experience
@@ -158,10 +159,7 @@ class LearnableAgent:
             self.buffer_url = buffer_url or f"sqlite:///{self.workdir / 'buffer.db'}"
             self._db = buffer.create_buffer_engine(self.buffer_url)
         else:
-            import httpx
-
-            headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-            self._http = httpx.Client(base_url=self.endpoint, headers=headers, timeout=600)
+            self._explorer = SyncExplorerClient(self.endpoint, api_key=api_key, timeout=600)
 
     # ------------------------------------------------------------------ MARSYS surface
 
@@ -225,12 +223,13 @@ class LearnableAgent:
 
     def _call(self, messages: list[dict], task_id: str, run_id: str) -> tuple[dict[str, Any], str]:
         if self.endpoint is not None:
-            r = self._http.post("/v1/chat/completions", json={
-                "model": self.name, "messages": messages, "tools": self.tool_schemas or None, "max_tokens": self.max_tokens,
-                "temperature": self.temperature, "metadata": {"task_id": task_id, "run_id": run_id}})
-            if r.status_code >= 400:
-                raise LearnableAgentError(f"the Explorer answered {r.status_code}: {r.text[:500]}")
-            choice = r.json()["choices"][0]
+            try:
+                r = self._explorer.chat_completions(
+                    model=self.name, messages=messages, tools=self.tool_schemas or None, max_tokens=self.max_tokens,
+                    temperature=self.temperature, metadata={"task_id": task_id, "run_id": run_id})
+            except ExplorerError as e:
+                raise LearnableAgentError(f"the Explorer answered {e.status}: {e.message}") from e
+            choice = r["choices"][0]
             message = {k: v for k, v in choice["message"].items() if k in ("role", "content", "tool_calls") and v is not None}
             return {"role": "assistant", **message}, choice["experience_id"]
         from services.common.tool_calls import parse_tool_calls
@@ -260,11 +259,14 @@ class LearnableAgent:
         if run is None:
             raise LearnableAgentError("no run to reward yet: call run(task) first")
         if self.endpoint is not None:
-            for path, body in (("/feedback", {"task_id": run.task_id, "run_id": run.run_id, "reward": reward}),
-                               *((("/commit", {"task_id": run.task_id}),) if commit else ())):
-                r = self._http.post(path, json=body)
-                if r.status_code >= 400:
-                    raise LearnableAgentError(f"{path} answered {r.status_code}: {r.text[:500]}")
+            path = "/feedback"
+            try:
+                self._explorer.feedback(task_id=run.task_id, run_id=run.run_id, reward=reward)
+                if commit:
+                    path = "/commit"
+                    self._explorer.commit(task_id=run.task_id)
+            except ExplorerError as e:
+                raise LearnableAgentError(f"{path} answered {e.status}: {e.message}") from e
             return len(run.experience_ids)
         note = {"labels": [], "comment": None, "source": "learnable-agent"}
         result = buffer.apply_feedback(engine=self._db, msg_ids=run.experience_ids, reward=reward, feedback=note,
@@ -321,6 +323,6 @@ class LearnableAgent:
 
     def close(self) -> None:
         if self.endpoint is not None:
-            self._http.close()
+            self._explorer.close()
         else:
             self._db.dispose()

@@ -14,9 +14,7 @@ import random
 import statistics
 import time
 
-import httpx
-
-from runner_sdk import EnvironmentRunner
+from runner_sdk import EnvironmentRunner, ExplorerClient
 from services.common.config import deep_merge
 from services.common.launch import Stack, new_run_dir
 from services.demo import parity_task
@@ -88,16 +86,14 @@ class ParityDemo:
         """Held-out questions through the Explorer, pinned to ``version``; mean and 95% CI over prompts."""
         k = self.p.eval_samples
         sem = asyncio.Semaphore(16)
-        async with httpx.AsyncClient(base_url=self.stack.url, timeout=300) as client:
+        async with ExplorerClient(self.stack.url, timeout=300) as client:
 
             async def one(n: int) -> float:
                 async with sem:
-                    r = await client.post("/v1/chat/completions", json={
-                        "model": f"{self.cfg.agent}@v{version}", "n": k, "temperature": 1.0,
-                        "max_tokens": self.p.max_tokens,
-                        "messages": [{"role": "user", "content": parity_task.question(n)}]})
-                    r.raise_for_status()
-                    return statistics.fmean(parity_task.reward(n, c["message"]["content"]) for c in r.json()["choices"])
+                    r = await client.chat_completions(
+                        model=f"{self.cfg.agent}@v{version}", n=k, temperature=1.0, max_tokens=self.p.max_tokens,
+                        messages=[{"role": "user", "content": parity_task.question(n)}])
+                    return statistics.fmean(parity_task.reward(n, c["message"]["content"]) for c in r["choices"])
 
             per_prompt = await asyncio.gather(*(one(n) for n in self.split.heldout))
         mean = statistics.fmean(per_prompt)
