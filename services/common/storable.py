@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-# Widths of the buffer's string columns that a client's value lands in (services/common/buffer.py).
+# Widths of the buffer's string columns that a client's value lands in (services/common/buffer/schema.py).
 TASK_ID_MAX = 256
 RUN_ID_MAX = 128
 
