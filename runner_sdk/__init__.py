@@ -1,7 +1,7 @@
 """Kaizen runner SDK: the thin client inside an agent application (httpx + pydantic, no torch).
 
 It selects which requests become training data, computes rewards, and sends feedback and commits
-to the Kaizen Explorer. See README.md ("Runner SDK") for a ten-line example of each mode.
+to the Kaizen Explorer. See docs/SDK.md for a ten-line example of each mode.
 """
 
 from runner_sdk.client import (
