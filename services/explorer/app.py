@@ -10,17 +10,15 @@ import asyncio
 import contextlib
 import logging
 import secrets
-import time
-from dataclasses import dataclass, field
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
+
 from fastapi import Depends, FastAPI
-from sqlalchemy.engine import Engine as DBEngine
 
 from services.common import buffer
 from services.common.buffer import create_buffer_engine
 from services.common.config import dump_config
-from services.common.http.access import Access
+from services.common.http.access import Access, Quotas
 from services.explorer.api import (
     chat, demonstrations, experiences, feedback, health, models, privacy, releases, translated,
 )
@@ -29,7 +27,7 @@ from services.explorer.api.errors import install_explorer_error_handlers
 from services.explorer.config import ExplorerConfig
 from services.explorer.edge.backpressure import Backpressure
 from services.explorer.edge.metrics import ExplorerMetrics
-from services.explorer.edge.middleware import EdgeMiddleware
+from services.explorer.edge.middleware import EdgeMiddleware, ServedAddress
 from services.explorer.recording.feedback import FeedbackService
 from services.explorer.recording.journal import DEAD_LETTERS, Journal
 from services.explorer.recording.recorder import Recorder
@@ -38,39 +36,13 @@ from services.explorer.serving.adapters import AdapterRegistry
 from services.explorer.serving.chat import ChatService
 from services.explorer.serving.demonstrations import DemonstrationService
 from services.explorer.serving.engines import Engine, build_engine
+from services.explorer.serving.episodes import EpisodePins
+from services.explorer.state import ExplorerState
 from services.explorer.translate.completions import CompletionsService
 from services.explorer.translate.messages import MessagesService
 from services.explorer.translate.responses import ResponsesService
 
 log = logging.getLogger(__name__)
-
-@dataclass
-class ExplorerState:
-    config: ExplorerConfig
-    engine: Engine
-    db: DBEngine
-    metrics: ExplorerMetrics
-    recorder: Recorder
-    registry: AdapterRegistry
-    chat: ChatService
-    responses: ResponsesService
-    messages: MessagesService
-    completions: CompletionsService
-    feedback: FeedbackService
-    demonstrations: DemonstrationService
-    releases: ReleaseController
-    access: Access
-    started_at: float = field(default_factory=time.time)
-    tasks: list[asyncio.Task] = field(default_factory=list)
-    served_at: str | None = None  # http://host:port of the first request's socket (the release gate calls itself there)
-
-    def self_url(self) -> str | None:
-        if self.config.server.self_url:
-            return self.config.server.self_url.rstrip("/")
-        if self.served_at:
-            return self.served_at
-        return f"http://127.0.0.1:{self.config.server.port}" if self.config.server.port else None
-
 
 async def _retention(state: ExplorerState) -> None:
     """privacy.retention_days: purge the raw text of older experiences now and every purge_interval_s."""
@@ -111,6 +83,7 @@ def create_app(config: ExplorerConfig, *, engine: Engine | None = None) -> FastA
         metrics.adapter_reloads.labels(agent).inc()
         metrics.adapter_reload_seconds.observe(seconds)
 
+    pins = EpisodePins(ttl_s=config.reload.episode_pin_s, max_episodes=config.reload.episode_pin_max)
     registry = AdapterRegistry(
         engine=engine,
         checkpoints_root=config.checkpoints.root,
@@ -119,14 +92,15 @@ def create_app(config: ExplorerConfig, *, engine: Engine | None = None) -> FastA
         agents=config.agents.names,
         default_agent=config.agents.default,
         on_reload=on_reload,
+        held_versions=pins.held,
     )
-    chat_service = ChatService(config=config, engine=engine, registry=registry, recorder=recorder, metrics=metrics)
+    quotas = Quotas()
+    backpressure = Backpressure(config.backpressure, db=db, metrics=metrics, agents=lambda: sorted(registry.agents))
+    chat_service = ChatService(config=config, engine=engine, registry=registry, recorder=recorder, metrics=metrics,
+                               episodes=pins, quotas=quotas,
+                               backpressure=backpressure if backpressure.enabled else None)
     internal_key = secrets.token_urlsafe(32)  # the release gate's calls to this Explorer's own API
-    state: ExplorerState
-
-    def self_url() -> str | None:
-        return state.self_url()
-
+    served = ServedAddress(config.server)
     state = ExplorerState(
         config=config, engine=engine, db=db, metrics=metrics, recorder=recorder, registry=registry,
         chat=chat_service,
@@ -137,14 +111,11 @@ def create_app(config: ExplorerConfig, *, engine: Engine | None = None) -> FastA
                                  wait_s=rc.feedback_wait_s),
         demonstrations=DemonstrationService(engine=engine, registry=registry, db=db),
         releases=ReleaseController(release=config.release, root=config.checkpoints.root, registry=registry, db=db,
-                                   metrics=metrics, episodes=chat_service.episodes, api_key=internal_key,
-                                   base_url=self_url),
-        access=Access(config.auth, internal_key=internal_key),
+                                   metrics=metrics, episodes=pins, api_key=internal_key,
+                                   base_url=served.self_url),
+        access=Access(config.auth, internal_key=internal_key, quotas=quotas),
+        served=served,
     )
-    chat_service.quotas = state.access.quotas
-    backpressure = Backpressure(config.backpressure, db=db, metrics=metrics, agents=lambda: sorted(registry.agents))
-    if backpressure.enabled:
-        chat_service.backpressure = backpressure
     if config.auth.api_keys:
         log.warning("auth.api_keys holds %d plain keys with every scope; auth.keys stores keys hashed, with scopes "
                     "(kaizen key new)", len(config.auth.api_keys))
@@ -173,7 +144,7 @@ def create_app(config: ExplorerConfig, *, engine: Engine | None = None) -> FastA
             registry.remove_serving_files()
             db.dispose()
 
-    # /openapi.json is served by routes/health.py, behind the key like every other route but /health.
+    # /openapi.json is served by api/health.py, behind the key like every other route but /health.
     app = FastAPI(title="Kaizen Explorer", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.kaizen = state
     install_explorer_error_handlers(app)
@@ -187,5 +158,5 @@ def create_app(config: ExplorerConfig, *, engine: Engine | None = None) -> FastA
         app.include_router(r, dependencies=[Depends(authenticate)])
     server = config.server
     app.add_middleware(EdgeMiddleware, max_body_bytes=server.max_body_bytes, body_timeout_s=server.body_timeout_s,
-                       max_concurrent=server.max_concurrent_requests, metrics=metrics, state=state)
+                       max_concurrent=server.max_concurrent_requests, metrics=metrics, served=served)
     return app

@@ -164,7 +164,7 @@ class Quotas:
 class Access:
     """The configured keys (plus the Explorer's own internal key for its release evaluations)."""
 
-    def __init__(self, auth: AuthSection, *, internal_key: str):
+    def __init__(self, auth: AuthSection, *, internal_key: str, quotas: Quotas | None = None):
         self._keys: list[tuple[bytes, Principal]] = []
         for k in auth.keys:
             self._keys.append((bytes.fromhex(k.sha256), Principal(
@@ -177,7 +177,7 @@ class Access:
             self._keys.append((bytes.fromhex(key_digest(internal_key)),
                                Principal(name="release-gate", scopes=frozenset({"chat", "read"}))))
         self.anonymous = Principal(name=ANONYMOUS, scopes=frozenset(SCOPES))
-        self.quotas = Quotas()
+        self.quotas = quotas or Quotas()
 
     def authenticate(self, headers) -> Principal:
         """The caller of a request with ``headers``; APIError 401 without a valid key. Without

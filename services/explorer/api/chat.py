@@ -9,7 +9,7 @@ from starlette.responses import Response, StreamingResponse
 
 from services.explorer.api.deps import ChatDep, PrincipalDep
 from services.explorer.protocol import ChatCompletionRequest
-from services.explorer.serving.chat import off_loop, recorded_header
+from services.explorer.serving.prepare import off_loop, recorded_header
 
 router = APIRouter()
 

@@ -3,24 +3,23 @@
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Annotated
+from typing import Annotated
 
 from fastapi import Depends, Request
 
 from services.common.http.access import Access, Principal
 from services.common.http.errors import APIError
 from services.explorer.recording.feedback import FeedbackService
+from services.explorer.release.controller import ReleaseController
 from services.explorer.serving.chat import ChatService
+from services.explorer.state import ExplorerState
 from services.explorer.translate.completions import CompletionsService
 from services.explorer.translate.messages import MessagesService
 from services.explorer.translate.responses import ResponsesService
 
-if TYPE_CHECKING:  # app.py imports the routes, which import this module
-    from services.explorer.app import ExplorerState
-    from services.explorer.release.controller import ReleaseController
 
 
-async def get_state(request: Request) -> "ExplorerState":
+async def get_state(request: Request) -> ExplorerState:
     return request.app.state.kaizen
 
 
@@ -44,7 +43,7 @@ async def get_feedback(request: Request) -> FeedbackService:
     return request.app.state.kaizen.feedback
 
 
-async def get_releases(request: Request) -> "ReleaseController":
+async def get_releases(request: Request) -> ReleaseController:
     return request.app.state.kaizen.releases
 
 
@@ -80,10 +79,10 @@ def require(*scopes: str):
     return check
 
 
-StateDep = Annotated["ExplorerState", Depends(get_state)]
+StateDep = Annotated[ExplorerState, Depends(get_state)]
 ChatDep = Annotated[ChatService, Depends(get_chat)]
 FeedbackDep = Annotated[FeedbackService, Depends(get_feedback)]
 ResponsesDep = Annotated[ResponsesService, Depends(get_responses)]
 MessagesDep = Annotated[MessagesService, Depends(get_messages)]
 CompletionsDep = Annotated[CompletionsService, Depends(get_completions)]
-ReleasesDep = Annotated["ReleaseController", Depends(get_releases)]
+ReleasesDep = Annotated[ReleaseController, Depends(get_releases)]

@@ -11,7 +11,7 @@ from starlette.responses import JSONResponse, StreamingResponse
 from services.common.http.access import Principal
 from services.explorer.api.deps import CompletionsDep, MessagesDep, PrincipalDep, ResponsesDep
 from services.explorer.protocol import CompletionRequest, MessagesRequest, ResponsesRequest
-from services.explorer.serving.chat import off_loop, recorded_header
+from services.explorer.serving.prepare import off_loop, recorded_header
 
 router = APIRouter()
 

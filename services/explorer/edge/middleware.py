@@ -5,7 +5,8 @@ It gives each request its id (the client's ``X-Request-Id`` when it is a plain t
 stored with its experiences. It refuses bodies over the size limit (413) or that stall (408),
 requests over the concurrency limit (503 with Retry-After), turns an unexpected exception into a
 500 that names an error id but no internals (and keeps the connection open), and counts every
-answer by route and status in ``kaizen_requests_total``.
+answer by route and status in ``kaizen_requests_total``. It notes the address the Explorer is
+reached at (``ServedAddress``), where the release gate calls it.
 """
 
 from __future__ import annotations
@@ -16,14 +17,11 @@ import logging
 import re
 import secrets
 import sys
-from typing import TYPE_CHECKING
 
 from services.common.http.errors import error_body, logged_error
 from services.common.logging import request_id
+from services.explorer.config import ServerSection
 from services.explorer.edge.metrics import ExplorerMetrics
-
-if TYPE_CHECKING:
-    from services.explorer.app import ExplorerState
 
 log = logging.getLogger(__name__)
 
@@ -34,23 +32,42 @@ _UNLIMITED = ("/health", "/metrics")  # probes must answer while the server is s
 _REQUEST_ID = re.compile(r"^[A-Za-z0-9._:/+=-]{1,64}$")
 
 
+class ServedAddress:
+    """Where this Explorer is reached: ``server.self_url`` when set, else the socket its first
+    request came in on (the middleware notes it), else loopback on ``server.port``."""
+
+    def __init__(self, server: ServerSection):
+        self._server = server
+        self.seen: str | None = None  # http://host:port of the first request's socket
+
+    def note(self, scope) -> None:
+        if self.seen is None and scope.get("server"):
+            host, port = scope["server"][:2]
+            self.seen = f"http://{'127.0.0.1' if host in ('0.0.0.0', '::') else host}:{port}"
+
+    def self_url(self) -> str | None:
+        if self._server.self_url:
+            return self._server.self_url.rstrip("/")
+        if self.seen:
+            return self.seen
+        return f"http://127.0.0.1:{self._server.port}" if self._server.port else None
+
+
 class EdgeMiddleware:
     def __init__(self, app, *, max_body_bytes: int, body_timeout_s: float, max_concurrent: int,
-                 metrics: ExplorerMetrics, state: "ExplorerState"):
+                 metrics: ExplorerMetrics, served: ServedAddress):
         self.app = app
         self.max = max_body_bytes
         self.body_timeout_s = body_timeout_s
         self.max_concurrent = max_concurrent
         self.active = 0
         self.metrics = metrics
-        self.state = state
+        self.served = served
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
-        if self.state.served_at is None and scope.get("server"):
-            host, port = scope["server"][:2]
-            self.state.served_at = f"http://{'127.0.0.1' if host in ('0.0.0.0', '::') else host}:{port}"
+        self.served.note(scope)
         path = scope.get("path", "")
         route = next((r for r in ROUTES if path == r or path.startswith(r + "/")), "other")
         state = {"code": 500, "started": False, "answered": False}

@@ -80,6 +80,7 @@ class AdapterRegistry:
         default_agent: str,
         replica_id: str | None = None,
         on_reload: Callable[[str, int, float], None] | None = None,
+        held_versions: Callable[[str], set[int]] | None = None,
     ):
         self._engine = engine
         self.root = checkpoints_root
@@ -98,7 +99,7 @@ class AdapterRegistry:
         self._on_reload = on_reload
         self.reload_failures = 0
         # Versions not loaded now that something may still ask for (episode pins): kept on disk.
-        self.held_versions: Callable[[str], set[int]] = lambda agent: set()
+        self.held_versions: Callable[[str], set[int]] = held_versions or (lambda agent: set())
 
     # ------------------------------------------------------------------ loading
 

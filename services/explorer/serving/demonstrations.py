@@ -19,7 +19,7 @@ from services.common.ids import experience_id, new_id
 from services.common.records import DEMONSTRATION_KIND, Experience, ExperienceStatus
 from services.explorer.protocol import Demonstration, DemonstrationRequest
 from services.explorer.serving.adapters import AdapterRegistry, UnknownModel
-from services.explorer.serving.chat import normalize_messages
+from services.explorer.serving.prepare import normalize_messages
 from services.explorer.serving.engines.base import Engine
 
 DEMONSTRATION_LABEL = "demonstration"

@@ -15,7 +15,8 @@ from starlette.types import Receive
 
 from services.common.http.errors import APIError
 from services.explorer.protocol import CompletionRequest
-from services.explorer.serving.chat import ChatService, PreparedChat
+from services.explorer.serving.chat import ChatService
+from services.explorer.serving.prepare import PreparedChat
 
 
 def _legacy_logprobs(content: list[Any] | None) -> dict[str, Any] | None:

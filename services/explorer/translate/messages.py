@@ -17,7 +17,8 @@ from starlette.types import Receive
 
 from services.common.http.errors import APIError
 from services.explorer.protocol import MessagesRequest
-from services.explorer.serving.chat import ChatService, PreparedChat
+from services.explorer.serving.chat import ChatService
+from services.explorer.serving.prepare import PreparedChat
 
 _STOP = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool_use"}
 

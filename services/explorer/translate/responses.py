@@ -31,7 +31,8 @@ from services.common.http.errors import APIError
 from services.common.ids import experience_id
 from services.explorer.protocol import ChatCompletion, ResponsesRequest
 from services.explorer.recording.recorder import Recorder
-from services.explorer.serving.chat import ChatService, PreparedChat, off_loop
+from services.explorer.serving.chat import ChatService
+from services.explorer.serving.prepare import PreparedChat, off_loop
 
 _TEXT_PARTS = ("input_text", "output_text", "text")
 _UNSTORED_MAX = 100_000

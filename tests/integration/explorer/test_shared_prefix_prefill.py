@@ -13,7 +13,8 @@ import pytest
 import torch
 
 from services.explorer.serving.engines.base import AdapterRef, GenerateRequest, SamplingParams
-from services.explorer.serving.engines.hf import HFEngine, _Request
+from services.explorer.serving.engines.hf import HFEngine
+from services.explorer.serving.engines.hf_batch import QueuedRequest as _Request
 
 PREFIX_LEN = 60
 

@@ -18,7 +18,6 @@ import queue
 import sys
 import threading
 import time
-from dataclasses import dataclass, field
 from typing import Any, AsyncIterator
 
 import torch
@@ -36,53 +35,11 @@ from services.explorer.serving.engines.base import (
     GenerateRequest,
 )
 from services.explorer.serving.engines.detokenizer import IncrementalDetokenizer
+from services.explorer.serving.engines.hf_batch import QueuedRequest, Row, aborted_update, pad_left
 
 log = logging.getLogger(__name__)
 
 SWITCH_INTERVAL_S = 0.0005
-
-
-@dataclass
-class _Request:
-    req: GenerateRequest
-    loop: asyncio.AbstractEventLoop
-    out: asyncio.Queue
-    aborted: bool = False
-    enqueued_at: float = field(default_factory=time.monotonic)
-
-
-@dataclass
-class _Row:
-    """One sequence (a choice of a request) in the running batch."""
-
-    request: _Request
-    index: int
-    generator: torch.Generator | None
-    detok: IncrementalDetokenizer | None
-    prompt_len: int
-    out_ids: list[int] = field(default_factory=list)
-    out_lps: list[float] = field(default_factory=list)
-    out_top: list[list[tuple[int, float]]] = field(default_factory=list)
-    emitted: int = 0  # tokens already sent to the client
-    finish_reason: str | None = None
-    matcher: Any = None  # xgrammar GrammarMatcher of a constrained request
-
-    @property
-    def adapter_name(self) -> str | None:
-        a = self.request.req.adapter
-        return a.name if a else None
-
-
-def _aborted(index: int) -> ChoiceUpdate:
-    return ChoiceUpdate(index=index, token_ids=[], logprobs=[], text="", finish_reason="abort")
-
-
-def _pad_left(t: torch.Tensor, n: int, dim: int) -> torch.Tensor:
-    if n == 0:
-        return t
-    shape = list(t.shape)
-    shape[dim] = n
-    return torch.cat([t.new_zeros(shape), t], dim=dim)
 
 
 class HFEngine:
@@ -123,8 +80,8 @@ class HFEngine:
         self._adapters: dict[str, AdapterRef] = {}
         self._active_adapter: str | None = None
         self._cmds: queue.SimpleQueue = queue.SimpleQueue()
-        self._waiting: collections.deque[_Request] = collections.deque()
-        self._rows: list[_Row] = []
+        self._waiting: collections.deque[QueuedRequest] = collections.deque()
+        self._rows: list[Row] = []
         self._cache: Any = None
         self._attn: torch.Tensor | None = None
         self._pos: torch.Tensor | None = None
@@ -193,7 +150,7 @@ class HFEngine:
             raise EngineOverloaded(f"{len(self._waiting)} requests already waiting")
         if self._thread is None:
             raise EngineError("engine is not running")
-        state = _Request(req=request, loop=asyncio.get_running_loop(), out=asyncio.Queue())
+        state = QueuedRequest(req=request, loop=asyncio.get_running_loop(), out=asyncio.Queue())
         self._cmds.put(("req", state))
         remaining = request.n
         try:
@@ -315,7 +272,7 @@ class HFEngine:
                 self._stopping = True
                 return
 
-    def _send(self, st: _Request, item: Any) -> None:
+    def _send(self, st: QueuedRequest, item: Any) -> None:
         try:
             st.loop.call_soon_threadsafe(st.out.put_nowait, item)
         except RuntimeError:
@@ -355,12 +312,12 @@ class HFEngine:
 
         budget = self.prefill_token_budget
         space = self.max_batch_size - len(self._rows)
-        admitted: list[_Request] = []
+        admitted: list[QueuedRequest] = []
         while self._waiting:
             st = self._waiting[0]
             if st.aborted:
                 self._waiting.popleft()
-                self._send(st, [_aborted(i) for i in range(st.req.n)])
+                self._send(st, [aborted_update(i) for i in range(st.req.n)])
                 continue
             cost = len(st.req.prompt_token_ids)
             if st.req.n > space or (admitted and cost > budget):
@@ -399,7 +356,7 @@ class HFEngine:
                     gen = torch.Generator().manual_seed((p.seed * 1_000_003 + i) % (2**63))
                 detok = IncrementalDetokenizer(self.tokenizer, p.stop) if (st.req.stream or p.stop) else None
                 matcher = self._grammars().matcher(p.grammar) if p.grammar else None
-                new_rows.append(_Row(st, i, gen, detok, len(st.req.prompt_token_ids), matcher=matcher))
+                new_rows.append(Row(st, i, gen, detok, len(st.req.prompt_token_ids), matcher=matcher))
         if not self._rows:
             self._cache = DynamicCache(ddp_cache_data=new_layers)
             self._attn, self._pos, self._logits = new_mask, new_pos, new_logits
@@ -409,11 +366,11 @@ class HFEngine:
             merged = []
             for (ko, vo, *_), (kn, vn) in zip(self._cache, new_layers):
                 merged.append((
-                    torch.cat([_pad_left(ko, t - old_t, 2), _pad_left(kn, t - new_t, 2)], 0),
-                    torch.cat([_pad_left(vo, t - old_t, 2), _pad_left(vn, t - new_t, 2)], 0),
+                    torch.cat([pad_left(ko, t - old_t, 2), pad_left(kn, t - new_t, 2)], 0),
+                    torch.cat([pad_left(vo, t - old_t, 2), pad_left(vn, t - new_t, 2)], 0),
                 ))
             self._cache = DynamicCache(ddp_cache_data=merged)
-            self._attn = torch.cat([_pad_left(self._attn, t - old_t, 1), _pad_left(new_mask, t - new_t, 1)], 0)
+            self._attn = torch.cat([pad_left(self._attn, t - old_t, 1), pad_left(new_mask, t - new_t, 1)], 0)
             self._pos = torch.cat([self._pos, new_pos])
             self._logits = torch.cat([self._logits, new_logits])
         self._rows.extend(new_rows)
@@ -470,7 +427,7 @@ class HFEngine:
             self.shared_prefix_tokens_saved += shared * (len(prompts) - 1)
         return out, mask
 
-    def _grammar_ready(self, st: _Request) -> bool:
+    def _grammar_ready(self, st: QueuedRequest) -> bool:
         """Compile a constrained request's grammar before it joins the batch; a grammar that fails
         fails its request only."""
         if st.req.params.grammar is None:
@@ -536,7 +493,7 @@ class HFEngine:
         for i, r in enumerate(rows):
             if r.request.aborted:  # its caller learns it ended (one that went away reads nothing)
                 r.finish_reason = "abort"
-                by_request.setdefault(id(r.request), []).append(_aborted(r.index))
+                by_request.setdefault(id(r.request), []).append(aborted_update(r.index))
                 continue
             tok = tokens_l[i]
             r.out_ids.append(tok)
@@ -560,7 +517,7 @@ class HFEngine:
             if ups:
                 self._send(r.request, ups)
 
-    def _update_for(self, r: _Row) -> ChoiceUpdate:
+    def _update_for(self, r: Row) -> ChoiceUpdate:
         start = r.emitted
         r.emitted = len(r.out_ids)
         final = r.finish_reason is not None
