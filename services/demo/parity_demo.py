@@ -61,7 +61,7 @@ class ParityDemo:
         from services.trainer.learner import LearnerWorker
 
         ws = self.p.warm_start
-        cfg = deep_merge(trainer_cfg, {"algorithm": {"name": "sft", "sft_min_reward": 0.0}, "log_level": "warning",
+        cfg = deep_merge(trainer_cfg, {"algorithm": {"name": "rft", "rft": {"min_reward": 0.0}}, "log_level": "warning",
                                   "optim": {"lr": ws.lr}, "trainer": {"micro_batch_size": 64}})
         worker = LearnerWorker(cfg)
         worker.setup()

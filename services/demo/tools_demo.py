@@ -82,8 +82,8 @@ class ToolsDemo:
         tr = self.t.traffic
         base = {
             "model": {"path": self.cfg.model_path, "dtype": _dtype()},
-            "algorithm": {"name": "grpo", "kl_metric": False, "group_size": tr.repeat, "min_group_size": 2,
-                          "group_wait_s": 30.0, "small_groups": "batch",
+            "algorithm": {"name": "grpo", "kl_metric": False,
+                          "grpo": {"group_size": tr.repeat, "min_group_size": 2, "group_wait_s": 30.0, "small_groups": "batch"},
                           # the cold start: 4 steps on 4 demonstrations each (about 3 s a step); every later step
                           # replays 4 too (the mixed objective). A longer cold start (16 steps: the demonstrations'
                           # NLL near 0) scored higher at first but left no entropy to explore, and GRPO then gained nothing.
