@@ -22,7 +22,7 @@ from services.common.http.access import Principal, Quotas
 from services.common.http.errors import APIError, error_body, logged_error
 from services.common.ids import experience_id, new_id
 from services.common.records import Experience
-from services.common.tool_calls import ToolCallStreamFilter, parse_tool_calls
+from services.common.tool_calls import ToolCallStreamFilter, parse_cut_tool_calls, parse_tool_calls
 from services.explorer.config import ExplorerConfig
 from services.explorer.edge.backpressure import Backpressure
 from services.explorer.edge.metrics import ExplorerMetrics
@@ -150,6 +150,9 @@ class ChatService:
             content, calls = parse_tool_calls(c.text)
             if calls:
                 return ResponseMessage(content=content, tool_calls=calls), "tool_calls"
+            if finish == "length":  # cut inside a call: the call as far as it got, as OpenAI answers it
+                content, calls = parse_cut_tool_calls(c.text, p.call_names, forced=p.forced_calls)
+                return ResponseMessage(content=content, tool_calls=calls or None), finish
         return ResponseMessage(content=c.text), finish
 
     def _logprobs(self, c: _Choice) -> ChoiceLogprobs:
@@ -334,11 +337,13 @@ class ChatService:
                     text = filters[u.index].feed(u.text) if filters[u.index] else u.text
                     delta, finish = Delta(content=text or None), u.finish_reason
                     if finish and filters[u.index]:
-                        rest, calls = filters[u.index].finish()
+                        f = filters[u.index]
+                        cut = f.finish_cut(p.call_names, forced=p.forced_calls) if finish == "length" else None
+                        rest, calls = cut if cut is not None else f.finish()
                         if calls:
                             delta.tool_calls = [StreamToolCall(index=k, **call) for k, call in enumerate(calls)]
-                            finish = "tool_calls"
-                        elif rest:
+                            finish = finish if cut is not None else "tool_calls"
+                        if rest:
                             delta.content = text + rest
                     # One entry per choice per chunk: clients read the finish reason from the entry
                     # that carries the last text, so it must not come in a second entry.

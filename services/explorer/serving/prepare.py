@@ -53,6 +53,8 @@ class PreparedChat:
     request_id: str | None = None  # the request's id (X-Request-Id, given or made up)
     train: bool = True  # consent: False records for audit only (metadata.train, or the key's default)
     record: bool = True  # False: answered, not recorded (back-pressure in mode unrecorded)
+    call_names: tuple[str, ...] = ()  # the functions a call may name (a cut call's name is completed from them)
+    forced_calls: bool = False  # tool_choice required or named: the answer is calls only (decoded under their grammar)
 
 
 def _text_content(msg: Message, index: int) -> str | None:
@@ -252,8 +254,11 @@ class RequestPreparer:
         except Exception as e:
             raise APIError(400, f"the model's chat template rejected these messages: {e}", param="messages") from None
         prompt_ids = self.engine.tokenizer.encode(text, add_special_tokens=False)
+        forced = tools is not None and (tool_choice == "required" or isinstance(tool_choice, dict))
+        names = (tool_choice["function"]["name"],) if forced and isinstance(tool_choice, dict) else \
+            tuple(t["function"]["name"] for t in tools or ())
         return self._prepared(req, headers, messages=messages, tools=tools, prompt_ids=prompt_ids, grammar=constraint,
-                              what="messages")
+                              what="messages", call_names=names, forced_calls=forced)
 
     def prepare_text(self, req: ChatCompletionRequest, headers: Mapping[str, str], *, prompt: str | list[int]) -> PreparedChat:
         """A text completion (POST /v1/completions): ``prompt`` as it is, no chat template (a list:
@@ -302,7 +307,7 @@ class RequestPreparer:
 
     def _prepared(self, req: ChatCompletionRequest, headers: Mapping[str, str], *, messages: list[dict[str, Any]],
                   tools: list[dict[str, Any]] | None, prompt_ids: list[int], grammar: str | None, what: str,
-                  id_prefix: str = "chatcmpl") -> PreparedChat:
+                  id_prefix: str = "chatcmpl", call_names: tuple[str, ...] = (), forced_calls: bool = False) -> PreparedChat:
         """The sampling settings, checked against the context length the prompt leaves."""
         limit = self.engine.max_model_len
         if len(prompt_ids) >= limit:
@@ -337,7 +342,7 @@ class RequestPreparer:
             params=params, n=req.n or 1, task_id=task_id, run_id=run_id, episode_pin=_episode_pin(req, headers),
             id_prefix=id_prefix, user_id=_user_id(req, headers, self.config.privacy.user_id_header),
             request_id=current_request_id.get(),  # set by services/explorer/edge/middleware.py
-            train=consent(req.metadata, True),
+            train=consent(req.metadata, True), call_names=call_names, forced_calls=forced_calls,
         )
 
     @staticmethod

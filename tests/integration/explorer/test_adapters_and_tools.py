@@ -104,3 +104,27 @@ def test_tool_choice_none_hides_tools(explorer):
     r = explorer.client.chat.completions.create(model="default", messages=ASK, tools=TOOLS, tool_choice="none", max_tokens=4)
     exp = explorer.http.get(f"/experiences/{r.choices[0].model_extra['experience_id']}").json()
     assert "<tools>" not in explorer.tokenizer.decode(exp["prompt_token_ids"]) and exp["tools"] is None
+
+
+@pytest.mark.parametrize("tool_choice", ["required", {"type": "function", "function": {"name": "get_weather"}}])
+def test_a_forced_call_cut_by_max_tokens_comes_back_as_a_cut_call(explorer, tool_choice):
+    # As OpenAI answers it: the call as far as it got, in tool_calls, with finish_reason "length";
+    # the template's markup is never content. The cuts fall in the tag, in the name and in the
+    # arguments (every answer starts '<tool_call>\n{"name": "get_weather", "arguments": ' under the grammar).
+    for max_tokens in (1, 4, 8, 14, 18):
+        kw = dict(model="default", messages=ASK, tools=TOOLS, tool_choice=tool_choice, max_tokens=max_tokens, seed=7)
+        r = explorer.client.chat.completions.create(**kw)
+        choice = r.choices[0]
+        assert r.usage.completion_tokens == max_tokens and choice.finish_reason == "length", max_tokens
+        assert choice.message.content is None
+        call = choice.message.tool_calls[0]
+        assert call.function.name == "get_weather" and call.id.startswith("call_")
+        recorded = explorer.http.get(f"/experiences/{choice.model_extra['experience_id']}").json()
+        text = explorer.tokenizer.decode(recorded["response_token_ids"])
+        assert text.endswith(call.function.arguments) and (call.function.arguments == "" or '"arguments": ' in text)
+        # Streamed, the same: the cut call in the last delta, no content.
+        chunks = [c for c in explorer.client.chat.completions.create(**kw, stream=True) if c.choices]
+        assert "".join(c.choices[0].delta.content or "" for c in chunks) == ""
+        assert chunks[-1].choices[0].finish_reason == "length"
+        streamed = [t for c in chunks for t in c.choices[0].delta.tool_calls or ()]
+        assert [(t.function.name, t.function.arguments) for t in streamed] == [("get_weather", call.function.arguments)]
