@@ -2,9 +2,9 @@
 pure loss, no change anywhere in services/), is named in the config, loaded in the Trainer and in
 its Ray learner, and trained end to end by the real `kaizen trainer`.
 
-The objective is a small on-policy distillation: the teacher is the base model reading a prefix
-before each prompt (privileged context), the student the agent without it; each sampled token's
-advantage is the teacher's logprob minus the student's. It needs no reward (the rows have none),
+The objective is a small distillation on the agent's own samples: the teacher is the base model
+reading a prefix before each prompt (privileged context), the student the agent without it; each
+sampled token's logprob is pulled toward the teacher's. It needs no reward (the rows have none),
 declares its own config section (``algorithm.prefix_distill``), asks the learner for an extra input
 (the teacher's logprobs) and reports a statistic of its own (``teacher_gap``).
 """
@@ -30,20 +30,20 @@ pytestmark = pytest.mark.integration
 
 def distill_loss(*, logprobs: torch.Tensor, teacher_logprobs: torch.Tensor, mask: torch.Tensor,
                  normalizer: float) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """Reverse-KL on the agent's own samples: advantage = teacher - student per token (no gradient
-    through it), loss = -sum(advantage * logprobs) / normalizer. Shapes (B, R)."""
-    advantage = (teacher_logprobs - logprobs).detach()
-    loss = aggregate(-advantage * logprobs, mask, normalizer)
-    return loss, {"loss": loss.detach(), "teacher_gap": aggregate(advantage, mask, normalizer)}
+    """Pull each sampled token's logprob toward the teacher's: sum(0.5 * (student - teacher)^2) /
+    normalizer, no gradient into the teacher. Shapes (B, R)."""
+    diff = logprobs - teacher_logprobs.detach()
+    loss = aggregate(0.5 * diff**2, mask, normalizer)
+    return loss, {"loss": loss.detach(), "teacher_gap": aggregate(diff.detach().abs(), mask, normalizer)}
 
 
 def test_distill_loss_by_hand():
-    # student -1 and -2, teacher -0.5 and -3: advantages +0.5 and -1.0;
-    # loss = -(0.5 * -1 + -1.0 * -2) / 2 = -(−0.5 + 2) / 2 = -0.75; gap = (0.5 - 1.0) / 2 = -0.25
+    # student -1 and -2, teacher -0.5 and -3: differences -0.5 and +1.0;
+    # loss = (0.5 * 0.25 + 0.5 * 1) / 2 = 0.3125; gap = (0.5 + 1.0) / 2 = 0.75
     lp = torch.tensor([[-1.0, -2.0]], requires_grad=True)
     loss, stats = distill_loss(logprobs=lp, teacher_logprobs=torch.tensor([[-0.5, -3.0]]), mask=torch.ones(1, 2), normalizer=2)
-    assert loss.item() == approx(-0.75) and stats["teacher_gap"].item() == approx(-0.25)
-    loss.backward()  # d loss / d lp = -advantage / 2: up where the teacher is higher, down where it is lower
+    assert loss.item() == approx(0.3125) and stats["teacher_gap"].item() == approx(0.75)
+    loss.backward()  # d loss / d lp = difference / 2: up where the teacher is higher, down where it is lower
     assert lp.grad.tolist() == [[approx(-0.25), approx(0.5)]]
 
 
@@ -100,7 +100,7 @@ def test_an_objective_from_this_module_trains_end_to_end(tiny_model, sampled_db,
         con.execute("UPDATE experiences SET reward = NULL")
     steps = 2
     log = _train(tiny_model, tmp_path, ray_address, f"algorithm.name={__name__}:PrefixDistill",
-                 f"algorithm.prefix_distill.prefix_ids={json.dumps(PREFIX)}", "optim.lr=1e-2", "trainer.epochs=2",
+                 f"algorithm.prefix_distill.prefix_ids={json.dumps(PREFIX)}", "optim.lr=1e-3", "trainer.epochs=2",
                  "--max-steps", str(steps))
     assert "published v2" in log
     records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
@@ -119,7 +119,7 @@ def test_an_objective_from_this_module_trains_end_to_end(tiny_model, sampled_db,
     # and it learned what it was asked: the student moved toward the teacher on the tokens it trained on
     model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tiny_model), str(v.path))
     before, after = _gap(model, trained, adapter=False), _gap(model, trained, adapter=True)
-    assert after < 0.8 * before, (before, after)
+    assert after < 0.95 * before, (before, after)
 
 
 def _step_metrics(db) -> list[dict]:
