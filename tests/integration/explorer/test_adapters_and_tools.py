@@ -92,8 +92,8 @@ def test_named_tool_choice_is_decoded_under_the_call_grammar(explorer):
     assert prompt.endswith("<|im_start|>assistant\n")
     assert explorer.tokenizer.decode(exp["response_token_ids"]).startswith('<tool_call>\n{"name": "get_weather", "arguments": ')
     assert exp["sampling"]["grammar"]
-    if r.choices[0].finish_reason == "tool_calls":
-        assert r.choices[0].message.tool_calls[0].function.name == "get_weather"
+    # Whole or cut by max_tokens, the call comes back in tool_calls.
+    assert r.choices[0].message.tool_calls[0].function.name == "get_weather"
     with pytest.raises(Exception, match="unknown function"):
         explorer.client.chat.completions.create(
             model="default", messages=ASK, tools=TOOLS, tool_choice={"type": "function", "function": {"name": "nope"}}
