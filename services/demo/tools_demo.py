@@ -83,11 +83,20 @@ class ToolsDemo:
         base = {
             "model": {"path": self.cfg.model_path, "dtype": _dtype()},
             "algorithm": {"name": "grpo", "kl_metric": False,
-                          "grpo": {"group_size": tr.repeat, "min_group_size": 2, "group_wait_s": 30.0, "small_groups": "batch"},
-                          # the cold start: 4 steps on 4 demonstrations each (about 3 s a step); every later step
-                          # replays 4 too (the mixed objective). A longer cold start (16 steps: the demonstrations'
-                          # NLL near 0) scored higher at first but left no entropy to explore, and GRPO then gained nothing.
-                          "sft_coef": 1.0, "demo_batch_size": 4, "cold_start_steps": 4},
+                          "grpo": {"group_size": tr.repeat, "min_group_size": 2, "group_wait_s": 30.0, "small_groups": "batch",
+                                   # a group all wrong (or all right) still teaches, against a fixed baseline
+                                   "flat_groups": "baseline", "flat_baseline": 0.5,
+                                   # the ratio against the Trainer's own policy, the engine's logprobs corrected
+                                   "importance": "truncate", "importance_cap": 2.0},
+                          # the cold start: 4 steps on 4 demonstrations each (about 3 s a step). A longer cold start
+                          # (16 steps: the demonstrations' NLL near 0) scored higher at first but left no entropy to
+                          # explore, and GRPO then gained nothing. After it, the demonstrations are replayed only in
+                          # proportion to the groups that found no success, at a weight decaying to 0.25 over 8 steps,
+                          # while the agent's own successes (the best episode of each solved problem) are replayed at a
+                          # weight growing to 1 over 4 steps: the mixed objective moves from the demonstrations to the traffic.
+                          "sft_coef": 1.0, "demo_batch_size": 4, "cold_start_steps": 4,
+                          "sft_coef_final": 0.25, "sft_decay_steps": 8, "demo_replay": "failed_groups",
+                          "self_imitation": {"coef": 1.0, "ramp_steps": 4, "batch_size": 8, "per_task": 1}},
             "lora": {"r": 16, "alpha": 32},
             "optim": {"lr": 1e-3},
             # calls per step: about two per episode (the calculator call, then the answer)

@@ -14,7 +14,7 @@ from datetime import datetime, timezone
 from typing import Protocol, Sequence, TypeVar
 
 from services.common.records import CommittedExperience, TeamEpisode
-from services.trainer.sections import BatchRules
+from services.trainer.sections import BatchRules, ObjectiveSection
 
 T = TypeVar("T")
 
@@ -37,7 +37,7 @@ class TrainItem:
     advantage: float | None = None  # set at selection by recipes that know it then (GRPO)
     run_id: str | None = None
     seq: int = 0  # arrival order in the buffer: the order of an episode's calls
-    demonstration: bool = False  # trained by the supervised term only (POST /demonstrations)
+    demonstration: bool = False  # trained by the supervised term only (a demonstration, or a replayed success)
     grammar: str | None = None  # sampled under this grammar: scored over the tokens it allowed
     # A teammate's call in one of this agent's episodes: its critic values the turn (credit through
     # the joint episode) and learns that value; the policy loss never sees it.
@@ -90,10 +90,14 @@ class Selection:
     stale_downweighted: int = 0
     small_groups: int = 0
     demonstrations: list[TrainItem] = field(default_factory=list)  # replayed, never consumed
+    imitations: list[TrainItem] = field(default_factory=list)  # the agent's own successes, replayed (self_imitation)
     guard: list[TrainItem] = field(default_factory=list)  # scored around the update (TrainerConfig.guard)
     context: list[TrainItem] = field(default_factory=list)  # teammates' calls in the items' episodes
     team_episodes: int = 0  # episodes of the items' tasks that set group statistics without this agent in them
     catch_up: bool = False  # a larger step, taken on a backlog (catch_up_size)
+    groups: int | None = None  # groups the recipe looked at (None: it has none; every row is its own)
+    failed_groups: int = 0  # of those, groups in which no episode succeeded (success_reward)
+    figures: dict[str, float] = field(default_factory=dict)  # the recipe's own figures of its choice
 
     @property
     def ready(self) -> bool:
@@ -101,7 +105,7 @@ class Selection:
 
     @property
     def all_items(self) -> list[TrainItem]:
-        return self.items + self.demonstrations + self.context
+        return self.items + self.demonstrations + self.imitations + self.context
 
 
 # The team's episodes of the tasks at hand: {task_id: {run_id: TeamEpisode}} (buffer.team_episodes).
@@ -147,12 +151,64 @@ def context_item(row: CommittedExperience) -> TrainItem:
     )
 
 
-def demonstration_item(row: CommittedExperience) -> TrainItem:
+def demonstration_item(row: CommittedExperience, weight: float = 1.0) -> TrainItem:
+    """A row the supervised term trains (its NLL times ``weight``): a demonstration, or a success replayed."""
     return TrainItem(
         experience_id=row.experience_id, task_id=row.task_id, run_id=row.run_id, model_version=int(row.model_version),
         prompt_ids=list(row.prompt_token_ids), response_ids=list(row.response_token_ids), old_logprobs=[],
-        reward=0.0, temperature=1.0, seq=int(row.seq), demonstration=True,
+        reward=0.0, temperature=1.0, weight=weight, seq=int(row.seq), demonstration=True,
     )
+
+
+def demonstration_weight(o: ObjectiveSection, step: int) -> float:
+    """The demonstrations' weight at ``step``: ``sft_coef``, moving linearly to ``sft_coef_final`` over
+    ``sft_decay_steps`` steps after the cold start (CHORD's decaying mu).
+
+    Example: sft_coef 1, final 0.2, decay 4, cold start 4: steps 0-4 -> 1.0, step 6 -> 0.6, step 8 on -> 0.2."""
+    if o.sft_coef_final is None:
+        return o.sft_coef
+    done = 1.0 if o.sft_decay_steps == 0 else min(1.0, max(0, step - o.cold_start_steps) / o.sft_decay_steps)
+    return o.sft_coef + (o.sft_coef_final - o.sft_coef) * done
+
+
+def imitation_weight(o: ObjectiveSection, step: int) -> float:
+    """The replayed successes' weight at ``step``: 0 through the cold start, then growing linearly to
+    ``self_imitation.coef`` over ``ramp_steps`` steps.
+
+    Example: coef 1, ramp 4, cold start 4: steps 0-3 -> 0, step 4 -> 0.25, step 5 -> 0.5, step 7 on -> 1."""
+    si = o.self_imitation
+    if si.coef == 0 or step < o.cold_start_steps:
+        return 0.0
+    return si.coef if si.ramp_steps == 0 else si.coef * min(1.0, (step - o.cold_start_steps + 1) / si.ramp_steps)
+
+
+def imitation_pool(rows: Sequence[CommittedExperience], *, per_task: int) -> list[CommittedExperience]:
+    """The successes to replay: ``rows`` (successful calls, oldest first) grouped into episodes
+    (task_id + run_id), at most ``per_task`` episodes of each task (the best reward, ties to the
+    newest), an episode whose calls' responses repeat one already kept dropped; every call of a kept
+    episode, in the rows' order. A row without a task is an episode and a task of its own."""
+    episodes: dict[tuple, list[CommittedExperience]] = {}
+    for r in rows:
+        if r.response_token_ids:
+            key = (r.task_id, r.run_id) if r.task_id is not None and r.run_id is not None else (r.experience_id, None)
+            episodes.setdefault(key, []).append(r)
+    by_task: dict[str, list[list[CommittedExperience]]] = {}
+    for (task, _), calls in episodes.items():
+        by_task.setdefault(task, []).append(calls)
+    kept: set[str] = set()
+    for task_episodes in by_task.values():
+        seen: set[tuple] = set()
+        ranked = sorted(task_episodes, key=lambda calls: (max(c.reward or 0.0 for c in calls), max(c.seq for c in calls)),
+                        reverse=True)
+        for calls in ranked:
+            text = tuple(tuple(c.response_token_ids) for c in sorted(calls, key=lambda c: c.seq))
+            if text in seen:
+                continue
+            seen.add(text)
+            kept.update(c.experience_id for c in calls)
+            if len(seen) == per_task:
+                break
+    return [r for r in rows if r.experience_id in kept]
 
 
 class BatchPicker(Protocol):
@@ -168,13 +224,17 @@ class BatchPicker(Protocol):
 def select_batch(
     rows: list[CommittedExperience], *, recipe: BatchPicker, cfg: BatchRules, current_version: int, now: datetime | None = None,
     demonstrations: list[CommittedExperience] = (), step: int = 0, team: TeamEpisodes | None = None,
+    successes: Sequence[CommittedExperience] = (),
 ) -> Selection:
     """Pick the next batch of ``rows`` (oldest first) for one agent at ``current_version``, by the
     rules every objective shares and then by the objective's ``recipe``.
 
-    Demonstrations join every step that trains (``algorithm.demo_batch_size`` of them, in turn);
-    while no batch of rollouts is ready, the first ``algorithm.cold_start_steps`` steps train on
-    them alone (a new agent starting from a handful of examples). The first ``guard.demonstrations``
+    Demonstrations join every step that trains (``algorithm.demo_batch_size`` of them, in turn, at
+    ``demonstration_weight``; with ``demo_replay: failed_groups`` only in proportion to the groups
+    that found no success); while no batch of rollouts is ready, the first
+    ``algorithm.cold_start_steps`` steps train on them alone (a new agent starting from a handful of
+    examples). ``successes``: the agent's consumed successes (``buffer.fetch_successes``), replayed
+    in the supervised term at ``imitation_weight`` (``algorithm.self_imitation``). The first ``guard.demonstrations``
     of them are the step's guard set (always the same ones). ``team``: the team's episode rewards of
     the rows' tasks, for recipes whose group statistics count the team's episodes (GRPO).
     """
@@ -202,10 +262,29 @@ def select_batch(
         usable.append((row, weight))
     recipe.select(usable, batch_size=cfg.train_batch_size, now=aware(now), sel=sel, team=team or {})
     a = cfg.algorithm
-    if demonstrations and a.sft_coef > 0 and (sel.items or step < a.cold_start_steps):
-        sel.demonstrations = [demonstration_item(d) for d in in_turn(demonstrations, a.demo_batch_size, step)]
+    if sel.groups is None:  # a recipe without groups: each episode is one
+        _count_groups(sel, a.success_reward)
+    demo_weight = demonstration_weight(a, step)
+    if demonstrations and demo_weight > 0 and (sel.items or step < a.cold_start_steps):
+        size = a.demo_batch_size
+        if a.demo_replay == "failed_groups" and sel.items:  # guidance where the traffic found nothing
+            size = -(-a.demo_batch_size * sel.failed_groups // max(sel.groups, 1))
+        sel.demonstrations = [demonstration_item(d, demo_weight) for d in in_turn(demonstrations, size, step)] if size else []
         sel.guard = [demonstration_item(d) for d in demonstrations[: cfg.guard.demonstrations]]
+    sil_weight = imitation_weight(a, step)
+    if successes and sil_weight > 0 and sel.items:
+        pool = imitation_pool(successes, per_task=a.self_imitation.per_task)
+        sel.imitations = [demonstration_item(r, sil_weight) for r in in_turn(pool, a.self_imitation.batch_size, step)]
     return sel
+
+
+def _count_groups(sel: Selection, success: float) -> None:
+    """Groups of the chosen items by task_id (a row without one is its own), and those without a success."""
+    groups: dict[str, list[float]] = {}
+    for it in sel.items:
+        groups.setdefault(it.task_id or it.experience_id, []).append(it.reward if it.reward is not None else float("-inf"))
+    sel.groups = len(groups)
+    sel.failed_groups = sum(1 for rewards in groups.values() if max(rewards) < success)
 
 
 def catch_up_size(rows: list[CommittedExperience], *, cfg: BatchRules, current_version: int, step: int,

@@ -311,12 +311,14 @@ class LearnerWorker:
         return episode_chunks(items, size) if self.recipe.uses_critic else list(iter_chunks(_by_length(items), size))
 
     def _demonstration_step(self, micro: list[TrainItem], norms: Norms) -> dict[str, float]:
-        """The supervised term on demonstrations: ``sft_coef`` times their token-mean NLL, in the
-        same update as the objective's own loss (a mixed objective)."""
+        """The supervised term: the token-mean NLL of the step's demonstrations and replayed
+        successes, each at its weight (``demonstration_weight``, ``imitation_weight``), in the same
+        update as the objective's own loss (a mixed objective). Reports their unweighted NLL."""
         logprobs, mask = self._demonstration_logprobs(micro)
-        loss, st = sft_loss(logprobs=logprobs, mask=mask, weights=torch.ones_like(mask), normalizer=norms.demo_tokens)
-        (self.cfg.algorithm.sft_coef * loss).backward()
-        return {"demo_nll": float(st["loss"])}
+        weights = torch.tensor([i.weight for i in micro], device=mask.device).unsqueeze(-1)
+        loss, st = sft_loss(logprobs=logprobs, mask=mask, weights=weights, normalizer=norms.demo_tokens)
+        loss.backward()
+        return {"demo_nll": float(st["nll"])}
 
     def _demonstration_logprobs(self, micro: list[TrainItem]) -> tuple[torch.Tensor, torch.Tensor]:
         """Logprobs of the demonstrations' response tokens (with grad unless under no_grad) and their mask."""

@@ -10,6 +10,20 @@ from pydantic import Field
 from services.common.config import ConfigModel
 
 
+class SelfImitationSection(ConfigModel):
+    """The agent's own successes (consumed rollouts rewarded at least ``success_reward``) replayed in
+    the supervised term beside the demonstrations: self-imitation, rejection-sampling fine-tuning on
+    traffic (RAFT, ReST). Its weight grows from 0 to ``coef`` while the demonstrations' decays."""
+
+    coef: float = Field(default=0.0, ge=0, description="Weight of the replayed successes in the supervised term (0: off).")
+    ramp_steps: int = Field(
+        default=0, ge=0, description="The weight grows linearly from 0 to coef over this many steps after the cold start.")
+    batch_size: int = Field(default=8, ge=1, description="Calls of replayed successes per step (taken in turn).")
+    per_task: int = Field(
+        default=1, ge=1, description="Episodes kept per task: the best of each group (ties: the newest), de-duplicated.")
+    pool: int = Field(default=512, ge=1, description="The newest this many successful calls are the pool.")
+
+
 class ObjectiveSection(ConfigModel):
     """What every objective shares: the action level, the ratio's clipping, the KL and entropy
     terms, team credit, and the supervised term on demonstrations (the mixed objective)."""
@@ -44,6 +58,20 @@ class ObjectiveSection(ConfigModel):
         default=0, ge=0,
         description="While no batch of rollouts is ready, train the first this many steps on demonstrations alone.",
     )
+    sft_coef_final: float | None = Field(
+        default=None, ge=0,
+        description="The demonstrations' weight after sft_decay_steps steps past the cold start (linear from sft_coef; "
+        "absent: sft_coef throughout).")
+    sft_decay_steps: int = Field(default=0, ge=0, description="Steps over which sft_coef moves to sft_coef_final.")
+    demo_replay: Literal["every_step", "failed_groups"] = Field(
+        default="every_step",
+        description="every_step: demo_batch_size demonstrations in every step; failed_groups: in proportion to the "
+        "share of the step's groups in which no episode succeeded (none when every group found a success), the "
+        "guidance of LUFFY and BREAD (the cold start is unchanged).")
+    success_reward: float = Field(
+        default=1.0, description="A reward at least this is a success: what self_imitation replays and what a failed "
+        "group lacks.")
+    self_imitation: SelfImitationSection = Field(default_factory=SelfImitationSection)
 
 
 class GuardSection(ConfigModel):

@@ -356,10 +356,13 @@ class TrainerService:
             rows = self._discard_frozen(agent, rows, turn.started_at)
         rows = self._hold_out(agent, rows)
         rows = self._drop_refused(agent, rows)
+        a = self.cfg.algorithm
         demos = buffer.fetch_committed(engine=self.db, agent=agent, limit=_MAX_DEMONSTRATIONS, demonstrations=True) \
-            if self.cfg.algorithm.sft_coef > 0 else []
+            if a.sft_coef > 0 or (a.sft_coef_final or 0) > 0 else []
         if not rows and not demos:
             return False
+        successes = buffer.fetch_successes(engine=self.db, agent=agent, min_reward=a.success_reward,
+                                           limit=a.self_imitation.pool) if rows and a.self_imitation.coef > 0 else []
         # The lock keeps `kaizen publish` from taking a version number between this step's choice of
         # it and its publication; what serves now (a publication made while it waited, a release
         # decision) is followed first.
@@ -371,7 +374,7 @@ class TrainerService:
                 return False
             self._follow_serving(agent, progress)
             team = self._team_episodes(rows) if self.recipe.team_rewards and self.cfg.algorithm.team_credit else None
-            selection = self._select(agent, progress, rows, demos, team)
+            selection = self._select(agent, progress, rows, demos, team, successes)
             if selection.items and self.recipe.uses_critic and self.cfg.algorithm.team_credit:
                 selection.context = self._teammates_turns(agent, selection.items)
             if not selection.ready:
@@ -381,7 +384,7 @@ class TrainerService:
                 return False
             return self._train(agent, progress, selection)
 
-    def _select(self, agent: str, progress: AgentProgress, rows: list, demos: list, team) -> Selection:
+    def _select(self, agent: str, progress: AgentProgress, rows: list, demos: list, team, successes: list) -> Selection:
         """The next batch; larger than train_batch_size while a backlog would otherwise go stale
         (``catch_up_size``), unless the recipe cannot fill the larger one (GRPO's whole groups)."""
         size = catch_up_size(rows, cfg=self.cfg, current_version=progress.published, step=progress.step,
@@ -389,7 +392,7 @@ class TrainerService:
 
         def select(cfg: TrainerConfig) -> Selection:
             return select_batch(rows, recipe=self.recipe, cfg=cfg, current_version=progress.published,
-                                demonstrations=demos, step=progress.step, team=team)
+                                demonstrations=demos, step=progress.step, team=team, successes=successes)
 
         if size > self.cfg.train_batch_size:
             selection = select(self.cfg.model_copy(update={"train_batch_size": size}))

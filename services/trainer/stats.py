@@ -92,6 +92,7 @@ def step_record(*, agent: str, step: int, version: int, algorithm: str, recipe: 
         "small_groups": selection.small_groups, "catch_up": selection.catch_up,
         "team_episodes": selection.team_episodes, "teammate_turns": len(selection.context),
         "logprob_mismatch": total.mismatch_sum / tokens,
+        "imitations": len(selection.imitations), "groups": selection.groups, "failed_groups": selection.failed_groups,
     }
     if total.demo_nll is not None:
         rec["demo_nll"] = total.demo_nll
@@ -107,7 +108,8 @@ def step_record(*, agent: str, step: int, version: int, algorithm: str, recipe: 
     if items and items[0].advantage is not None:  # set at selection (GRPO)
         adv = [i.advantage for i in items]
         rec["advantage_mean"], rec["advantage_std"] = statistics.fmean(adv), statistics.pstdev(adv)
-    own = recipe.statistics(total.objective, tokens=total.tokens)  # the objective's own figures, passed through
+    # the objective's own figures, passed through: of its choice of the batch, and of its loss
+    own = {**selection.figures, **recipe.statistics(total.objective, tokens=total.tokens)}
     rec.update(own)
     rec["objective_figures"] = sorted(own)
     return rec

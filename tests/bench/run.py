@@ -9,11 +9,13 @@ from services.common.logging import setup_logging
 
 def main() -> int:
     setup_logging("warning")
-    from tests.bench import canary, explorer, recording, reload, scale, smollm2, soak, trainer, vllm
+    from tests.bench import canary, explorer, learning, recording, reload, scale, smollm2, soak, trainer, vllm
 
     sections = [("explorer", explorer.main), ("recording", recording.main), ("trainer", trainer.main), ("reload", reload.main),
                 ("canary", canary.main), ("soak", soak.main), ("scale", scale.main), ("vllm", vllm.main),
-                ("smollm2", smollm2.main)]
+                ("smollm2", smollm2.main),
+                # last: one real demo per seed and setting, about 15 minutes each on 2 cores (an hour and a half)
+                ("learning", learning.main)]
     only = set(sys.argv[1:])
     for name, fn in sections:
         if only and name not in only:

@@ -63,6 +63,7 @@ from services.common.buffer.training import (
     consumed_ids,
     discard_experiences,
     fetch_committed,
+    fetch_successes,
     last_trainer_step,
     publishing_steps,
     recent_trainer_steps,
@@ -85,7 +86,7 @@ __all__ = [
     "get_experience", "list_experiences", "RewardPoint", "rewarded_history", "count_versions_served",
     "count_by_status", "committed_backlog",
     # training
-    "agents_with_committed", "fetch_committed", "team_episodes", "teammate_calls", "consume_batch",
+    "agents_with_committed", "fetch_committed", "fetch_successes", "team_episodes", "teammate_calls", "consume_batch",
     "discard_experiences", "last_trainer_step", "recent_trainer_steps", "publishing_steps", "consumed_ids",
     # releases
     "record_decision", "list_decisions", "newest_decided_version", "recent_rewarded", "version_rewards",

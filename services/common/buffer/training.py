@@ -6,12 +6,12 @@ from __future__ import annotations
 from datetime import datetime
 from typing import Any, Sequence
 
-from sqlalchemy import insert, select, update
+from sqlalchemy import insert, or_, select, update
 from sqlalchemy.engine import Engine
 
 from services.common.buffer.engine import _lock_rows, iter_chunks, utcnow, write_transaction
 from services.common.buffer.schema import _DEMONSTRATION, BatchChanged, experiences, trainer_steps
-from services.common.records import CommittedExperience, ExperienceStatus, TeamEpisode, TrainerStep
+from services.common.records import EVAL_TASK_PREFIX, CommittedExperience, ExperienceStatus, TeamEpisode, TrainerStep
 
 _TRAIN_COLUMNS = (
     experiences.c.seq,
@@ -50,6 +50,22 @@ def fetch_committed(*, engine: Engine, agent: str, limit: int, demonstrations: b
     )
     with engine.connect() as conn:
         return [CommittedExperience(**r._mapping) for r in conn.execute(q)]
+
+
+def fetch_successes(*, engine: Engine, agent: str, min_reward: float, limit: int) -> list[CommittedExperience]:
+    """The newest ``limit`` rollouts of ``agent`` already trained on (consumed) whose reward is at
+    least ``min_reward``, oldest first: the agent's own successes, which the Trainer replays beside
+    its demonstrations (``algorithm.self_imitation``). Evaluation calls and purged rows never count."""
+    e = experiences.c
+    q = (
+        select(*_TRAIN_COLUMNS)
+        .where(e.agent == agent, e.status == ExperienceStatus.CONSUMED.value, e.reward >= min_reward, ~_DEMONSTRATION,
+               e.purged_at.is_(None), or_(e.task_id.is_(None), ~e.task_id.startswith(EVAL_TASK_PREFIX)))
+        .order_by(e.seq.desc())
+        .limit(limit)
+    )
+    with engine.connect() as conn:
+        return [CommittedExperience(**r._mapping) for r in conn.execute(q)][::-1]
 
 
 def team_episodes(*, engine: Engine, task_ids: Sequence[str]) -> dict[str, dict[str, TeamEpisode]]:

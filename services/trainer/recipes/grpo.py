@@ -12,6 +12,7 @@ from pydantic import Field
 
 from services.trainer.algorithms.advantages import batch_relative, episode_relative
 from services.trainer.algorithms.grpo import grpo_loss
+from services.trainer.algorithms.importance import behaviour_weights
 from services.trainer.batches import Selection, TeamEpisodes, Usable, aware, to_item
 from services.trainer.recipes.base import BaseRecipe, MicroBatch, RecipeConfig, clip_args, ratio_inputs
 
@@ -28,6 +29,23 @@ class GRPOConfig(RecipeConfig):
         description="After group_wait_s, groups under min_group_size keep waiting, are discarded, "
         "or are trained against the batch mean.",
     )
+    flat_groups: Literal["keep", "discard", "baseline"] = Field(
+        default="keep",
+        description="Groups whose episodes all scored the same carry no group-relative signal: keep (trained with "
+        "advantage 0: only the KL, entropy and supervised terms move them), discard (set aside, and the step is "
+        "filled with groups that carry signal: DAPO's dynamic sampling), or baseline (advantage = reward - "
+        "flat_baseline: an all-wrong group still pushes its answers down, an all-right one up).",
+    )
+    flat_baseline: float = Field(default=0.5, description="flat_groups=baseline: the fixed baseline of a flat group.")
+    aggregation: Literal["token", "sequence"] = Field(
+        default="token", description="Token level: the loss is the mean over the batch's tokens (DAPO) or over its "
+        "responses, each response's tokens averaged first (the original GRPO).")
+    importance: Literal["off", "truncate", "mask"] = Field(
+        default="off", description="Token level: the clipped ratio against the Trainer's own policy before the step "
+        "(proximal), and the gap to the sampling engine's recorded logprobs (stale versions, engine/trainer "
+        "mismatch) corrected by importance weights truncated at importance_cap, or masked above it (off: the "
+        "ratio against the recorded logprobs, as in PPO).")
+    importance_cap: float = Field(default=2.0, gt=1, description="importance: the largest weight kept.")
 
 
 class GRPO(BaseRecipe):
@@ -55,7 +73,11 @@ class GRPO(BaseRecipe):
             groups.setdefault(row.task_id or f"__single__{row.experience_id}", {}).setdefault(episode, []).append((row, w))
         chosen: list[tuple[list[list[Usable]], list[float]]] = []  # (this agent's episodes, sat-out team rewards)
         fallback: list[list[Usable]] = []
-        count = 0
+        count = seen = flat = failed = 0
+        flat_chosen: set[int] = set()  # indexes into chosen of groups trained against flat_baseline
+        success = self.objective.success_reward
+        # An episode's reward is its last call's (an episode reward sent for all its calls is the same on each).
+        last = lambda e: max(e, key=lambda rw: rw[0].seq)[0].reward  # noqa: E731
         for task, episodes in groups.items():  # insertion order = oldest first
             if count >= batch_size:
                 break
@@ -68,6 +90,17 @@ class GRPO(BaseRecipe):
             if not full and age < a.group_wait_s:
                 continue  # more runs of this task may still arrive
             if n >= a.min_group_size:
+                rewards = [last(e) for e in episodes.values()] + sat_out
+                seen += 1
+                failed += max(rewards) < success
+                if max(rewards) == min(rewards):
+                    flat += 1
+                    if a.flat_groups == "discard":
+                        for e in episodes.values():
+                            for r, _ in e:
+                                sel.discarded[r.experience_id] = f"no signal: every episode of the group scored {rewards[0]:g}"
+                        continue
+                    flat_chosen.add(len(chosen))
                 chosen.append((list(episodes.values()), sat_out))
                 count += calls
                 sel.team_episodes += len(sat_out)
@@ -82,14 +115,17 @@ class GRPO(BaseRecipe):
         if count < batch_size:
             sel.team_episodes = 0
             return
-        # An episode's reward is its last call's (an episode reward sent for all its calls is the same on each).
-        last = lambda e: max(e, key=lambda rw: rw[0].seq)[0].reward  # noqa: E731
+        sel.groups, sel.failed_groups = seen + len(fallback), failed + sum(last(e) < success for e in fallback)
+        sel.figures = {"informative_groups": float(seen - flat), "flat_groups": float(flat),
+                       "informative_share": (seen - flat) / seen if seen else 0.0}
         episodes = [e for own, _ in chosen for e in own]
         rewards = [r for own, others in chosen for r in [last(e) for e in own] + others]
         gids = [g for g, (own, others) in enumerate(chosen) for _ in range(len(own) + len(others))]
         mine = [k for g, (own, others) in enumerate(chosen) for k in [1] * len(own) + [0] * len(others)]
         adv_all = episode_relative(torch.tensor(rewards), torch.tensor(gids), std_normalize=a.std_normalize).tolist() \
             if rewards else []
+        if flat_chosen and a.flat_groups == "baseline":  # no group signal: against the fixed baseline instead
+            adv_all = [r - a.flat_baseline if gids[k] in flat_chosen else v for k, (v, r) in enumerate(zip(adv_all, rewards))]
         adv = [v for v, m in zip(adv_all, mine) if m]
         if fallback:
             batch_rewards = torch.tensor([last(e) for e in episodes + fallback])
@@ -103,5 +139,23 @@ class GRPO(BaseRecipe):
         sel.items = items
 
     def loss(self, mb: MicroBatch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        a = self.config
         inputs, normalizer = ratio_inputs(mb, mb.advantages)
-        return grpo_loss(**inputs, normalizer=normalizer, **clip_args(mb.objective))
+        stats: dict[str, torch.Tensor] = {}
+        if not mb.sequence_level and a.importance != "off":
+            if mb.first_epoch:  # the proximal policy: the Trainer's own, before this step's update
+                mb.cache[("proximal", mb.key)] = mb.logprobs.detach()
+            proximal = mb.cache[("proximal", mb.key)]
+            w, stats = behaviour_weights(proximal, mb.old_logprobs, mb.mask, mode=a.importance, cap=a.importance_cap,
+                                         normalizer=mb.norms.tokens)
+            inputs.update(old_logprobs=proximal, weights=inputs["weights"] * w)
+        by_response = not mb.sequence_level and a.aggregation == "sequence"
+        if by_response:  # each response's tokens averaged first
+            lengths = mb.mask.sum(-1, keepdim=True).clamp(min=1)
+            inputs["weights"] = inputs["weights"] / lengths
+            normalizer = mb.norms.sequences
+        loss, own = grpo_loss(**inputs, normalizer=normalizer, **clip_args(mb.objective))
+        if by_response:  # its token figures as shares of the batch's tokens, as at token level
+            scale = mb.norms.sequences / max(mb.norms.tokens, 1.0)
+            own.update(clip_frac=own["clip_frac"] * scale, ratio_mean=own["ratio_mean"] * scale)
+        return loss, {**own, **stats}

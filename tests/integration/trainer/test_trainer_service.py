@@ -118,6 +118,37 @@ def test_each_algorithm_raises_the_rewarded_probability(algorithm, steps, tiny_m
     assert "published v" in log
 
 
+def test_grpo_with_every_lever_learns_and_reports_each(tiny_model, sampled_db, base_model, ray_address, tmp_path):
+    """Flat groups set aside (dynamic sampling), importance correction against the proximal policy,
+    response-level aggregation, the agent's successes replayed beside a decaying supervised term."""
+    url = _copy_db(sampled_db, tmp_path)
+    steps = 4
+    _train(tiny_model, tmp_path, ray_address, "algorithm.name=grpo", "algorithm.grpo.group_size=4",
+           "algorithm.grpo.flat_groups=discard", "algorithm.grpo.importance=truncate", "algorithm.grpo.aggregation=sequence",
+           "algorithm.self_imitation.coef=1", "algorithm.self_imitation.batch_size=4", "algorithm.success_reward=1",
+           "--max-steps", str(steps))
+    records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == list(range(1, steps + 1))
+    for r in records:
+        assert r["flat_groups"] == 0 and r["informative_share"] == 1.0  # the flat ones were set aside before
+        assert {"informative_groups", "is_weight_mean", "is_capped_frac", "clip_frac"} <= set(r["objective_figures"])
+        assert 0.0 < r["is_weight_mean"] <= 2.0 and 0.0 <= r["is_capped_frac"] <= 1.0
+    # step 1 trains what its own policy sampled: engine and Trainer agree, every weight about 1
+    assert records[0]["is_weight_mean"] == pytest.approx(1.0, abs=0.01) and records[0]["is_capped_frac"] == 0.0
+    # from the second step on, the first step's successes are replayed in the supervised term
+    assert records[0]["imitations"] == 0 and all(r["imitations"] == 4 for r in records[1:])
+    db = buffer.create_buffer_engine(url)
+    discarded = buffer.list_experiences(engine=db, status="discarded", limit=100_000)
+    db.dispose()
+    rewards_of: dict[str, set] = {}
+    for e in discarded:  # what was set aside: whole groups whose episodes all scored the same
+        rewards_of.setdefault(e.task_id, set()).add(e.reward)
+    assert discarded and all(len(r) == 1 for r in rewards_of.values()) and len(discarded) == 4 * len(rewards_of)
+    v = checkpoints.validate_version(tmp_path / "ck", "default", steps)
+    gain = _share_gain(url, base_model, v.path)
+    assert gain > 0.04, gain
+
+
 @pytest.mark.parametrize("algorithm", ["ppo", "grpo"])
 def test_sequence_level_actions_learn_too(algorithm, tiny_model, sampled_db, base_model, ray_address, tmp_path):
     _copy_db(sampled_db, tmp_path)

@@ -198,3 +198,23 @@ def test_episode_relative_counts_episodes_not_calls():
     # Centred within each task: A +0.5, B -0.5; u's only episode 0 (no std normalisation).
     adv = episode_relative(torch.tensor([1.0, 0.0, 0.5]), torch.tensor([0, 0, 1]), std_normalize=False)
     assert adv.tolist() == approx([0.5, -0.5, 0.0])
+
+
+def test_behaviour_weights_truncate_and_mask_by_hand():
+    from services.trainer.algorithms.importance import behaviour_weights
+
+    # proximal - behaviour per token: 0, ln 2, ln 4 -> weights 1, 2, 4; cap 3
+    prox = torch.tensor([[0.0, math.log(2.0), math.log(4.0)]])
+    behav = torch.zeros(1, 3)
+    mask = torch.ones(1, 3)
+    w, st = behaviour_weights(prox, behav, mask, mode="truncate", cap=3.0, normalizer=3)
+    assert w.tolist() == [[approx(1.0), approx(2.0), approx(3.0)]]  # 4 truncated to 3
+    assert st["is_weight_mean"].item() == approx(2.0) and st["is_capped_frac"].item() == approx(1 / 3)
+    w, st = behaviour_weights(prox, behav, mask, mode="mask", cap=3.0, normalizer=3)
+    assert w.tolist() == [[approx(1.0), approx(2.0), 0.0]]  # the token over the cap is left out
+    assert st["is_weight_mean"].item() == approx(1.0)
+    # padding never counts: the third token masked out of the statistics
+    _, st = behaviour_weights(prox, behav, torch.tensor([[1.0, 1.0, 0.0]]), mode="truncate", cap=3.0, normalizer=2)
+    assert st["is_weight_mean"].item() == approx(1.5) and st["is_capped_frac"].item() == 0.0
+    with pytest.raises(ValueError, match="importance mode"):
+        behaviour_weights(prox, behav, mask, mode="clip", cap=3.0, normalizer=3)
