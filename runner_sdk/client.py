@@ -41,6 +41,8 @@ def _track(request: httpx.Request) -> AgentRun | None:
         return None
     request.headers["X-Task-Id"] = run.task_id
     request.headers["X-Run-Id"] = run.run_id
+    if run.explore:
+        request.headers["X-Explore"] = "true"
     return run
 
 

@@ -27,6 +27,7 @@ class AgentRun:
     labels: tuple[str, ...] = ()
     metadata: dict[str, Any] = field(default_factory=dict)
     selected: bool = False
+    explore: bool = False  # a run nobody reads (shadow): the Explorer may sample it at the agent's exploration temperature
     msg_ids: list[str] = field(default_factory=list)  # chat completion ids the Explorer returned
     reward: float | None = None
     error: str | None = None

@@ -311,7 +311,7 @@ class TrainingRunner:
 
     async def _shadow_run(self, base: AgentRun, i: int) -> None:
         run = AgentRun(task_id=base.task_id, run_id=str(i), input=base.input, expected=base.expected,
-                       labels=base.labels, metadata=dict(base.metadata), selected=True)
+                       labels=base.labels, metadata=dict(base.metadata), selected=True, explore=True)
         async with self._shadow_sem:
             with running(run):
                 try:

@@ -107,12 +107,22 @@ class AgentsSection(ConfigModel):
         description="Agents served (one adapter each); agents found under checkpoints.root are added.",
     )
     default: str = Field(default="default", description="Agent that requests naming the base model belong to.")
+    exploration_temperature: dict[str, float] = Field(
+        default_factory=dict,
+        description="Per agent: exploration runs (requests with metadata.explore true or the header X-Explore: true, "
+        "as the runner SDK's shadow runs send) sample at this temperature, whatever the client asked; their records "
+        "hold the temperature sampled at, which the Trainer scores at. Calls nobody reads (shadow runs, a demo's "
+        "repeated runs) may explore more than users would want to see.",
+    )
 
     @model_validator(mode="after")
     def _check(self) -> "AgentsSection":
-        for name in [*self.names, self.default]:
+        for name in [*self.names, self.default, *self.exploration_temperature]:
             if not AGENT_NAME.match(name):
                 raise ValueError(f"invalid agent name {name!r}")
+        for name, t in self.exploration_temperature.items():
+            if not 0 < t <= 2:
+                raise ValueError(f"agents.exploration_temperature.{name} is {t}: a temperature in (0, 2]")
         return self
 
 

@@ -194,14 +194,19 @@ def _response_grammar(req: ChatCompletionRequest, tools: list[dict[str, Any]] | 
         raise APIError(400, str(e), param="response_format" if kind != "text" else "tools") from None
 
 
-def _episode_pin(req: ChatCompletionRequest, headers: Mapping[str, str]) -> bool:
-    """metadata.episode_pin / X-Episode-Pin false: this call takes the current version."""
-    value = (req.metadata or {}).get("episode_pin", headers.get("x-episode-pin", True))
+def _flag(req: ChatCompletionRequest, headers: Mapping[str, str], name: str, default: bool) -> bool:
+    """metadata.<name>, else the header X-<Name> (true/false/1/0); a 400 naming it when it is neither."""
+    value = (req.metadata or {}).get(name, headers.get("x-" + name.replace("_", "-"), default))
     if isinstance(value, str) and value.lower() in ("true", "false", "1", "0"):
         value = value.lower() in ("true", "1")
     if not isinstance(value, bool):
-        raise APIError(400, "metadata.episode_pin must be true or false", param="metadata.episode_pin")
+        raise APIError(400, f"metadata.{name} must be true or false", param=f"metadata.{name}")
     return value
+
+
+def _episode_pin(req: ChatCompletionRequest, headers: Mapping[str, str]) -> bool:
+    """metadata.episode_pin / X-Episode-Pin false: this call takes the current version."""
+    return _flag(req, headers, "episode_pin", True)
 
 
 class RequestPreparer:
@@ -327,8 +332,11 @@ class RequestPreparer:
                 code="context_length_exceeded",
             )
         stop = (req.stop,) if isinstance(req.stop, str) else tuple(req.stop or ())
+        temperature = 1.0 if req.temperature is None else req.temperature
+        if _flag(req, headers, "explore", False):  # an exploration run: the agent's own temperature, if it has one
+            temperature = self.config.agents.exploration_temperature.get(self.registry.agent_named(req.model), temperature)
         params = SamplingParams(
-            temperature=1.0 if req.temperature is None else req.temperature,
+            temperature=temperature,
             top_p=1.0 if req.top_p is None else req.top_p,
             max_tokens=max_tokens,
             stop=stop,

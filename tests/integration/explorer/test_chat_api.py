@@ -207,3 +207,25 @@ def test_a_client_that_disconnects_aborts_its_generation(explorer):
         time.sleep(0.05)
     assert explorer.http.get("/health").json()["engine"]["running"] == 0
     assert explorer.http.get("/experiences", params={"task_id": "gone"}).json()["data"] == []
+
+
+def test_exploration_runs_sample_at_the_agents_exploration_temperature(make_explorer, reference_model):
+    ex = make_explorer("agents.exploration_temperature.default=1.5")
+
+    def chat(**extra):
+        resp = ex.client.chat.completions.create(model="default", messages=USER, max_tokens=8, temperature=0.7, **extra)
+        return recorded(ex, resp.choices[0].model_extra["experience_id"])
+
+    # marked as exploration (metadata, or the header the runner SDK's shadow runs send): the agent's temperature,
+    # recorded with logprobs at the temperature actually sampled
+    for exp in (chat(extra_body={"metadata": {"explore": True}}), chat(extra_headers={"X-Explore": "true"})):
+        assert exp["sampling"]["temperature"] == 1.5
+        ref = teacher_forced_logprobs(reference_model, exp["prompt_token_ids"], exp["response_token_ids"], 1.5)
+        assert torch.allclose(torch.tensor(exp["response_logprobs"]), ref, atol=1e-4)
+    assert chat()["sampling"]["temperature"] == 0.7  # a user's call: what the client asked
+    other = make_explorer()  # an agent without an exploration temperature: the client's, flag or not
+    resp = other.client.chat.completions.create(model="default", messages=USER, max_tokens=4, temperature=0.7,
+                                                extra_body={"metadata": {"explore": True}})
+    assert recorded(other, resp.choices[0].model_extra["experience_id"])["sampling"]["temperature"] == 0.7
+    r = ex.http.post("/v1/chat/completions", json={"model": "default", "messages": USER, "metadata": {"explore": "maybe"}})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "metadata.explore", r.text
