@@ -177,7 +177,7 @@ class Access:
             self._keys.append((bytes.fromhex(key_digest(internal_key)),
                                Principal(name="release-gate", scopes=frozenset({"chat", "read"}))))
         self.anonymous = Principal(name=ANONYMOUS, scopes=frozenset(SCOPES))
-        self.quotas = quotas or Quotas()
+        self.quotas = quotas if quotas is not None else Quotas()
 
     def authenticate(self, headers) -> Principal:
         """The caller of a request with ``headers``; APIError 401 without a valid key. Without

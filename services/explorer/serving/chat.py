@@ -96,7 +96,9 @@ class ChatService:
         self.redactor = Redactor(config.privacy)
         self.backpressure = backpressure
         r = config.reload
-        self.episodes = episodes or EpisodePins(ttl_s=r.episode_pin_s, max_episodes=r.episode_pin_max)
+        # `is not None`, never `or`: an EpisodePins with no episode yet is falsy (it has a length)
+        self.episodes = episodes if episodes is not None else EpisodePins(ttl_s=r.episode_pin_s,
+                                                                          max_episodes=r.episode_pin_max)
         self.preparer = RequestPreparer(config=config, engine=engine, registry=registry, recorder=recorder,
                                         backpressure=backpressure)
 
