@@ -61,6 +61,10 @@ class ParitySection(ConfigModel):
     fill_traffic = _traffic_over(_PARITY_TRAFFIC)
 
 
+# Whether `make demo` turns the levers on: off until `python -m tests.bench.learning` shows they pay (see the issue 29 note).
+LEVERS_DEFAULT = False
+
+
 class ToolsSection(ConfigModel):
     heldout: int = Field(default=80, ge=4, description="Held-out problems (never asked in traffic), one episode each per evaluation.")
     traffic_problems: int = Field(default=2000, ge=16, description="Problems the simulated users draw from.")
@@ -81,6 +85,12 @@ class ToolsSection(ConfigModel):
         "the demo process, for as many more steps as the online loop's Trainer took, on the same replayed "
         "demonstrations and nothing else; so the report can say which part of the online gain GRPO on the traffic "
         "gave, and which the replayed demonstrations would have given alone.")
+    levers: bool = Field(
+        default=LEVERS_DEFAULT,
+        description="The Trainer's levers for learning from the traffic (services/demo/tools_demo.py LEVERS: the agent's "
+        "successes replayed, the demonstrations decaying and replayed where groups failed, flat groups against a "
+        "baseline, importance correction); false: plain GRPO with the demonstrations replayed every step. "
+        "`python -m tests.bench.learning` compares the two.")
     traffic: TrafficSection = Field(default_factory=lambda: TrafficSection(**_TOOLS_TRAFFIC))
 
     fill_traffic = _traffic_over(_TOOLS_TRAFFIC)

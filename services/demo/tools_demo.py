@@ -35,6 +35,18 @@ from services.demo.report import Stage, report
 
 MODEL_NAME = "smollm2-135m-instruct"
 
+# tools.levers: the Trainer's levers for learning from the traffic (docs/TRAINER.md), over the plain settings
+LEVERS = {"algorithm": {
+    # a group all wrong (or all right) still teaches, against a fixed baseline; the ratio against the Trainer's own
+    # policy, the engine's logprobs corrected by truncated importance weights
+    "grpo": {"flat_groups": "baseline", "flat_baseline": 0.5, "importance": "truncate", "importance_cap": 2.0},
+    # after the cold start the demonstrations are replayed only in proportion to the groups that found no success, at
+    # a weight decaying to 0.25 over 8 steps, while the agent's own successes (the best episode of each solved
+    # problem) are replayed at a weight growing to 1 over 4 steps: the mixed objective moves from them to the traffic
+    "sft_coef_final": 0.25, "sft_decay_steps": 8, "demo_replay": "failed_groups",
+    "self_imitation": {"coef": 1.0, "ramp_steps": 4, "batch_size": 8, "per_task": 1},
+}}
+
 
 def wilson(successes: float, n: int, z: float = 1.96) -> tuple[float, float]:
     """Wilson score interval of a success rate (stays inside [0, 1] and is sane near 0 and 1)."""
@@ -83,20 +95,11 @@ class ToolsDemo:
         base = {
             "model": {"path": self.cfg.model_path, "dtype": _dtype()},
             "algorithm": {"name": "grpo", "kl_metric": False,
-                          "grpo": {"group_size": tr.repeat, "min_group_size": 2, "group_wait_s": 30.0, "small_groups": "batch",
-                                   # a group all wrong (or all right) still teaches, against a fixed baseline
-                                   "flat_groups": "baseline", "flat_baseline": 0.5,
-                                   # the ratio against the Trainer's own policy, the engine's logprobs corrected
-                                   "importance": "truncate", "importance_cap": 2.0},
-                          # the cold start: 4 steps on 4 demonstrations each (about 3 s a step). A longer cold start
-                          # (16 steps: the demonstrations' NLL near 0) scored higher at first but left no entropy to
-                          # explore, and GRPO then gained nothing. After it, the demonstrations are replayed only in
-                          # proportion to the groups that found no success, at a weight decaying to 0.25 over 8 steps,
-                          # while the agent's own successes (the best episode of each solved problem) are replayed at a
-                          # weight growing to 1 over 4 steps: the mixed objective moves from the demonstrations to the traffic.
-                          "sft_coef": 1.0, "demo_batch_size": 4, "cold_start_steps": 4,
-                          "sft_coef_final": 0.25, "sft_decay_steps": 8, "demo_replay": "failed_groups",
-                          "self_imitation": {"coef": 1.0, "ramp_steps": 4, "batch_size": 8, "per_task": 1}},
+                          "grpo": {"group_size": tr.repeat, "min_group_size": 2, "group_wait_s": 30.0, "small_groups": "batch"},
+                          # the cold start: 4 steps on 4 demonstrations each (about 3 s a step); every later step
+                          # replays 4 too (the mixed objective). A longer cold start (16 steps: the demonstrations'
+                          # NLL near 0) scored higher at first but left no entropy to explore, and GRPO then gained nothing.
+                          "sft_coef": 1.0, "demo_batch_size": 4, "cold_start_steps": 4},
             "lora": {"r": 16, "alpha": 32},
             "optim": {"lr": 1e-3},
             # calls per step: about two per episode (the calculator call, then the answer)
@@ -108,6 +111,8 @@ class ToolsDemo:
             # 8 sequences per forward/backward; their shared system prompt (about 170 tokens) is computed once
             "trainer": {"micro_batch_size": 8, "torch_threads": 1},
         }
+        if self.t.levers:
+            base = deep_merge(base, LEVERS)
         return self.stack.trainer_config(base, self.cfg.trainer)
 
     # ------------------------------------------------------------------ stages

@@ -8,8 +8,9 @@ alone). Printed per run and pooled over seeds, each with a 95% interval from a b
 held-out problems stratified by seed:
   - traffic gave: the online loop minus its control arm (the equal-step figure);
   - each setting against the first: the online loops' paired difference on the same problems.
-Settings are the trainer overrides below; `base` is the Trainer's plain GRPO with the
-demonstrations replayed every step (what the demo ran before the levers), `levers` the demo's default.
+Settings are the demo overrides below: `base` is plain GRPO with the demonstrations replayed every
+step, `levers` turns on the Trainer's levers (services/demo/tools_demo.py LEVERS), and each
+`no-*` setting is `levers` with one lever off (the ablation).
 """
 
 from __future__ import annotations
@@ -24,22 +25,22 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
 
-# trainer overrides of each setting (dotted keys under the demo's `trainer:` section)
+# demo overrides of each setting (dotted keys of configs/demo.yaml; trainer.* reach the Trainer's config)
 SETTINGS: dict[str, list[str]] = {
-    "base": ["algorithm.self_imitation.coef=0", "algorithm.sft_coef_final=null", "algorithm.demo_replay=every_step",
-             "algorithm.grpo.flat_groups=keep", "algorithm.grpo.importance=off"],
-    "levers": [],
-    "no-self-imitation": ["algorithm.self_imitation.coef=0"],
-    "no-flat-baseline": ["algorithm.grpo.flat_groups=keep"],
-    "no-demo-schedule": ["algorithm.sft_coef_final=null", "algorithm.demo_replay=every_step"],
-    "no-importance": ["algorithm.grpo.importance=off"],
+    "base": ["tools.levers=false"],  # plain GRPO, the demonstrations replayed every step
+    "levers": ["tools.levers=true"],  # services/demo/tools_demo.py LEVERS
+    "no-self-imitation": ["tools.levers=true", "trainer.algorithm.self_imitation.coef=0"],
+    "no-flat-baseline": ["tools.levers=true", "trainer.algorithm.grpo.flat_groups=keep"],
+    "no-demo-schedule": ["tools.levers=true", "trainer.algorithm.sft_coef_final=null",
+                         "trainer.algorithm.demo_replay=every_step"],
+    "no-importance": ["tools.levers=true", "trainer.algorithm.grpo.importance=off"],
 }
 
 
 def run_demo(seed: int, setting: str, out: Path) -> dict:
     run_dir = out / f"{setting}-seed{seed}"
     args = [sys.executable, "-m", "services.cli", "demo", "--config", "configs/demo.yaml", f"seed={seed}",
-            f"run_dir={run_dir}", *(f"trainer.{o}" for o in SETTINGS[setting])]
+            f"run_dir={run_dir}", *SETTINGS[setting]]
     log = run_dir.with_suffix(".log")
     run_dir.parent.mkdir(parents=True, exist_ok=True)
     with open(log, "w") as f:
