@@ -121,7 +121,12 @@ def test_each_algorithm_raises_the_rewarded_probability(algorithm, steps, tiny_m
 def test_grpo_with_every_lever_learns_and_reports_each(tiny_model, sampled_db, base_model, ray_address, tmp_path):
     """Flat groups set aside (dynamic sampling), importance correction against the proximal policy,
     response-level aggregation, the agent's successes replayed beside a decaying supervised term."""
+    import sqlite3
+
     url = _copy_db(sampled_db, tmp_path)
+    with sqlite3.connect(tmp_path / "buffer.db") as con:  # the two oldest groups scored all wrong: no signal
+        flat = [t for (t,) in con.execute("SELECT task_id FROM experiences GROUP BY task_id ORDER BY min(seq) LIMIT 2")]
+        con.execute(f"UPDATE experiences SET reward = 0 WHERE task_id IN ({', '.join('?' * len(flat))})", flat)
     steps = 4
     _train(tiny_model, tmp_path, ray_address, "algorithm.name=grpo", "algorithm.grpo.group_size=4",
            "algorithm.grpo.flat_groups=discard", "algorithm.grpo.importance=truncate", "algorithm.grpo.aggregation=sequence",
@@ -129,8 +134,10 @@ def test_grpo_with_every_lever_learns_and_reports_each(tiny_model, sampled_db, b
            "--max-steps", str(steps))
     records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == list(range(1, steps + 1))
+    # the first step met the two flat groups first, set them aside and took the next four
+    assert records[0]["flat_groups"] >= 2 and records[0]["informative_groups"] == 4 and records[0]["batch_size"] == 16
+    assert records[0]["informative_share"] == 4 / (4 + records[0]["flat_groups"])
     for r in records:
-        assert r["flat_groups"] == 0 and r["informative_share"] == 1.0  # the flat ones were set aside before
         assert {"informative_groups", "is_weight_mean", "is_capped_frac", "clip_frac"} <= set(r["objective_figures"])
         assert 0.0 < r["is_weight_mean"] <= 2.0 and 0.0 <= r["is_capped_frac"] <= 1.0
     # step 1 trains what its own policy sampled: engine and Trainer agree, every weight about 1
@@ -141,9 +148,10 @@ def test_grpo_with_every_lever_learns_and_reports_each(tiny_model, sampled_db, b
     discarded = buffer.list_experiences(engine=db, status="discarded", limit=100_000)
     db.dispose()
     rewards_of: dict[str, set] = {}
-    for e in discarded:  # what was set aside: whole groups whose episodes all scored the same
+    for e in discarded:  # what was set aside: whole groups whose episodes all scored the same, the two made so first
         rewards_of.setdefault(e.task_id, set()).add(e.reward)
-    assert discarded and all(len(r) == 1 for r in rewards_of.values()) and len(discarded) == 4 * len(rewards_of)
+    assert set(flat) <= set(rewards_of) and all(len(r) == 1 for r in rewards_of.values())
+    assert len(discarded) == 4 * len(rewards_of)
     v = checkpoints.validate_version(tmp_path / "ck", "default", steps)
     gain = _share_gain(url, base_model, v.path)
     assert gain > 0.04, gain
