@@ -327,8 +327,10 @@ def run_tools(cfg: DemoConfig) -> int:
     stages = [
         Stage(evals[0], None),
         Stage(evals[1], "cold start", f"{cold_steps} supervised steps on {len(demo.demos)} demonstrations"),
-        Stage(evals[2], "online loop", f"v{cold_steps} -> v{final_version}: GRPO on its own traffic plus the demonstrations "
-              "replayed in every step (the mixed objective), same run, through the Explorer"),
+        Stage(evals[2], "online loop", f"v{cold_steps} -> v{final_version}: GRPO on its own traffic plus "
+              + ("the levers (its successes replayed, the demonstrations where groups failed; docs/TRAINER.md)"
+                 if cfg.tools.levers else "the demonstrations replayed in every step (the mixed objective)")
+              + ", same run, through the Explorer"),
     ]
     control = None
     if cfg.tools.control:
