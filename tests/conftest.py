@@ -40,9 +40,9 @@ def smollm2_model() -> Path:
 def ray_address(tmp_path_factory):
     """One local Ray cluster for the whole session (loopback only, no dashboard, no auth token).
 
-    Started in the foreground (``--block``) in a process group of its own and stopped by killing
-    that group, never with ``ray stop --force``, which would also stop any other session's cluster
-    on the machine (another test run, a developer's Trainer).
+    Started in the foreground (``--block``) in a process group of its own and stopped by stopping
+    that process, then killing what is left of its group; never with ``ray stop --force``, which
+    would also stop any other cluster on the machine (the other test worker's, a developer's Trainer).
     """
     import signal
     import subprocess
@@ -71,12 +71,40 @@ def ray_address(tmp_path_factory):
     try:
         yield address
     finally:
+        # SIGTERM to `ray start` alone: it drains the node and stops its processes (3 s). Sent to the
+        # whole group it also stopped the GCS the drain waits for, and took 30-60 s to time out.
         with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGTERM)
+            os.kill(proc.pid, signal.SIGTERM)
         try:
             proc.wait(60)
         except subprocess.TimeoutExpired:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(30)
+            pass
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)  # whatever of the group is left
+        proc.wait(30)
         log.close()
+
+
+# The files that take longest start first: `make test` runs files on two workers (-n 2 --dist loadfile,
+# in collection order), so that the last file to finish is not a long one started late. Seconds per
+# file on two busy workers of a 2-core AMD EPYC (pytest --durations, 2026-11-25).
+LONGEST_FIRST = (
+    "tests/integration/demo/test_tools_demo.py",  # 490
+    "tests/integration/trainer/test_trainer_faults.py",  # 320
+    "tests/integration/trainer/test_trainer_service.py",  # 280
+    "tests/integration/agents/test_dataset_trainer.py",  # 255
+    "tests/integration/trainer/test_real_model.py",  # 300 (with 2 threads)
+    "tests/integration/trainer/test_multi_agent.py",  # 135
+    "tests/integration/explorer/test_explorer_kills.py",  # 100
+    "tests/integration/agents/test_learnable_agent.py",  # 90
+    "tests/integration/demo/test_dashboard.py",  # 85
+    "tests/integration/explorer/test_adapters_and_tools.py",  # 80
+    "tests/integration/common/test_publish.py",  # 80
+    "tests/integration/explorer/test_fuzz.py",  # 70
+    "tests/integration/explorer/test_vllm_engine.py",  # 70
+)
+
+
+def pytest_collection_modifyitems(config, items):
+    rank = {path: k for k, path in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.nodeid.split("::", 1)[0], len(rank)))  # stable: the rest keep their order

@@ -56,7 +56,7 @@ def test_smollm2_learns_from_its_rewards_and_demonstrations(smollm2_model, make_
            f"model.path={smollm2_model}", f"buffer.url={url}", f"checkpoints.root={tmp_path}/ck",
            f"trainer.run_dir={tmp_path}/run", f"ray.address={ray_address}", "algorithm.name=grpo",
            "algorithm.group_size=4", "train_batch_size=16", "algorithm.demo_batch_size=4", "algorithm.sft_coef=1.0",
-           "lora.r=8", "optim.lr=2e-3", "optim.warmup_steps=0", "trainer.torch_threads=2", "--max-steps", str(steps)]
+           "lora.r=8", "optim.lr=2e-3", "optim.warmup_steps=0", "trainer.torch_threads=1", "--max-steps", str(steps)]
     r = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=900)
     assert r.returncode == 0, (r.stdout + r.stderr)[-4000:]
 
