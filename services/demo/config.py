@@ -65,6 +65,21 @@ class ParitySection(ConfigModel):
 LEVERS_DEFAULT = False
 
 
+class PlateauSection(ConfigModel):
+    """The demonstrations-only arm trained on until it stops improving (services/demo/demonstrations_only.py)."""
+
+    max_steps: int = Field(
+        default=0, ge=0,
+        description="Supervised steps on the demonstrations alone at most, counted from the cold start (0: off). "
+        "The report then compares the online loop with the best the demonstrations alone reached.")
+    every: int = Field(default=4, ge=1, description="Steps between measurements on the validation problems.")
+    patience: int = Field(default=2, ge=1, description="Stop after this many measurements without a higher validation score.")
+    validation: int = Field(
+        default=40, ge=4,
+        description="Validation problems (apart from the traffic and the held-out ones): the arm's best version is "
+        "chosen on them, then measured on the held-out problems.")
+
+
 class ToolsSection(ConfigModel):
     heldout: int = Field(default=80, ge=4, description="Held-out problems (never asked in traffic), one episode each per evaluation.")
     traffic_problems: int = Field(default=2000, ge=16, description="Problems the simulated users draw from.")
@@ -91,6 +106,7 @@ class ToolsSection(ConfigModel):
         "successes replayed, the demonstrations decaying and replayed where groups failed, flat groups against a "
         "baseline, importance correction); false: plain GRPO with the demonstrations replayed every step. "
         "`python -m tests.bench.learning` compares the two.")
+    plateau: PlateauSection = Field(default_factory=PlateauSection)
     traffic: TrafficSection = Field(default_factory=lambda: TrafficSection(**_TOOLS_TRAFFIC))
 
     fill_traffic = _traffic_over(_TOOLS_TRAFFIC)

@@ -53,24 +53,24 @@ def guard_counts(run: Path) -> dict[str, int]:
             "refused": sum(1 for s in checked if s["guard_refused"])}
 
 
-def plot(stages: list[Stage], loop, rows: list[dict], path: Path, *, metric: str, title: str, control: Stage | None = None) -> None:
+def plot(stages: list[Stage], loop, rows: list[dict], path: Path, *, metric: str, title: str, arms: list[Stage] = ()) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fig, (ax0, ax1, ax2) = plt.subplots(1, 3, figsize=(16, 4.5), gridspec_kw={"width_ratios": [0.8, 1.2, 1.0]})
-    bars = stages + ([control] if control else [])
+    bars = stages + list(arms)
     names = [s.result.label.replace("after ", "after\n").replace(": ", ":\n").replace("demonstrations only", "demonstrations\nonly")
              for s in bars]
     means = [s.result.mean for s in bars]
     errs = [[s.result.mean - s.result.low for s in bars], [s.result.high - s.result.mean for s in bars]]
-    colors = ["tab:gray", "tab:orange", "tab:green"][-len(stages):] + (["tab:brown"] if control else [])
+    colors = ["tab:gray", "tab:orange", "tab:green"][-len(stages):] + ["tab:brown", "tab:olive"][: len(arms)]
     ax0.bar(range(len(bars)), means, yerr=errs, capsize=6, color=colors)
     for i, s in enumerate(bars):
         ax0.text(i, min(s.result.high + 0.03, 0.97), f"{s.result.mean:.2f}\nv{s.result.version}", ha="center", fontsize=8)
     ax0.set(xticks=range(len(bars)), ylim=(0, 1.05), ylabel=f"held-out {metric}", title="Held-out questions (95% CI)")
-    ax0.set_xticklabels(names, fontsize=8 if control else None)
+    ax0.set_xticklabels(names, fontsize=8 if arms else None)
     ts = [r.t for r in loop.rounds]
     rs = [r.reward for r in loop.rounds]
     if ts:
@@ -99,26 +99,28 @@ def plot(stages: list[Stage], loop, rows: list[dict], path: Path, *, metric: str
 
 
 def report(cfg, stack, loop, stages: list[Stage], *, serving: dict, explorer_requests: dict, seconds: float,
-           metric: str, interval: str, title: str, control: Stage | None = None, release: list[dict] | None = None) -> int:
-    """``control``: a control arm measured on the same questions, compared with the last stage (its
-    gain_name names what the last stage had and the control arm lacked). ``release``: the release
-    check's decisions (loop.release_check), whose candidates are not counted as published versions."""
+           metric: str, interval: str, title: str, arms: list[Stage] = (), release: list[dict] | None = None,
+           curves: dict[str, list[dict]] | None = None) -> int:
+    """``arms``: control arms measured on the same questions, each compared with the last stage (its
+    gain_name names what the last stage had and the arm lacked). ``release``: the release check's
+    decisions (loop.release_check), whose candidates are not counted as published versions.
+    ``curves``: learning curves (name -> points) kept in summary.json."""
     release = release or []
     rows, counts, last = _traffic_rows(stack)
     versions = checkpoints.list_versions(stack.root, stack.agent)
     png = stack.run / "reward.png"
-    plot(stages, loop, rows, png, metric=metric, title=title, control=control)
+    plot(stages, loop, rows, png, metric=metric, title=title, arms=arms)
     lines = ["", f"Held-out {metric} (questions never asked in traffic; {interval})", ""]
-    shown = stages + ([control] if control else [])
+    shown = stages + list(arms)
     width = max(len(s.result.label) for s in shown) + 8
     for s in shown:
         e = s.result
         lines.append(f"  {e.label + f' (v{e.version})':<{width}} {e.mean:5.2f}  [{e.low:.2f}, {e.high:.2f}]")
     lines.append("")
     gains = {}
-    pairs = list(zip(stages, stages[1:])) + ([(control, stages[-1])] if control else [])
+    pairs = list(zip(stages, stages[1:])) + [(arm, stages[-1]) for arm in arms]
     for before, s in pairs:
-        name, note = (control.gain_name, control.note) if before is control else (s.gain_name, s.note)
+        name, note = (before.gain_name, before.note) if any(before is a for a in arms) else (s.gain_name, s.note)
         gain = s.result.mean - before.result.mean
         low, high = paired_gain_ci(before.result.per_prompt, s.result.per_prompt)
         gains[name] = {"gain": gain, "low": low, "high": high}
@@ -153,6 +155,6 @@ def report(cfg, stack, loop, stages: list[Stage], *, serving: dict, explorer_req
         "guard": guard,
         "release_check": release,
         "explorer_requests": explorer_requests,
-        "wall_seconds": seconds, "rounds": [asdict(r) for r in loop.rounds],
+        "wall_seconds": seconds, "rounds": [asdict(r) for r in loop.rounds], "curves": curves or {},
     }, indent=2))
     return 0

@@ -11,8 +11,10 @@ episode's reward with ``/feedback`` and commits; the Trainer trains GRPO on epis
 supervised term on the demonstrations) and the Explorer hot-loads every version; 6. stops the
 Trainer and measures the last version while, in this process, a control arm trains the cold-start
 version for as many steps on the replayed demonstrations alone (``tools.control``); 7. measures the
-control arm and prints the held-out scores with their 95% intervals, the gain of each stage, the
-part GRPO on the traffic gave (the online loop against its control arm) and a plot.
+control arm and, with ``tools.plateau``, trains it on until it stops improving on validation
+problems and measures its best version (services/demo/demonstrations_only.py); 8. prints the
+held-out scores with their 95% intervals, the gain of each stage, the part GRPO on the traffic gave
+(the online loop against its control arm, and against the demonstrations' best) and a plot.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import math
 import random
 import statistics
 import time
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from runner_sdk import ExplorerClient
@@ -30,6 +33,7 @@ from services.common.config import deep_merge
 from services.common.launch import Stack, new_run_dir
 from services.demo import agent_app, tools_task
 from services.demo.config import DemoConfig
+from services.demo.demonstrations_only import DemonstrationsOnly, Plateau
 from services.demo.loop import EvalResult, OnlineLoop, Round, demo_stack, gate_section, release_check, say
 from services.demo.report import Stage, report
 
@@ -71,7 +75,8 @@ class ToolsDemo:
         self.cfg = cfg
         self.t = cfg.tools
         self.stack = stack
-        self.split = tools_task.split(cfg.seed, self.t.traffic_problems, self.t.heldout)
+        self.split = tools_task.split(cfg.seed, self.t.traffic_problems, self.t.heldout,
+                                      self.t.plateau.validation if self.t.plateau.max_steps else 0)
         self.demos = tools_task.demonstrations(self.t.demonstrations, self.t.demonstrated_operations)
         self.shown = {p.template for p in tools_task.demonstration_problems(self.t.demonstrated_operations)}
         self.rng = random.Random(cfg.seed + 1)
@@ -83,7 +88,7 @@ class ToolsDemo:
         # the same dtype as the Trainer; the shared system prompt is prefilled once
         base = {"model": {"path": self.cfg.model_path, "dtype": _dtype()},
                 "engine": {"kind": "hf", "max_batch_size": 32, "torch_threads": 1}}
-        if self.t.control:  # the control arm is served beside the agent, from the same checkpoint root
+        if self.t.control or self.t.plateau.max_steps:  # the arm is served beside the agent, from the same checkpoint root
             base["agents"] = {"names": [self.cfg.agent, self.control_agent], "default": self.cfg.agent}
         if self.cfg.release_check:
             base["release"] = gate_section("services.demo.agent_app:GateEnv", "services.demo.agent_app:gate_problems",
@@ -130,10 +135,12 @@ class ToolsDemo:
         finally:
             await client.aclose()
 
-    async def evaluate(self, label: str, version: int, agent: str | None = None) -> EvalResult:
-        """Each held-out problem once through the Explorer, pinned to ``agent@v<version>`` (this demo's
-        agent by default); success rate with its Wilson 95% interval."""
+    async def evaluate(self, label: str, version: int, agent: str | None = None,
+                       problems: list[tools_task.Problem] | None = None) -> EvalResult:
+        """Each held-out problem (or each of ``problems``) once through the Explorer, pinned to
+        ``agent@v<version>`` (this demo's agent by default); success rate with its Wilson 95% interval."""
         agent = agent or self.cfg.agent
+        problems = self.split.heldout if problems is None else problems
         t0 = time.monotonic()
         client = self.openai_client()
         sem = asyncio.Semaphore(self.t.eval_concurrency)
@@ -144,7 +151,7 @@ class ToolsDemo:
                                                    max_tokens=self.t.max_tokens, temperature=self.t.temperature)
 
         try:
-            episodes = await asyncio.gather(*(one(p) for p in self.split.heldout))
+            episodes = await asyncio.gather(*(one(p) for p in problems))
         finally:
             await client.close()
         failed = [e.error for e in episodes if e.error]
@@ -173,35 +180,10 @@ class ToolsDemo:
     def control_agent(self) -> str:
         return f"{self.cfg.agent}-sft-only"
 
-    def supervised_only(self, trainer_cfg: dict, *, start_version: int, steps: int) -> int:
-        """The control arm (``tools.control``): the cold-start version ``v<start_version>`` trained ``steps``
-        more steps on the demonstrations alone, each step replaying the same ones the Trainer's step of
-        that number did (``demo_batch_size`` of the stored rows, in turn); no rollouts. Published as
-        agent ``<agent>-sft-only``, ``v<start_version + steps>``."""
-        from services.common import checkpoints
-        from services.trainer.batches import Norms, demonstration_item, in_turn
-        from services.trainer.learner import LearnerWorker
-
-        a = trainer_cfg["algorithm"]
-        db = buffer.create_buffer_engine(self.stack.db_url, create_tables=False)
-        try:  # the very rows the Trainer replays, in its order
-            demos = buffer.fetch_committed(engine=db, agent=self.cfg.agent, limit=10_000, demonstrations=True)
-        finally:
-            db.dispose()
-        items = [demonstration_item(d) for d in demos]
-        worker = LearnerWorker(deep_merge(trainer_cfg, {"log_level": "warning"}))
-        worker.setup()
-        agent = self.control_agent
-        worker.ensure_agent(agent, adapter_dir=str(checkpoints.version_dir(self.stack.root, self.cfg.agent, start_version)))
-        for k in range(steps):
-            step = start_version + k  # the Trainer's step numbers (one version per step), so the same slices
-            batch = in_turn(items, a["demo_batch_size"], step)  # what the Trainer's step replays: the same code path
-            worker.train_step(agent, batch, Norms.of(batch), step, step)
-        version = start_version + steps
-        worker.publish(agent, str(self.stack.root), version, {
-            "step": version, "algorithm": "supervised on the demonstrations only (the demo's control arm)",
-            "base_model": self.cfg.model_path, "parent": f"{self.cfg.agent}/v{start_version}", "demonstrations": len(items)})
-        return version
+    def demonstrations_only(self, trainer_cfg: dict, start_version: int) -> DemonstrationsOnly:
+        """The control arm: agent ``<agent>-sft-only`` from ``v<start_version>``, trained on the demonstrations alone."""
+        return DemonstrationsOnly(trainer_cfg, db_url=self.stack.db_url, root=self.stack.root, source=self.cfg.agent,
+                                  name=self.control_agent, start_version=start_version, model_path=self.cfg.model_path)
 
     def wait_for_agent_version(self, agent: str, version: int, timeout_s: float = 300) -> None:
         deadline = time.monotonic() + timeout_s
@@ -272,16 +254,72 @@ async def _base_and_cold_start(demo: ToolsDemo) -> EvalResult:
     return await demo.evaluate("base model", 0)
 
 
-async def _final_and_control(demo: ToolsDemo, trainer_cfg: dict, cold_steps: int, final_version: int) -> list[EvalResult]:
-    """The last version on the held-out problems while the control arm trains (one core each), then the control arm."""
-    if not demo.t.control:
-        return [await demo.evaluate("after online loop", final_version)]
-    control = asyncio.create_task(asyncio.to_thread(demo.supervised_only, trainer_cfg, start_version=cold_steps,
-                                                    steps=final_version - cold_steps))
-    final = await demo.evaluate("after online loop", final_version)
-    version = await control
-    await asyncio.to_thread(demo.wait_for_agent_version, demo.control_agent, version)
-    return [final, await demo.evaluate("control: demonstrations only", version, agent=demo.control_agent)]
+@dataclass
+class Arms:
+    """What the demonstrations-only arm gave: its control point, and with ``tools.plateau`` its curve on
+    the validation problems and its best version measured on the held-out ones."""
+
+    final: EvalResult
+    control: EvalResult | None = None
+    best: EvalResult | None = None
+    curve: list[dict] = field(default_factory=list)  # {steps, version, validation, train_seconds}
+
+
+async def _final_and_arms(demo: ToolsDemo, trainer_cfg: dict, cold: EvalResult, final_version: int) -> Arms:
+    """The last version on the held-out problems while the demonstrations-only arm trains to as many
+    steps as the online loop took (one core each); then the control arm; then, with ``tools.plateau``,
+    the arm trained on until it stops improving on the validation problems, and its best version."""
+    t, start = demo.t, cold.version
+    if not (t.control or t.plateau.max_steps):
+        return Arms(await demo.evaluate("after online loop", final_version))
+    control_steps = final_version - start
+    every, top = t.plateau.every, t.plateau.max_steps
+    marks = sorted({*range(every, min(control_steps, top) + 1, every), control_steps} - {0})  # published on the way
+
+    def to_control_point() -> DemonstrationsOnly:
+        arm = demo.demonstrations_only(trainer_cfg, start)
+        for m in marks or [0]:  # 0: the loop trained nothing, the arm is the cold start published under its name
+            arm.train(start + m - arm.version)
+        return arm
+
+    training = asyncio.create_task(asyncio.to_thread(to_control_point))
+    out = Arms(await demo.evaluate("after online loop", final_version))
+    arm = await training
+    await asyncio.to_thread(demo.wait_for_agent_version, demo.control_agent, arm.version)
+    if t.control:
+        out.control = await demo.evaluate("control: demonstrations only", arm.version, agent=demo.control_agent)
+    if not top:
+        return out
+
+    say(f"- the demonstrations-only arm until it stops improving (at most {top} steps from the cold start, measured every "
+        f"{every} on {len(demo.split.validation)} validation problems, patience {t.plateau.patience})")
+    plateau = Plateau(t.plateau.patience)
+
+    async def measure(steps: int) -> bool:
+        agent = demo.cfg.agent if steps == 0 else demo.control_agent
+        v = await demo.evaluate(f"validation, {steps} steps", start + steps, agent=agent, problems=demo.split.validation)
+        out.curve.append({"steps": steps, "version": start + steps, "validation": v.mean,
+                          "train_seconds": round(arm.seconds_at[start + steps], 1)})
+        return plateau.add(steps, v.mean)
+
+    going = await measure(0)
+    for m in (m for m in marks if m % every == 0):
+        going = going and await measure(m)
+    steps = arm.version - start
+    while going and (steps // every + 1) * every <= top:  # on to the next multiple of `every`
+        steps = await asyncio.to_thread(arm.train, (steps // every + 1) * every - steps) - start
+        await asyncio.to_thread(demo.wait_for_agent_version, demo.control_agent, arm.version)
+        going = await measure(steps)
+    best_steps, best_score = plateau.best
+    label = f"demonstrations only, best ({best_steps} steps)"
+    say(f"  best on validation: {best_steps} steps ({best_score:.2f}); measured on the held-out problems")
+    if best_steps == 0:
+        out.best = replace(cold, label=label)
+    elif out.control is not None and best_steps == control_steps:
+        out.best = replace(out.control, label=label)
+    else:
+        out.best = await demo.evaluate(label, start + best_steps, agent=demo.control_agent)
+    return out
 
 
 def run_tools(cfg: DemoConfig) -> int:
@@ -318,7 +356,8 @@ def run_tools(cfg: DemoConfig) -> int:
         if cfg.tools.control:
             say(f"- control arm, beside the last version's measurement: v{cold_steps} trained {final_version - cold_steps} more "
                 f"steps on the replayed demonstrations alone (no traffic), in this process -> {demo.control_agent}")
-        evals += asyncio.run(_final_and_control(demo, trainer_cfg, cold_steps, final_version))
+        arms = asyncio.run(_final_and_arms(demo, trainer_cfg, evals[1], final_version))
+        evals.append(arms.final)
         serving = stack.serving()
         explorer_requests = stack.http_statuses()
         release = release_check(stack, cfg.model_path) if cfg.release_check else []
@@ -332,11 +371,15 @@ def run_tools(cfg: DemoConfig) -> int:
                  if cfg.tools.levers else "the demonstrations replayed in every step (the mixed objective)")
               + ", same run, through the Explorer"),
     ]
-    control = None
-    if cfg.tools.control:
-        control = Stage(evals[3], "GRPO on traffic", f"the online loop against its control arm: the same {final_version - cold_steps} "
-                        "steps of replayed demonstrations without the traffic")
-    return report(cfg, stack, loop, stages, control=control, serving=serving, explorer_requests=explorer_requests,
+    others = []
+    if arms.control is not None:
+        others.append(Stage(arms.control, "GRPO on traffic", f"the online loop against its control arm: the same "
+                            f"{final_version - cold_steps} steps of replayed demonstrations without the traffic"))
+    if arms.best is not None:
+        others.append(Stage(arms.best, "traffic over best", "the online loop against the best the demonstrations alone reached, "
+                            "chosen on validation problems (tools.plateau)"))
+    return report(cfg, stack, loop, stages, arms=others, serving=serving, explorer_requests=explorer_requests,
                   seconds=time.monotonic() - t_start, metric="success",
                   interval="share of problems whose final answer is right, Wilson 95% interval",
-                  title="SmolLM2-135M-Instruct with a calculator tool, on CPU", release=release)
+                  title="SmolLM2-135M-Instruct with a calculator tool, on CPU", release=release,
+                  curves={"demonstrations only (validation)": arms.curve} if arms.curve else None)

@@ -15,7 +15,7 @@ import json
 import operator
 import random
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 CALCULATOR = {
@@ -172,19 +172,22 @@ def make_problem(rng: random.Random, template: int | None = None) -> Problem:
 class Split:
     traffic: list[Problem]  # what the simulated users ask
     heldout: list[Problem]  # never asked in traffic and not among the demonstrations
+    validation: list[Problem] = field(default_factory=list)  # apart from both: for choosing a checkpoint
 
 
-def split(seed: int, n_traffic: int, n_heldout: int) -> Split:
-    """Distinct problems from a seeded generator; held-out ones never appear in traffic or demonstrations."""
+def split(seed: int, n_traffic: int, n_heldout: int, n_validation: int = 0) -> Split:
+    """Distinct problems from a seeded generator; held-out and validation ones never appear in traffic
+    or demonstrations. The validation problems are drawn last, so the others do not depend on them."""
     rng = random.Random(seed)
     taken = {d.question for d in DEMONSTRATION_POOL}
     problems: list[Problem] = []
-    while len(problems) < n_traffic + n_heldout:
+    while len(problems) < n_traffic + n_heldout + n_validation:
         p = make_problem(rng)
         if p.question not in taken:
             taken.add(p.question)
             problems.append(p)
-    return Split(traffic=problems[n_heldout:], heldout=problems[:n_heldout])
+    end = n_heldout + n_traffic
+    return Split(traffic=problems[n_heldout:end], heldout=problems[:n_heldout], validation=problems[end:])
 
 
 # ---------------------------------------------------------------------------------------- demonstrations

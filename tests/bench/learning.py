@@ -2,12 +2,17 @@
 what the agent's own traffic gives, pooled over seeds, for each trainer setting of the real demo.
 
 Each (seed, setting) is one `kaizen demo` run (SmolLM2-135M-Instruct with the calculator tool, about
-15 minutes on 2 cores): its online loop, and its control arm trained for as many steps on the
-demonstrations alone, are measured on the same held-out problems (the split depends on the seed
-alone). Printed per run and pooled over seeds, each with a 95% interval from a bootstrap over the
-held-out problems stratified by seed:
+22 minutes on a 2-core AVX2 host): its online loop, and its control arm trained for as many steps on
+the demonstrations alone, are measured on the same held-out problems (the split depends on the seed
+alone). The first setting's run of each seed also trains the demonstrations-only arm on until it
+stops improving on validation problems (`tools.plateau`, about 15 more minutes) and measures its best
+version: what the demonstrations alone can reach, whatever the steps. Printed per run and pooled over
+seeds, each with a 95% interval from a bootstrap over the held-out problems stratified by seed:
+  - over best (the headline): the online loop minus the seed's best demonstrations-only version;
   - traffic gave: the online loop minus its control arm (the equal-step figure);
   - each setting against the first: the online loops' paired difference on the same problems.
+`--loop-steps N` makes each online loop run until its traffic was served by N new versions (about N
+Trainer steps) instead of the demo's 7 minutes, so slow and fast hosts compare the same steps.
 Settings are the demo overrides below: `base` is plain GRPO with the demonstrations replayed every
 step, `levers` turns on the Trainer's levers (services/demo/tools_demo.py LEVERS), and each
 `no-*` setting is `levers` with one lever off (the ablation).
@@ -37,10 +42,13 @@ SETTINGS: dict[str, list[str]] = {
 }
 
 
-def run_demo(seed: int, setting: str, out: Path) -> dict:
+BEST = "demonstrations only, best"  # the label of the plateau arm's best version (services/demo/tools_demo.py)
+
+
+def run_demo(seed: int, setting: str, out: Path, extra: list[str] = ()) -> dict:
     run_dir = out / f"{setting}-seed{seed}"
     args = [sys.executable, "-m", "services.cli", "demo", "--config", "configs/demo.yaml", f"seed={seed}",
-            f"run_dir={run_dir}", *SETTINGS[setting]]
+            f"run_dir={run_dir}", *SETTINGS[setting], *extra]
     log = run_dir.with_suffix(".log")
     run_dir.parent.mkdir(parents=True, exist_ok=True)
     with open(log, "w") as f:
@@ -53,7 +61,12 @@ def run_demo(seed: int, setting: str, out: Path) -> dict:
 
 
 def _evals(summary: dict) -> dict[str, list[float]]:
-    return {e["label"]: e["per_prompt"] for e in summary["evals"]}
+    """label -> per-problem scores; the plateau arm's best under BEST whatever its steps."""
+    return {(BEST if e["label"].startswith(BEST) else e["label"]): e["per_prompt"] for e in summary["evals"]}
+
+
+def _mean(xs: list[float]) -> float:
+    return sum(xs) / len(xs)
 
 
 def pooled(pairs: list[tuple[list[float], list[float]]], *, rounds: int = 2000, seed: int = 0) -> tuple[float, float, float]:
@@ -69,18 +82,33 @@ def pooled(pairs: list[tuple[list[float], list[float]]], *, rounds: int = 2000, 
 
 def report(results: dict[tuple[int, str], dict], seeds: list[int], settings: list[str]) -> str:
     lines = ["learning (SmolLM2-135M-Instruct, calculator tool; held-out success, 95% intervals)", ""]
+    best = {s: _evals(results[s, settings[0]]).get(BEST) for s in seeds}  # each seed's plateau arm, if it ran
+    for seed in seeds:
+        curve = results[seed, settings[0]].get("curves", {}).get("demonstrations only (validation)", [])
+        if curve:
+            points = ", ".join(f"{p['steps']}: {p['validation']:.2f}" for p in curve)
+            lines.append(f"  seed {seed}: demonstrations only, validation success by steps after the cold start: {points}; "
+                         f"best on held-out {_mean(best[seed]):.2f}")
     for setting in settings:
-        pairs = []
+        pairs, over = [], []
         for seed in seeds:
             ev = _evals(results[seed, setting])
             online, control = ev["after online loop"], ev["control: demonstrations only"]
             pairs.append((control, online))
             g, lo, hi = pooled([(control, online)])
-            lines.append(f"  {setting:<18} seed {seed}: online {sum(online) / len(online):.2f}, control "
-                         f"{sum(control) / len(control):.2f}, traffic gave {g:+.2f} [{lo:+.2f}, {hi:+.2f}], "
-                         f"{results[seed, setting]['trainer_steps']} steps")
+            line = (f"  {setting:<18} seed {seed}: online {_mean(online):.2f}, control {_mean(control):.2f}, traffic gave "
+                    f"{g:+.2f} [{lo:+.2f}, {hi:+.2f}], {results[seed, setting]['trainer_steps']} steps")
+            if best[seed]:
+                over.append((best[seed], online))
+                g, lo, hi = pooled([(best[seed], online)])
+                line += f"; over best {g:+.2f} [{lo:+.2f}, {hi:+.2f}]"
+            lines.append(line)
         g, lo, hi = pooled(pairs)
-        lines.append(f"  {setting:<18} pooled over {len(seeds)} seeds: traffic gave {g:+.2f} [{lo:+.2f}, {hi:+.2f}]")
+        line = f"  {setting:<18} pooled over {len(seeds)} seeds: traffic gave {g:+.2f} [{lo:+.2f}, {hi:+.2f}]"
+        if over:
+            g, lo, hi = pooled(over)
+            line += f"; over the demonstrations' best ({len(over)} seeds) {g:+.2f} [{lo:+.2f}, {hi:+.2f}]"
+        lines.append(line)
     first = settings[0]
     for setting in settings[1:]:
         pairs = [(_evals(results[s, first])["after online loop"], _evals(results[s, setting])["after online loop"])
@@ -95,12 +123,18 @@ def main(argv: list[str] | None = None) -> str:
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     p.add_argument("--settings", nargs="+", default=["base", "levers"], choices=sorted(SETTINGS))
     p.add_argument("--out", type=Path, default=None, help="Folder for the runs (default: a temporary one).")
+    p.add_argument("--loop-steps", type=int, default=None,
+                   help="Run each online loop until its traffic was served by this many new versions (default: the demo's duration).")
+    p.add_argument("--plateau-steps", type=int, default=48,
+                   help="The demonstrations-only arm's steps at most (tools.plateau.max_steps), in the first setting's run of each seed; 0: off.")
     a = p.parse_args(argv if argv is not None else [])
     out = a.out or Path(tempfile.mkdtemp(prefix="kaizen-learning-"))
+    loop = [] if a.loop_steps is None else [f"min_new_versions={a.loop_steps}", "duration_s=1", "max_duration_s=7200"]
     results = {}
     for seed in a.seeds:
         for setting in a.settings:
-            results[seed, setting] = run_demo(seed, setting, out)
+            plateau = [f"tools.plateau.max_steps={a.plateau_steps}"] if setting == a.settings[0] and a.plateau_steps else []
+            results[seed, setting] = run_demo(seed, setting, out, loop + plateau)
             print(f"  done: {setting} seed {seed} -> {results[seed, setting]['log']}", file=sys.stderr, flush=True)
     text = report(results, a.seeds, a.settings)
     (out / "learning.txt").write_text(text + "\n")

@@ -26,10 +26,12 @@ from services.common.release import EVAL_TASK_PREFIX
 from services.demo import tools_task
 from tests.helpers import REPO
 
-pytestmark = [pytest.mark.integration, pytest.mark.slow]
+# the run (about 5 minutes alone on 2 cores) may share the machine with another test worker
+pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.timeout(1800)]
 
 AGENT = "calculator"
 COLD_START_STEPS = 8  # enough for most episodes to call the calculator (4, the demo's, gets about half)
+GATE_TASKS = 16  # of the gate suite's 32 (each a SmolLM2 episode on both versions, about 1.5 s alone on 2 cores)
 
 
 @pytest.fixture(scope="module")
@@ -41,10 +43,13 @@ def demo_run(smollm2_model, ray_address, tmp_path_factory) -> Path:
         "duration_s=10", "min_new_versions=1", "max_duration_s=400", "progress_every_s=10",
         "tools.heldout=4", "tools.traffic.tasks_per_batch=2", "tools.traffic.repeat=2", "tools.traffic.concurrency=4",
         f"trainer.algorithm.cold_start_steps={COLD_START_STEPS}", f"trainer.ray.address={ray_address}",
+        f"explorer.release.gate.suite.max_tasks={GATE_TASKS}",
+        # the demonstrations-only arm on to its plateau, small: measured every 2 steps on 4 validation problems
+        "tools.plateau.max_steps=4", "tools.plateau.every=2", "tools.plateau.validation=4", "tools.plateau.patience=1",
     ]
     out = base / "demo.out"
     with open(out, "wb") as f:
-        proc = subprocess.run(args, cwd=REPO, stdout=f, stderr=subprocess.STDOUT, timeout=840,
+        proc = subprocess.run(args, cwd=REPO, stdout=f, stderr=subprocess.STDOUT, timeout=1500,
                               env={**os.environ, "PYTHONUNBUFFERED": "1"})
     runs = sorted(p for p in (base / "runs").glob("*") if p.is_dir()) if (base / "runs").exists() else []
     tails = [out, *(r / n for r in runs for n in ("explorer.log", "trainer.log"))]
@@ -70,7 +75,7 @@ def rows(demo_run) -> list[dict]:
 def test_three_held_out_measurements_and_the_report(demo_run):
     summary = json.loads((demo_run / "summary.json").read_text())
     labels = [e["label"] for e in summary["evals"]]
-    assert labels == ["base model", "after cold start", "after online loop", "control: demonstrations only"]
+    assert labels[:4] == ["base model", "after cold start", "after online loop", "control: demonstrations only"]
     versions = [e["version"] for e in summary["evals"]]
     assert versions[0] == 0 and versions[1] == COLD_START_STEPS and versions[2] > COLD_START_STEPS
     assert versions[3] == versions[2]  # the control arm: as many steps as the online loop, demonstrations only
@@ -78,9 +83,32 @@ def test_three_held_out_measurements_and_the_report(demo_run):
     assert manifest["parent"] == f"{AGENT}/v{COLD_START_STEPS}"
     for e in summary["evals"]:
         assert 0.0 <= e["low"] <= e["mean"] <= e["high"] <= 1.0
-    assert set(summary["gains"]) == {"cold start", "online loop", "GRPO on traffic"}
+    assert set(summary["gains"]) == {"cold start", "online loop", "GRPO on traffic", "traffic over best"}
     assert summary["failed_requests"] == 0
     assert (demo_run / "reward.png").stat().st_size > 10_000
+
+
+def test_the_demonstrations_only_arm_was_followed_to_its_plateau_and_its_best_measured(demo_run):
+    """The arm's curve on the validation problems starts at the cold start, is measured every 2 steps
+    until one measurement brings no higher score (patience 1) or 4 steps; the version it picks, the
+    earliest with the highest score, is the one measured on the held-out problems."""
+    summary = json.loads((demo_run / "summary.json").read_text())
+    curve = summary["curves"]["demonstrations only (validation)"]
+    steps = [p["steps"] for p in curve]
+    assert steps[0] == 0 and steps == list(range(0, 2 * len(steps), 2)) and steps[-1] <= 4, curve
+    scores = [p["validation"] for p in curve]
+    best = scores.index(max(scores))
+    assert len(curve) - 1 - best <= 1 and (steps[-1] == 4 or len(curve) - 1 - best == 1), curve  # why it stopped
+    assert all(p["version"] == COLD_START_STEPS + p["steps"] for p in curve)
+    assert [p["train_seconds"] for p in curve] == sorted(p["train_seconds"] for p in curve) and curve[0]["train_seconds"] == 0
+    measured = summary["evals"][4]
+    assert measured["label"] == f"demonstrations only, best ({steps[best]} steps)"
+    assert measured["version"] == COLD_START_STEPS + steps[best] and len(measured["per_prompt"]) == 4  # the held-out problems
+    online = summary["evals"][2]["mean"]
+    assert summary["gains"]["traffic over best"]["gain"] == pytest.approx(online - measured["mean"])
+    for p in steps[1:]:  # every version measured was published as the arm's own agent
+        manifest = json.loads((demo_run / "checkpoints" / f"{AGENT}-sft-only" / f"v{COLD_START_STEPS + p}" / "manifest.json").read_text())
+        assert manifest["parent"] == f"{AGENT}/v{COLD_START_STEPS}"
 
 
 def test_the_release_check_rejects_the_broken_candidate(demo_run):
@@ -88,7 +116,7 @@ def test_the_release_check_rejects_the_broken_candidate(demo_run):
     copy is rejected; the exact copy is decided too (greedy answers in bfloat16 may differ by batch)."""
     checks = json.loads((demo_run / "summary.json").read_text())["release_check"]
     assert [(d["candidate"], d["by"]) for d in checks] == [("a deliberately broken copy", "gate"), ("an exact copy", "gate")]
-    assert checks[0]["decision"] == "rejected" and checks[0]["figures"]["n_candidate"] == 32
+    assert checks[0]["decision"] == "rejected" and checks[0]["figures"]["n_candidate"] == GATE_TASKS
     assert checks[1]["decision"] in ("promoted", "rejected")
 
 

@@ -106,3 +106,12 @@ def test_demonstrations_show_the_chosen_operations_and_leave_most_phrasings_to_t
             t.demonstration_problems(bad)
     rng = random.Random(0)
     assert {t.make_problem(rng).template for _ in range(500)} == set(range(len(t._TEMPLATES)))  # traffic asks them all
+
+
+def test_validation_problems_are_apart_from_the_rest_and_change_nothing_else():
+    s, v = t.split(3, 500, 64), t.split(3, 500, 64, 40)
+    assert (v.traffic, v.heldout) == (s.traffic, s.heldout) and s.validation == []
+    validation = {p.question for p in v.validation}
+    assert len(validation) == 40
+    others = {p.question for p in v.traffic + v.heldout + t.DEMONSTRATION_POOL}
+    assert not validation & others
