@@ -97,7 +97,7 @@ def report(results: dict[tuple[int, str], dict], seeds: list[int], settings: lis
             pairs.append((control, online))
             g, lo, hi = pooled([(control, online)])
             line = (f"  {setting:<18} seed {seed}: online {_mean(online):.2f}, control {_mean(control):.2f}, traffic gave "
-                    f"{g:+.2f} [{lo:+.2f}, {hi:+.2f}], {results[seed, setting]['trainer_steps']} steps")
+                    f"{g:+.2f} [{lo:+.2f}, {hi:+.2f}], {results[seed, setting]['trainer_steps']} Trainer steps in all")
             if best[seed]:
                 over.append((best[seed], online))
                 g, lo, hi = pooled([(best[seed], online)])
