@@ -13,6 +13,7 @@ in it marks it complete, so a second call is a no-op. Same wheel and library ver
 from __future__ import annotations
 
 import gc
+import fcntl
 import hashlib
 import importlib.metadata
 import importlib.util
@@ -103,13 +104,22 @@ def build_pretrained(name: str, path: str | Path, *, install: bool = True) -> Pa
     if is_complete(out, name):
         log.info("%s is already built at %s", name, out)
         return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with open(out.parent / f".{out.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # another process building the same path (two test workers): wait for it
+        if is_complete(out, name):
+            log.info("%s was built at %s meanwhile", name, out)
+            return out
+        return _build(name, model, out, install=install)
+
+
+def _build(name: str, model: KnownModel, out: Path, *, install: bool) -> Path:
     occupied = out.exists() and (not out.is_dir() or any(out.iterdir()))
     if occupied and (read_marker(out) or {}).get("name") != name:  # not an older or damaged build of ours
         raise PretrainedError(f"{out} exists and is not a build of {name}; remove it or choose another path")
     gguf_file = _find_gguf(model, install=install)
     _ensure_module("gguf", GGUF_REQUIREMENT, install=install)
 
-    out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.parent / f".{out.name}.partial-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     try:

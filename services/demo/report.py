@@ -118,9 +118,10 @@ def report(cfg, stack, loop, stages: list[Stage], *, serving: dict, explorer_req
         lines.append(f"  {e.label + f' (v{e.version})':<{width}} {e.mean:5.2f}  [{e.low:.2f}, {e.high:.2f}]")
     lines.append("")
     gains = {}
-    pairs = list(zip(stages, stages[1:])) + [(arm, stages[-1]) for arm in arms]
-    for before, s in pairs:
-        name, note = (before.gain_name, before.note) if any(before is a for a in arms) else (s.gain_name, s.note)
+    # a stage's gain is named by the stage it reached; an arm's, by the arm (what the last stage had and it lacked)
+    pairs = [(b, s, s.gain_name, s.note) for b, s in zip(stages, stages[1:])]
+    pairs += [(arm, stages[-1], arm.gain_name, arm.note) for arm in arms]
+    for before, s, name, note in pairs:
         gain = s.result.mean - before.result.mean
         low, high = paired_gain_ci(before.result.per_prompt, s.result.per_prompt)
         gains[name] = {"gain": gain, "low": low, "high": high}
