@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -45,18 +46,33 @@ SETTINGS: dict[str, list[str]] = {
 BEST = "demonstrations only, best"  # the label of the plateau arm's best version (services/demo/tools_demo.py)
 
 
-def run_demo(seed: int, setting: str, out: Path, extra: list[str] = ()) -> dict:
+def _commit() -> str:
+    r = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True)
+    return r.stdout.strip() or "unknown"
+
+
+def run_demo(seed: int, setting: str, out: Path, extra: list[str] = (), *, resume: bool = True) -> dict:
+    """One `kaizen demo` run; with resume, a finished run in `out` made with the same overrides is
+    read back instead of run again (so a long bench can be continued later with the same --out)."""
     run_dir = out / f"{setting}-seed{seed}"
-    args = [sys.executable, "-m", "services.cli", "demo", "--config", "configs/demo.yaml", f"seed={seed}",
-            f"run_dir={run_dir}", *SETTINGS[setting], *extra]
-    log = run_dir.with_suffix(".log")
-    run_dir.parent.mkdir(parents=True, exist_ok=True)
-    with open(log, "w") as f:
-        r = subprocess.run(args, cwd=REPO, stdout=f, stderr=subprocess.STDOUT)
-    if r.returncode != 0:
-        raise RuntimeError(f"kaizen demo failed ({setting}, seed {seed}): see {log}")
-    summary = json.loads(next(run_dir.glob("*/summary.json")).read_text())
+    overrides = [f"seed={seed}", *SETTINGS[setting], *extra]
+    args = [sys.executable, "-m", "services.cli", "demo", "--config", "configs/demo.yaml", f"run_dir={run_dir}", *overrides]
+    log, made = run_dir.with_suffix(".log"), run_dir / "bench.json"
+    done = list(run_dir.glob("*/summary.json"))
+    if resume and done and made.exists() and json.loads(made.read_text())["overrides"] == overrides:
+        summary = json.loads(done[0].read_text())
+    else:
+        if run_dir.exists():
+            shutil.rmtree(run_dir)  # an unfinished or different run: its parts would mix with this one's
+        run_dir.mkdir(parents=True)
+        with open(log, "w") as f:
+            r = subprocess.run(args, cwd=REPO, stdout=f, stderr=subprocess.STDOUT)
+        if r.returncode != 0:
+            raise RuntimeError(f"kaizen demo failed ({setting}, seed {seed}): see {log}")
+        made.write_text(json.dumps({"overrides": overrides, "commit": _commit()}))
+        summary = json.loads(next(run_dir.glob("*/summary.json")).read_text())
     summary["log"] = str(log)
+    summary["commit"] = json.loads(made.read_text())["commit"]
     return summary
 
 
@@ -97,7 +113,7 @@ def report(results: dict[tuple[int, str], dict], seeds: list[int], settings: lis
             pairs.append((control, online))
             g, lo, hi = pooled([(control, online)])
             line = (f"  {setting:<18} seed {seed}: online {_mean(online):.2f}, control {_mean(control):.2f}, traffic gave "
-                    f"{g:+.2f} [{lo:+.2f}, {hi:+.2f}], {results[seed, setting]['trainer_steps']} Trainer steps in all")
+                    f"{g:+.2f} [{lo:+.2f}, {hi:+.2f}], {results[seed, setting]['trainer_steps']} Trainer steps in all (code {results[seed, setting].get('commit', '?')})")
             if best[seed]:
                 over.append((best[seed], online))
                 g, lo, hi = pooled([(best[seed], online)])
@@ -122,7 +138,9 @@ def main(argv: list[str] | None = None) -> str:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     p.add_argument("--settings", nargs="+", default=["base", "levers"], choices=sorted(SETTINGS))
-    p.add_argument("--out", type=Path, default=None, help="Folder for the runs (default: a temporary one).")
+    p.add_argument("--out", type=Path, default=None,
+                   help="Folder for the runs (default: a temporary one); a run already finished there with the same overrides is reused.")
+    p.add_argument("--fresh", action="store_true", help="Run every (seed, setting) again, even one finished in --out.")
     p.add_argument("--loop-steps", type=int, default=None,
                    help="Run each online loop until its traffic was served by this many new versions (default: the demo's duration).")
     p.add_argument("--plateau-steps", type=int, default=48,
@@ -134,7 +152,7 @@ def main(argv: list[str] | None = None) -> str:
     for seed in a.seeds:
         for setting in a.settings:
             plateau = [f"tools.plateau.max_steps={a.plateau_steps}"] if setting == a.settings[0] and a.plateau_steps else []
-            results[seed, setting] = run_demo(seed, setting, out, loop + plateau)
+            results[seed, setting] = run_demo(seed, setting, out, loop + plateau, resume=not a.fresh)
             print(f"  done: {setting} seed {seed} -> {results[seed, setting]['log']}", file=sys.stderr, flush=True)
     text = report(results, a.seeds, a.settings)
     (out / "learning.txt").write_text(text + "\n")

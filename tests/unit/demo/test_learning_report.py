@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from tests.bench.learning import pooled, report
 
 
@@ -36,3 +38,22 @@ def test_the_headline_compares_each_setting_with_the_first_settings_best_demonst
 def test_without_the_plateau_arm_only_the_equal_step_figures():
     text = report({(1, "base"): _summary([1, 1], [0, 1])}, [1], ["base"])
     assert "over best" not in text and "traffic gave +0.50" in text
+
+
+def test_a_finished_run_with_the_same_overrides_is_read_back_and_a_different_one_is_not(tmp_path, monkeypatch):
+    import json
+
+    import tests.bench.learning as bench
+
+    made = tmp_path / "base-seed0"
+    (made / "20261126-000000").mkdir(parents=True)
+    (made / "20261126-000000" / "summary.json").write_text(json.dumps(_summary([1], [0])))
+    overrides = ["seed=0", *bench.SETTINGS["base"], "tools.plateau.max_steps=48"]
+    (made / "bench.json").write_text(json.dumps({"overrides": overrides, "commit": "abc1234"}))
+    ran = []
+    monkeypatch.setattr(bench.subprocess, "run", lambda args, **kw: ran.append(args) or bench.subprocess.CompletedProcess(args, 1))
+    summary = bench.run_demo(0, "base", tmp_path, ["tools.plateau.max_steps=48"])
+    assert not ran and summary["commit"] == "abc1234" and summary["evals"][0]["per_prompt"] == [1]
+    with pytest.raises(RuntimeError, match=r"kaizen demo failed \(base, seed 0\)"):  # other overrides: cleared, run again
+        bench.run_demo(0, "base", tmp_path, ["tools.plateau.max_steps=0"])
+    assert len(ran) == 1 and not (made / "20261126-000000").exists()
