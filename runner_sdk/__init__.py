@@ -14,7 +14,7 @@ from runner_sdk.client import (
 )
 from runner_sdk.environment import Environment, EnvironmentRunner, EpisodeResult
 from runner_sdk.records import AgentRun, RunnerStats
-from runner_sdk.rewards import ExactMatch, FunctionReward, LLMJudge, RegexMatch, RewardCalculator
+from runner_sdk.rewards import ExactMatch, FunctionReward, LLMJudge, RegexMatch, RewardCalculator, Verdict
 from runner_sdk.runner import TrainingRunner
 from runner_sdk.selection import Decision, ExplicitMarking, RequestInfo, SamplingRate, SelectionStrategy, mark
 from runner_sdk.threads import ContextThread, ContextThreadPoolExecutor, carry_context
@@ -42,6 +42,7 @@ __all__ = [
     "SelectionStrategy",
     "SyncExplorerClient",
     "TrainingRunner",
+    "Verdict",
     "carry_context",
     "mark",
     "tracked_async_http_client",

@@ -180,16 +180,21 @@ class _ExplorerRoutes:
     def chat_completions(self, **body: Any) -> Any:
         return self._send(_Call("POST", "/v1/chat/completions", json=body))
 
-    def feedback(self, *, reward: float, msg_ids: list[str] | None = None, task_id: str | None = None,
+    def feedback(self, *, reward: float | None = None, msg_ids: list[str] | None = None, task_id: str | None = None,
                  run_id: str | None = None, labels: list[str] | None = None, comment: str | None = None,
-                 source: str | None = None, agent: str | None = None, expected: Any = None) -> Any:
+                 source: str | None = None, agent: str | None = None, expected: Any = None, hint: str | None = None,
+                 correction: dict[str, Any] | None = None) -> Any:
         """``expected``: what the run was expected to produce, kept with the reward (a gated release
-        replays held-out calls and scores them with the same reward calculator)."""
+        replays held-out calls and scores them with the same reward calculator). Feedback in words,
+        alone or beside the reward: ``hint``, what should have been done (the agent learns it by
+        self-distillation), and ``correction``, the assistant message one call (msg_ids of one id)
+        should have answered (it becomes a demonstration for that call's prompt)."""
         body = {"msg_ids": msg_ids, "reward": reward, "task_id": task_id, "run_id": run_id,
-                "labels": labels, "comment": comment, "source": source, "agent": agent, "expected": expected}
+                "labels": labels, "comment": comment, "source": source, "agent": agent, "expected": expected,
+                "hint": hint, "correction": correction}
         return self._send(_Call("POST", "/feedback", json=_present(body)))
 
-    def episode_feedback(self, *, task_id: str, run_id: str, reward: float, **extra: Any) -> Any:
+    def episode_feedback(self, *, task_id: str, run_id: str, reward: float | None = None, **extra: Any) -> Any:
         """The reward of a whole episode: it reaches every call made under task_id + run_id (a team
         reward in a multi-agent episode); ``agent=NAME`` narrows it to that agent's calls."""
         return self.feedback(reward=reward, task_id=task_id, run_id=run_id, **extra)

@@ -36,13 +36,14 @@ class Feedback:
     """One POST /feedback body."""
 
     msg_ids: tuple[str, ...]
-    reward: float
+    reward: float | None
     task_id: str | None = None
     run_id: str | None = None
     labels: tuple[str, ...] = ()
     comment: str | None = None
     source: str = "runner_sdk"
     expected: Any = None  # what the run was expected to produce (kept for the release gate's replay)
+    hint: str | None = None  # feedback in words: what should have been done
 
 
 class FeedbackQueue:
@@ -144,7 +145,7 @@ class FeedbackQueue:
             try:
                 await self._explorer.feedback(msg_ids=list(fb.msg_ids), reward=fb.reward, task_id=fb.task_id,
                                               run_id=fb.run_id, labels=list(fb.labels) or None, comment=fb.comment,
-                                              source=fb.source, expected=fb.expected)
+                                              source=fb.source, expected=fb.expected, hint=fb.hint)
             except (httpx.HTTPError, ExplorerError) as e:
                 if isinstance(e, ExplorerError) and not e.retryable:
                     log.warning("feedback refused, dropping it: %s", e)

@@ -30,6 +30,7 @@ class AgentRun:
     explore: bool = False  # a run nobody reads (shadow): the Explorer may sample it at the agent's exploration temperature
     msg_ids: list[str] = field(default_factory=list)  # chat completion ids the Explorer returned
     reward: float | None = None
+    hint: str | None = None  # feedback in words from the reward calculator (a Verdict's hint)
     error: str | None = None
 
 

@@ -1,6 +1,7 @@
 """Reward calculators: from a finished agent run to a float (usually in [0, 1]).
 
-Any callable ``run -> float`` (or ``-> Awaitable[float]``) is a RewardCalculator. Built in:
+Any callable ``run -> float`` (or ``-> Awaitable[float]``) is a RewardCalculator; one may return a
+``Verdict`` instead, to add a hint in words (or give a hint alone). Built in:
 ``ExactMatch`` and ``RegexMatch`` against the run's expected answer, ``FunctionReward`` over the
 final message, and ``LLMJudge``, which asks an OpenAI-compatible endpoint to grade with a rubric.
 """
@@ -8,6 +9,7 @@ final message, and ``LLMJudge``, which asks an OpenAI-compatible endpoint to gra
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass
 from typing import Any, Awaitable, Callable, Protocol, runtime_checkable
 
 import httpx
@@ -15,9 +17,22 @@ import httpx
 from runner_sdk.records import AgentRun
 
 
+@dataclass(frozen=True)
+class Verdict:
+    """What a reward calculator may return instead of a float: a reward, a hint in words (what the
+    agent should have done; it learns it by self-distillation), or both."""
+
+    reward: float | None = None
+    hint: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.reward is None and not (self.hint or "").strip():
+            raise ValueError("a Verdict needs a reward or a non-empty hint")
+
+
 @runtime_checkable
 class RewardCalculator(Protocol):
-    def __call__(self, run: AgentRun) -> float | Awaitable[float]: ...
+    def __call__(self, run: AgentRun) -> float | Verdict | Awaitable[float | Verdict]: ...
 
 
 def _text(value: Any) -> str:

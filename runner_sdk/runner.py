@@ -41,6 +41,7 @@ from runner_sdk.client import AgentClient, ExplorerClient, tracked_async_http_cl
 from runner_sdk.context import run_var, running
 from runner_sdk.feedback import Feedback, FeedbackQueue
 from runner_sdk.records import AgentRun, RunnerStats
+from runner_sdk.rewards import Verdict
 from runner_sdk.selection import RequestInfo, SamplingRate, SelectionStrategy, decide
 
 log = logging.getLogger("runner_sdk")
@@ -105,7 +106,7 @@ class TrainingRunner:
         endpoint: str,
         model: str,
         selection: SelectionStrategy | None = None,
-        reward: Callable[[AgentRun], float | Awaitable[float]] | None = None,
+        reward: Callable[[AgentRun], float | Verdict | Awaitable[float | Verdict]] | None = None,
         mode: Literal["direct", "shadow"] = "direct",
         agent: AgentFn | None = None,
         repeat: int = 1,
@@ -252,7 +253,11 @@ class TrainingRunner:
         if self.reward is None:
             return
         try:
-            run.reward = float(await maybe_await(self.reward(run)))
+            verdict = await maybe_await(self.reward(run))
+            if isinstance(verdict, Verdict):
+                run.reward, run.hint = verdict.reward, verdict.hint
+            else:
+                run.reward = float(verdict)
         except Exception as e:
             with self._lock:
                 self.stats.reward_errors += 1
@@ -261,8 +266,10 @@ class TrainingRunner:
         if not run.msg_ids:
             log.debug("run %s/%s made no Explorer calls: nothing to reward", run.task_id, run.run_id)
             return
+        if run.reward is None and run.hint is None:
+            return  # the calculator had nothing to say about this run
         self.queue_feedback(msg_ids=run.msg_ids, reward=run.reward, task_id=run.task_id, run_id=run.run_id,
-                            labels=run.labels, expected=run.expected)
+                            labels=run.labels, expected=run.expected, hint=run.hint)
 
     # ------------------------------------------------------------------ direct mode
 
@@ -329,16 +336,20 @@ class TrainingRunner:
 
     # ------------------------------------------------------------------ feedback and commits
 
-    def queue_feedback(self, *, msg_ids: Sequence[str], reward: float, task_id: str | None = None,
+    def queue_feedback(self, *, msg_ids: Sequence[str], reward: float | None, task_id: str | None = None,
                        run_id: str | None = None, labels: Sequence[str] = (), comment: str | None = None,
-                       source: str = "runner_sdk", expected: Any = None) -> None:
+                       source: str = "runner_sdk", expected: Any = None, hint: str | None = None) -> None:
         """Queue one /feedback call, from any thread; it is sent from the runner's loop and its ids are
-        committed with this runner's next commit. Oldest entries go first when the queue is full."""
+        committed with this runner's next commit. Oldest entries go first when the queue is full.
+        ``hint``: feedback in words, beside the reward or alone (``reward=None``)."""
         if not msg_ids:
             return  # nothing to reward (the Explorer would refuse an empty list)
-        self._feedback.put(Feedback(msg_ids=tuple(msg_ids), reward=float(reward), task_id=task_id,
-                                    run_id=None if run_id is None else str(run_id), labels=tuple(labels or ()),
-                                    comment=comment, source=source, expected=expected))
+        if reward is None and hint is None:
+            raise ValueError("queue_feedback needs a reward or a hint")
+        self._feedback.put(Feedback(msg_ids=tuple(msg_ids), reward=None if reward is None else float(reward),
+                                    task_id=task_id, run_id=None if run_id is None else str(run_id),
+                                    labels=tuple(labels or ()), comment=comment, source=source, expected=expected,
+                                    hint=hint))
 
     def commit_now(self, timeout: float = 30.0) -> None:
         """Deliver what is pending and commit what this runner delivered, now (blocks up to ``timeout``)."""

@@ -32,6 +32,7 @@ from typing import Any, Callable
 
 from runner_sdk import ExplorerError, SyncExplorerClient
 from services.common import buffer, checkpoints
+from services.common.hints import hint_prompt_ids
 from services.common.ids import experience_id, new_id
 from services.common.records import Experience
 
@@ -252,16 +253,21 @@ class LearnableAgent:
 
     # ------------------------------------------------------------------ learning
 
-    def feedback(self, reward: float, *, run: RunResult | None = None, commit: bool = True) -> int:
+    def feedback(self, reward: float | None = None, *, hint: str | None = None, run: RunResult | None = None,
+                 commit: bool = True) -> int:
         """Reward every call of ``run`` (default: the last one) and, with ``commit``, make them
-        trainable. Returns how many calls were rewarded."""
+        trainable. ``hint``: feedback in words, beside the reward or alone: what the agent should have
+        done (learnt by self-distillation: ``learn(algorithm={"name": "opd"})``, or grpo's hint_coef).
+        Returns how many calls got the feedback."""
         run = run or self.last_run
         if run is None:
             raise LearnableAgentError("no run to reward yet: call run(task) first")
+        if reward is None and not (hint or "").strip():
+            raise LearnableAgentError("feedback needs a reward or a non-empty hint")
         if self.endpoint is not None:
             path = "/feedback"
             try:
-                self._explorer.feedback(task_id=run.task_id, run_id=run.run_id, reward=reward)
+                self._explorer.feedback(task_id=run.task_id, run_id=run.run_id, reward=reward, hint=hint)
                 if commit:
                     path = "/commit"
                     self._explorer.commit(task_id=run.task_id)
@@ -269,8 +275,14 @@ class LearnableAgent:
                 raise LearnableAgentError(f"{path} answered {e.status}: {e.message}") from e
             return len(run.experience_ids)
         note = {"labels": [], "comment": None, "source": "learnable-agent"}
+        hints = None
+        if hint is not None:
+            tok = self.model.tokenizer
+            hints = {r.experience_id: {"text": hint, "source": "learnable-agent", "at": buffer.utcnow().isoformat(),
+                                       "prompt_token_ids": hint_prompt_ids(tok, r.messages, r.tools, hint)}
+                     for r in buffer.feedback_rows(engine=self._db, msg_ids=run.experience_ids)}
         result = buffer.apply_feedback(engine=self._db, msg_ids=run.experience_ids, reward=reward, feedback=note,
-                                       task_id=run.task_id, run_id=run.run_id)
+                                       task_id=run.task_id, run_id=run.run_id, hints=hints)
         if commit:
             buffer.commit_experiences(engine=self._db, msg_ids=run.experience_ids)
         return len(result.experience_ids)

@@ -17,6 +17,7 @@ from pydantic import BaseModel, Field
 # Demonstrations (POST /demonstrations) are experiences whose completion id is ``demo-...``: never
 # sampled, trained by supervised terms only, replayed by the Trainer rather than consumed.
 DEMONSTRATION_KIND = "demo"
+CORRECTION_LABEL = "correction"  # the label of a demonstration made from feedback's correction of a sampled call
 
 # Evaluation traffic's task ids start with this (the release gate's calls): never rewarded, never
 # trained, never counted online. services.common.release publishes it too.
@@ -61,6 +62,8 @@ class Experience(BaseModel):
     privacy: dict[str, Any] | None = Field(
         default=None, description="What was done for privacy: redacted patterns, ids dropped, consent.")
     purged_at: datetime | None = Field(default=None, description="When retention removed its raw text.")
+    hint: dict[str, Any] | None = Field(
+        default=None, description="Feedback in words: text, and the teacher's prompt ids (the conversation with the hint).")
 
 
 @dataclass(frozen=True)
@@ -82,6 +85,7 @@ class CommittedExperience:
     finish_reason: str | None
     created_at: datetime | None
     updated_at: datetime | None
+    hint: dict[str, Any] | None = None  # feedback in words (Experience.hint)
 
     @property
     def labels(self) -> list[str]:

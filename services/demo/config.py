@@ -106,6 +106,12 @@ class ToolsSection(ConfigModel):
         "successes replayed, the demonstrations decaying and replayed where groups failed, flat groups against a "
         "baseline, importance correction); false: plain GRPO with the demonstrations replayed every step. "
         "`python -m tests.bench.learning` compares the two.")
+    words: Literal["off", "hints", "corrections"] = Field(
+        default="off",
+        description="Feedback in words from the simulated users, after a wrong answer, beside its reward: hints "
+        "(\"call the calculator with ...\": the Trainer adds hint_coef times the self-distillation advantage on those "
+        "calls) or corrections (the episode's first call as it should have been: a new demonstration).")
+    hint_coef: float = Field(default=1.0, gt=0, description="words=hints: the Trainer's algorithm.grpo.hint_coef.")
     plateau: PlateauSection = Field(default_factory=PlateauSection)
     traffic: TrafficSection = Field(default_factory=lambda: TrafficSection(**_TOOLS_TRAFFIC))
 

@@ -16,6 +16,7 @@ from pathlib import Path
 
 from services.common import buffer, checkpoints
 from services.common.config import deep_merge
+from services.common.records import CORRECTION_LABEL
 
 
 @dataclass
@@ -57,7 +58,8 @@ class DemonstrationsOnly:
 
         db = buffer.create_buffer_engine(db_url, create_tables=False)
         try:  # the very rows the Trainer replays, in its order
-            demos = buffer.fetch_committed(engine=db, agent=source, limit=10_000, demonstrations=True)
+            demos = [d for d in buffer.fetch_committed(engine=db, agent=source, limit=10_000, demonstrations=True)
+                     if CORRECTION_LABEL not in d.labels]  # corrections came from the traffic: not the arm's
         finally:
             db.dispose()
         self.items = [demonstration_item(d) for d in demos]

@@ -118,6 +118,8 @@ class ToolsDemo:
         }
         if self.t.levers:
             base = deep_merge(base, LEVERS)
+        if self.t.words == "hints":  # the hinted calls' tokens also learn the teacher's view (self-distillation)
+            base = deep_merge(base, {"algorithm": {"level": "token", "grpo": {"hint_coef": self.t.hint_coef}}})
         return self.stack.trainer_config(base, self.cfg.trainer)
 
     # ------------------------------------------------------------------ stages
@@ -221,8 +223,13 @@ class ToolsDemo:
                                                  run_id=str(run), max_turns=self.t.max_turns, max_tokens=self.t.max_tokens,
                                                  temperature=self.t.temperature)
                 if ep.error is None:
+                    wrong = ep.reward < 1.0 and ep.msg_ids
                     try:
-                        await explorer.feedback(msg_ids=ep.msg_ids, reward=ep.reward, task_id=ep.task_id, run_id=ep.run_id)
+                        await explorer.feedback(msg_ids=ep.msg_ids, reward=ep.reward, task_id=ep.task_id, run_id=ep.run_id,
+                                                hint=tools_task.hint(p) if wrong and self.t.words == "hints" else None)
+                        if wrong and self.t.words == "corrections":  # the first call, as it should have been
+                            await explorer.feedback(msg_ids=ep.msg_ids[:1],
+                                                    correction=tools_task.demonstration_turns(p)[0]["response"])
                     except Exception as e:  # one lost reward must not stop the traffic
                         ep.error = f"feedback failed: {e}"
                 return ep

@@ -253,6 +253,11 @@ def demonstration_turns(p: Problem) -> list[dict[str, Any]]:
     ]
 
 
+def hint(p: Problem) -> str:
+    """What the simulated user says after a wrong answer (``tools.words=hints``)."""
+    return f"Call the calculator with the expression {p.expression}, then state its result."
+
+
 def demonstrations(limit: int = 16, operations: str = OPERATIONS) -> list[dict[str, Any]]:
     """At most ``limit`` demonstrations of problems with these ``operations``, whole episodes first
     (call + answer)."""

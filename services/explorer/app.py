@@ -101,6 +101,7 @@ def create_app(config: ExplorerConfig, *, engine: Engine | None = None) -> FastA
                                backpressure=backpressure if backpressure.enabled else None)
     internal_key = secrets.token_urlsafe(32)  # the release gate's calls to this Explorer's own API
     served = ServedAddress(config.server)
+    demo_service = DemonstrationService(engine=engine, registry=registry, db=db)
     state = ExplorerState(
         config=config, engine=engine, db=db, metrics=metrics, recorder=recorder, registry=registry,
         chat=chat_service,
@@ -108,8 +109,9 @@ def create_app(config: ExplorerConfig, *, engine: Engine | None = None) -> FastA
         messages=MessagesService(chat=chat_service),
         completions=CompletionsService(chat=chat_service),
         feedback=FeedbackService(db=db, recorder=recorder, metrics=metrics, unknown_id_grace_s=rc.unknown_id_grace_s,
-                                 wait_s=rc.feedback_wait_s),
-        demonstrations=DemonstrationService(engine=engine, registry=registry, db=db),
+                                 wait_s=rc.feedback_wait_s, demonstrations=demo_service,
+                                 hint_template=rc.hint_template, hint_role=rc.hint_role),
+        demonstrations=demo_service,
         releases=ReleaseController(release=config.release, root=config.checkpoints.root, registry=registry, db=db,
                                    metrics=metrics, episodes=pins, api_key=internal_key,
                                    base_url=served.self_url),

@@ -10,6 +10,7 @@ from sqlalchemy.engine import make_url
 
 from services.common.checkpoints import AGENT_NAME
 from services.common.config import BufferSection, CheckpointsSection, ConfigModel, ModelSection
+from services.common.hints import HINT_ROLE, HINT_TEMPLATE
 from services.common.http.access import AuthSection
 from services.common.release import ReleaseSection
 
@@ -159,12 +160,25 @@ class RecorderSection(ConfigModel):
         default=5.0, gt=0,
         description="Feedback or commit naming a record not yet written waits this long, then gets 503 with Retry-After.",
     )
+    hint_template: str = Field(
+        default=HINT_TEMPLATE,
+        description="Feedback in words: a hint is added to its call's conversation as this message ({hint} is its "
+        "text), and the model that sampled the call, reading it, is the teacher of on-policy self-distillation.",
+    )
+    hint_role: Literal["user", "system"] = Field(
+        default=HINT_ROLE, description="The role of the hint's message, after the call's conversation.")
     degraded_after_s: float = Field(
         default=5.0, gt=0, description="/health says degraded when a record has waited longer than this for the buffer."
     )
     set_aside_window_s: float = Field(
         default=600.0, ge=0, description="/health says degraded for this long after a record was set aside as a dead letter."
     )
+
+    @model_validator(mode="after")
+    def _hint_slot(self) -> "RecorderSection":
+        if "{hint}" not in self.hint_template:
+            raise ValueError("recorder.hint_template must contain {hint}, where the hint's text goes")
+        return self
 
     def resolve_journal_dir(self, buffer_url: str) -> Path:
         if self.journal_dir:

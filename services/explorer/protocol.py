@@ -194,12 +194,21 @@ class DemonstrationRequest(_Recorded):
         return self
 
 
+HINT_MAX_CHARS = 4000
+
+
 class FeedbackRequest(_Recorded):
     """Compatible with Trinity-RFT's serve-mode body. Without ``msg_ids``, ``task_id`` + ``run_id``
-    name an episode and the reward reaches every call of it (an extension)."""
+    name an episode and the reward reaches every call of it (an extension).
+
+    Feedback in words (extensions), each alone or beside a reward: ``hint``, what should have been
+    done (every named call learns from it by on-policy self-distillation), and ``correction``, the
+    reply one call should have given (it becomes a demonstration for that call's prompt)."""
 
     msg_ids: list[str] | None = Field(default=None, min_length=1, max_length=10_000)
-    reward: Annotated[Float, BeforeValidator(_reward)]
+    reward: Annotated[Float | None, BeforeValidator(_reward)] = None
+    hint: str | None = None
+    correction: Message | None = None
     task_id: GroupingId | None = None
     run_id: GroupingId | None = None
     labels: list[str] | None = None
@@ -229,11 +238,35 @@ class FeedbackRequest(_Recorded):
             raise ValueError("reward must be a finite number")
         return v
 
+    @field_validator("hint")
+    @classmethod
+    def _hint(cls, v: str | None) -> str | None:
+        if v is not None and not v.strip():
+            raise ValueError("hint must not be empty (leave it out to send a reward alone)")
+        if v is not None and len(v) > HINT_MAX_CHARS:
+            raise ValueError(f"hint has {len(v)} characters; at most {HINT_MAX_CHARS}")
+        return v
+
+    @field_validator("correction")
+    @classmethod
+    def _correction(cls, v: Message | None) -> Message | None:
+        if v is not None and v.role != "assistant":
+            raise ValueError("correction must be an assistant message (the reply the agent should have given)")
+        if v is not None and v.content in (None, "", []) and not v.tool_calls:
+            raise ValueError("correction needs content or tool_calls")
+        return v
+
     @model_validator(mode="after")
     def _widths(self) -> "FeedbackRequest":
         if self.msg_ids is None and (self.task_id is None or self.run_id is None):
             raise APIError(400, "missing required parameter 'msg_ids' (or task_id and run_id, to reward a whole episode)",
                            param="msg_ids", code="invalid_request")
+        if self.reward is None and self.hint is None and self.correction is None:
+            raise APIError(400, "missing required parameter 'reward' (or a 'hint' or a 'correction': feedback in words)",
+                           param="reward", code="invalid_request")
+        if self.correction is not None and (self.msg_ids is None or len(set(self.msg_ids)) != 1):
+            raise APIError(400, "a correction is the reply of one call: name that call alone in msg_ids",
+                           param="correction", code="invalid_request")
         check_grouping_id(self.task_id, "task_id")
         check_grouping_id(self.run_id, "run_id")
         if self.agent is not None and self.msg_ids is not None:

@@ -42,6 +42,9 @@ class TrainItem:
     # A teammate's call in one of this agent's episodes: its critic values the turn (credit through
     # the joint episode) and learns that value; the policy loss never sees it.
     context: bool = False
+    # Feedback in words: the teacher's prompt (this call's conversation with the hint), whose logprobs of
+    # the sampled tokens on-policy self-distillation moves the policy towards.
+    teacher_prompt_ids: list[int] | None = None
 
     @property
     def episode(self) -> tuple[str | None, str]:
@@ -137,6 +140,7 @@ def to_item(row: CommittedExperience, weight: float) -> TrainItem:
         weight=weight,
         seq=int(row.seq),
         grammar=(row.sampling or {}).get("grammar"),
+        teacher_prompt_ids=list(row.hint["prompt_token_ids"]) if row.hint and row.hint.get("prompt_token_ids") else None,
     )
 
 

@@ -67,6 +67,7 @@ class AlgorithmSection(ObjectiveSection):
                     raise ValueError(f"algorithm.{key}: {e}") from None
         if chosen.name not in extra:
             extra[chosen.name] = chosen.Config()
+        self.recipe()  # the recipe's own checks of its settings against the shared ones (a ValueError names them)
         return self
 
     def section(self) -> RecipeConfig:

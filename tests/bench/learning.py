@@ -15,7 +15,8 @@ seeds, each with a 95% interval from a bootstrap over the held-out problems stra
 Trainer steps) instead of the demo's 7 minutes, so slow and fast hosts compare the same steps.
 Settings are the demo overrides below: `base` is plain GRPO with the demonstrations replayed every
 step, `levers` turns on the Trainer's levers (services/demo/tools_demo.py LEVERS), and each
-`no-*` setting is `levers` with one lever off (the ablation).
+`no-*` setting is `levers` with one lever off (the ablation); `hints` and `corrections` are `base` with the simulated
+users' words after a wrong answer (`tools.words`), to compare with `base` (rewards alone).
 """
 
 from __future__ import annotations
@@ -40,6 +41,9 @@ SETTINGS: dict[str, list[str]] = {
     "no-demo-schedule": ["tools.levers=true", "trainer.algorithm.sft_coef_final=null",
                          "trainer.algorithm.demo_replay=every_step"],
     "no-importance": ["tools.levers=true", "trainer.algorithm.grpo.importance=off"],
+    # feedback in words on wrong answers, beside the rewards (issue 30): against `base`, rewards alone
+    "hints": ["tools.levers=false", "tools.words=hints"],
+    "corrections": ["tools.levers=false", "tools.words=corrections"],
 }
 
 
@@ -65,11 +69,12 @@ def run_demo(seed: int, setting: str, out: Path, extra: list[str] = (), *, resum
         if run_dir.exists():
             shutil.rmtree(run_dir)  # an unfinished or different run: its parts would mix with this one's
         run_dir.mkdir(parents=True)
+        commit = _commit()  # the code it starts with (a commit made while it runs is not its code)
         with open(log, "w") as f:
             r = subprocess.run(args, cwd=REPO, stdout=f, stderr=subprocess.STDOUT)
         if r.returncode != 0:
             raise RuntimeError(f"kaizen demo failed ({setting}, seed {seed}): see {log}")
-        made.write_text(json.dumps({"overrides": overrides, "commit": _commit()}))
+        made.write_text(json.dumps({"overrides": overrides, "commit": commit}))
         summary = json.loads(next(run_dir.glob("*/summary.json")).read_text())
     summary["log"] = str(log)
     summary["commit"] = json.loads(made.read_text())["commit"]

@@ -23,6 +23,7 @@ from services.common.buffer.recording import (
     apply_feedback,
     commit_experiences,
     episode_experience_ids,
+    feedback_rows,
     find_unknown_ids,
     insert_experiences,
     insert_missing_experiences,
@@ -79,7 +80,7 @@ __all__ = [
     "create_buffer_engine", "write_transaction", "iter_chunks", "utcnow",
     # recording
     "insert_experiences", "insert_missing_experiences", "find_unknown_ids", "episode_experience_ids",
-    "FeedbackResult", "apply_feedback", "commit_experiences",
+    "FeedbackResult", "apply_feedback", "feedback_rows", "commit_experiences",
     # governance
     "record_audit", "list_audit", "purge_text", "delete_user_data",
     # reports

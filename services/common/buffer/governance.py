@@ -50,7 +50,7 @@ def _buried(conn: Connection, ids: Sequence[str]) -> set[str]:
 
 
 _PURGED_TEXT = dict(prompt_token_ids=[], response_token_ids=[], response_logprobs=[], messages=[], response={},
-                    tools=None)
+                    tools=None, hint=None)
 
 
 def purge_text(*, engine: Engine, before: datetime, limit: int = 5_000) -> int:

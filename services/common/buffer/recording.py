@@ -10,7 +10,7 @@ from sqlalchemy.engine import Connection, Engine
 
 from services.common.buffer.engine import _lock_rows, iter_chunks, utcnow, write_transaction
 from services.common.buffer.governance import _audit, _buried
-from services.common.buffer.schema import TERMINAL, AlreadyConsumed, ForbiddenAgents, UnknownIds, experiences
+from services.common.buffer.schema import TERMINAL, AlreadyConsumed, ForbiddenAgents, UnknownIds, _row_to_experience, experiences
 from services.common.records import Experience, ExperienceStatus
 
 
@@ -100,18 +100,35 @@ class FeedbackResult:
     experience_ids: list[str]
 
 
+def feedback_rows(*, engine: Engine, msg_ids: Sequence[str]) -> list[Experience]:
+    """The experiences the ids name (completion or experience ids), in arrival order; UnknownIds if
+    any names nothing. What feedback in words is rendered from (their conversations)."""
+    with engine.connect() as conn:
+        found = _resolve(conn, msg_ids, lock=False)
+        if unknown := [i for i, rows in found.items() if not rows]:
+            raise UnknownIds(unknown)
+        ids = sorted({e for rows in found.values() for e, _ in rows})
+        rows = [r for chunk in iter_chunks(ids, 500)
+                for r in conn.execute(select(experiences).where(experiences.c.experience_id.in_(chunk)))]
+    return [_row_to_experience(r) for r in sorted(rows, key=lambda r: r.seq)]
+
+
 def apply_feedback(
     *,
     engine: Engine,
     msg_ids: Sequence[str],
-    reward: float,
+    reward: float | None,
     feedback: dict[str, Any],
     task_id: str | None = None,
     run_id: str | None = None,
     agents: Sequence[str] | None = None,
     audit: dict[str, Any] | None = None,
+    hints: dict[str, dict[str, Any]] | None = None,
 ) -> FeedbackResult:
-    """Set the reward of every experience the ids name, all or nothing.
+    """Set the reward of every experience the ids name, all or nothing; with ``hints``
+    ({experience_id: hint}), each named experience's hint too (``None`` reward: the hint alone, the
+    reward and ``feedback`` note left as they were). Either makes a recorded row rewarded (it has
+    feedback, and can be committed).
 
     Raises UnknownIds if any id names nothing, AlreadyConsumed if any experience was already
     trained on (or discarded), ForbiddenAgents if ``agents`` is given and an experience belongs to
@@ -128,11 +145,17 @@ def apply_feedback(
         frozen = sorted({e for rows in found.values() for e, s in rows if s in TERMINAL})
         if frozen:
             raise AlreadyConsumed(frozen)
-        values = _now_row(reward=float(reward), feedback=feedback)
+        if reward is None and hints is None:
+            raise ValueError("apply_feedback needs a reward or hints")
+        if hints is not None and (missing := sorted(set(targets) - set(hints))):
+            raise ValueError(f"no hint given for {', '.join(missing)}")  # a caller's bug: every target gets one
+        values = _now_row() if reward is None else _now_row(reward=float(reward), feedback=feedback)
         if task_id is not None:
             values["task_id"] = task_id
         if run_id is not None:
             values["run_id"] = run_id
+        for e in targets if hints is not None else ():
+            conn.execute(update(experiences).where(experiences.c.experience_id == e).values(hint=hints[e]))
         # Recorded rows become rewarded; committed rows keep their status and take the new reward.
         for chunk in iter_chunks(targets, 500):
             base = and_(experiences.c.experience_id.in_(chunk), experiences.c.status.notin_(TERMINAL))

@@ -58,6 +58,10 @@ experiences = Table(
     Column("trainable", Boolean),  # false: never trained (consent, redaction); null: trainable
     Column("privacy", JSON),  # redactions and consent: what was done to this record and why
     Column("purged_at", DateTime(timezone=True)),  # when retention removed its raw text (purge_text)
+    # Feedback in words: {"text", "prompt_token_ids" (the teacher's prompt: this call's conversation with
+    # the hint as a note, rendered by the served chat template), "source", "at"}; kept apart from
+    # ``feedback`` so a later reward never drops it.
+    Column("hint", JSON),
 )
 
 # Retention's scan (purge_text): rows older than a date whose text is still there.

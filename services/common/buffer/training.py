@@ -29,6 +29,7 @@ _TRAIN_COLUMNS = (
     experiences.c.finish_reason,
     experiences.c.created_at,
     experiences.c.updated_at,
+    experiences.c.hint,
 )
 
 

@@ -12,28 +12,36 @@ from __future__ import annotations
 import asyncio
 import time
 from datetime import datetime, timezone
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from sqlalchemy.engine import Engine
 
 from services.common import buffer
 from services.common.buffer import UnknownIds
 from services.common.http.access import Principal, audit_entry, check_agent, ids_target
+from services.common.http.errors import APIError
 from services.common.ids import id_age_seconds
+from services.common.records import DEMONSTRATION_KIND, Experience
 from services.explorer.edge.metrics import ExplorerMetrics
 from services.explorer.protocol import CommitRequest, FeedbackRequest
 from services.explorer.recording.recorder import Recorder
 
+if TYPE_CHECKING:
+    from services.explorer.serving.demonstrations import DemonstrationService
+
 
 class FeedbackService:
     def __init__(
-        self, *, db: Engine, recorder: Recorder, metrics: ExplorerMetrics, unknown_id_grace_s: float, wait_s: float = 5.0
+        self, *, db: Engine, recorder: Recorder, metrics: ExplorerMetrics, unknown_id_grace_s: float, wait_s: float = 5.0,
+        demonstrations: DemonstrationService | None = None, hint_template: str = "{hint}", hint_role: str = "user",
     ):
         self._db = db
         self._recorder = recorder
         self._metrics = metrics
         self._grace = unknown_id_grace_s
         self._wait_s = wait_s
+        self._demos = demonstrations  # renders words with the served chat template
+        self._hint_template, self._hint_role = hint_template, hint_role
 
     async def _settle(self, ids: list[str]) -> None:
         """Wait until every id is written, by us or (for a short while) by another replica.
@@ -66,20 +74,65 @@ class FeedbackService:
         }
         if req.expected is not None:
             note["expected"] = req.expected
-        result = await asyncio.to_thread(
-            buffer.apply_feedback,
-            engine=self._db,
-            msg_ids=ids,
-            reward=req.reward,
-            feedback=note,
-            task_id=req.task_id,
-            run_id=None if req.run_id is None else str(req.run_id),
-            agents=principal.agent_list,
-            audit=audit_entry(principal, "feedback", {"task_id": req.task_id, "run_id": req.run_id} if req.episode
-                              else ids_target(ids), reward=req.reward),
-        )
-        self._metrics.feedback.inc(len(result.experience_ids))
-        return {"status": "success", "updated": len(result.experience_ids), "experience_ids": result.experience_ids}
+        hints, correction = await self._words(req, ids, principal, note)
+        result = buffer.FeedbackResult(experience_ids=[])
+        if req.reward is not None or hints is not None:
+            details = {"reward": req.reward} | ({"hint": True} if hints else {})
+            result = await asyncio.to_thread(
+                buffer.apply_feedback,
+                engine=self._db,
+                msg_ids=ids,
+                reward=req.reward,
+                feedback=note,
+                task_id=req.task_id,
+                run_id=None if req.run_id is None else str(req.run_id),
+                agents=principal.agent_list,
+                hints=hints,
+                audit=audit_entry(principal, "feedback", {"task_id": req.task_id, "run_id": req.run_id} if req.episode
+                                  else ids_target(ids), **details),
+            )
+            self._metrics.feedback.inc(len(result.experience_ids))
+        body: dict[str, Any] = {"status": "success", "updated": len(result.experience_ids),
+                                "experience_ids": result.experience_ids}
+        if correction is not None:
+            await asyncio.to_thread(buffer.insert_experiences, engine=self._db, records=[correction])
+            await asyncio.to_thread(buffer.record_audit, engine=self._db, actor=principal.name, action="correction",
+                                    target={"corrects": correction.feedback["corrects"],
+                                            "experience_id": correction.experience_id})
+            body["demonstration_id"] = correction.experience_id
+        return body
+
+    async def _words(self, req: FeedbackRequest, ids: list[str], principal: Principal, note: dict[str, Any]
+                     ) -> tuple[dict[str, dict[str, Any]] | None, Experience | None]:
+        """A hint rendered for every named call ({experience_id: hint}), and a correction as the
+        demonstration it becomes; None for what the request does not carry."""
+        if req.hint is None and req.correction is None:
+            return None, None
+        if self._demos is None:
+            raise APIError(501, "this Explorer takes no feedback in words (no chat template to render it)",
+                           param="hint" if req.hint is not None else "correction")
+        rows = await asyncio.to_thread(buffer.feedback_rows, engine=self._db, msg_ids=ids)
+        if principal.agent_list is not None and (others := {r.agent for r in rows} - set(principal.agent_list)):
+            raise buffer.ForbiddenAgents(others)
+        field = "hint" if req.hint is not None else "correction"
+        for r in rows:
+            if r.completion_id.startswith(DEMONSTRATION_KIND + "-"):
+                raise APIError(400, f"{r.experience_id} is a demonstration, never sampled: a {field} teaches a sampled "
+                               "call (send it a demonstration's reply instead)", param="msg_ids", code="not_sampled")
+            if r.purged_at is not None or not r.messages:
+                raise APIError(400, f"{r.experience_id}'s conversation was purged (retention): a {field} has nothing "
+                               "to be read with", param="msg_ids", code="purged")
+        hints = None
+        if req.hint is not None:
+            at = note["at"]
+            hints = {r.experience_id: {"text": req.hint, "source": note["source"], "at": at,
+                                       "prompt_token_ids": self._demos.hint_prompt(
+                                           r, req.hint, template=self._hint_template, role=self._hint_role)}
+                     for r in rows}
+        correction = None
+        if req.correction is not None:
+            correction = self._demos.correction(rows[0], req.correction, comment=req.comment)
+        return hints, correction
 
     async def _episode(self, task_id: str, run_id: str, agent: str | None = None) -> list[str]:
         """Every call of an episode (or of one agent in it), once this replica's records of it are written."""

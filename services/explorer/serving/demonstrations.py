@@ -15,9 +15,10 @@ from sqlalchemy.engine import Engine as DBEngine
 
 from services.common import buffer
 from services.common.http.errors import APIError
+from services.common.hints import hint_prompt_ids
 from services.common.ids import experience_id, new_id
-from services.common.records import DEMONSTRATION_KIND, Experience, ExperienceStatus
-from services.explorer.protocol import Demonstration, DemonstrationRequest
+from services.common.records import CORRECTION_LABEL, DEMONSTRATION_KIND, Experience, ExperienceStatus
+from services.explorer.protocol import Demonstration, DemonstrationRequest, Message
 from services.explorer.serving.adapters import AdapterRegistry, UnknownModel
 from services.explorer.serving.prepare import normalize_messages
 from services.explorer.serving.engines.base import Engine
@@ -56,7 +57,14 @@ class DemonstrationService:
         messages = normalize_messages(req.messages)
         (reply,) = normalize_messages([req.response])
         tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
-        _check_tool_calls([*messages, reply], tools)
+        return (messages, reply, tools, *self.render_reply(messages, reply, tools))
+
+    def render_reply(self, messages: list[dict], reply: dict, tools: list[dict] | None, *,
+                     check_conversation: bool = True) -> tuple[list[int], list[int]]:
+        """(prompt ids, reply ids) of normalized messages and an assistant reply (``render``). The
+        reply's tool calls are checked against ``tools``; the conversation's too unless it was recorded
+        (a sampled call may have made a bad one: it is what happened)."""
+        _check_tool_calls([*messages, reply] if check_conversation else [reply], tools)
         tok = self.engine.tokenizer
         try:
             prompt = tok.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=False)
@@ -74,7 +82,43 @@ class DemonstrationService:
         if len(prompt_ids) + len(reply_ids) > limit:
             raise APIError(400, f"this model's maximum context length is {limit} tokens; the demonstration takes "
                            f"{len(prompt_ids) + len(reply_ids)}", param="messages", code="context_length_exceeded")
-        return messages, reply, tools, prompt_ids, reply_ids
+        return prompt_ids, reply_ids
+
+    def hint_prompt(self, exp: Experience, hint: str, *, template: str, role: str) -> list[int]:
+        """The teacher's prompt of on-policy self-distillation: ``exp``'s conversation with the hint as
+        one more message (``template`` with {hint} replaced, as ``role``), rendered by the served chat
+        template up to the reply's start, like the prompt that was sampled from."""
+        try:
+            ids = hint_prompt_ids(self.engine.tokenizer, exp.messages, exp.tools, hint, template=template, role=role)
+        except Exception as e:
+            raise APIError(400, f"the model's chat template rejected the hint after call {exp.experience_id}'s "
+                           f"conversation: {e} (recorder.hint_role sets the hint's role)", param="hint") from None
+        if len(ids) + len(exp.response_token_ids) > self.engine.max_model_len:
+            raise APIError(400, f"this model's maximum context length is {self.engine.max_model_len} tokens; call "
+                           f"{exp.experience_id}'s conversation with the hint and its reply take "
+                           f"{len(ids) + len(exp.response_token_ids)}", param="hint", code="context_length_exceeded")
+        return ids
+
+    def correction(self, exp: Experience, reply_message: Message, *, comment: str | None) -> Experience:
+        """A demonstration for ``exp``'s prompt: ``reply_message`` rendered as ``/demonstrations`` renders
+        a reply (checked against the call's tools), linked to the call it corrects."""
+        (reply,) = normalize_messages([reply_message])
+        try:
+            prompt_ids, reply_ids = self.render_reply(exp.messages, reply, exp.tools, check_conversation=False)
+        except APIError as e:  # name the field of this body
+            raise APIError(e.status, e.message.replace("response", "correction", 1),
+                           param=(e.param or "").replace("response", "correction", 1) or "correction",
+                           code=e.code) from None
+        cid = new_id(DEMONSTRATION_KIND)
+        return Experience(
+            experience_id=experience_id(cid, 0), completion_id=cid, agent=exp.agent, model_version=0,
+            task_id=exp.task_id, prompt_token_ids=prompt_ids, response_token_ids=reply_ids, response_logprobs=[],
+            messages=exp.messages, response=reply, tools=exp.tools, finish_reason="stop", sampling={},
+            feedback={"labels": [DEMONSTRATION_LABEL, CORRECTION_LABEL], "source": "correction", "comment": comment,
+                      "corrects": exp.experience_id, "prompt_as_recorded": prompt_ids == exp.prompt_token_ids,
+                      "at": datetime.now(timezone.utc).isoformat()},
+            status=ExperienceStatus.COMMITTED, user_id=exp.user_id, trainable=exp.trainable,
+        )
 
     async def add(self, req: DemonstrationRequest) -> Demonstration:
         try:

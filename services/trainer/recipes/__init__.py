@@ -14,12 +14,13 @@ import importlib
 
 from services.trainer.recipes.base import BaseRecipe, MicroBatch, Recipe, RecipeConfig, Scorer
 from services.trainer.recipes.grpo import GRPO
+from services.trainer.recipes.opd import OPD
 from services.trainer.recipes.ppo import PPO
 from services.trainer.recipes.rft import RFT
 from services.trainer.recipes.sft import SFT
 from services.trainer.sections import ObjectiveSection
 
-BUILT_IN: tuple[type[Recipe], ...] = (PPO, GRPO, SFT, RFT)
+BUILT_IN: tuple[type[Recipe], ...] = (PPO, GRPO, SFT, RFT, OPD)
 REGISTRY: dict[str, type[Recipe]] = {r.name: r for r in BUILT_IN}
 
 

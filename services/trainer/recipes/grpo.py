@@ -14,10 +14,13 @@ from services.trainer.algorithms.advantages import batch_relative, episode_relat
 from services.trainer.algorithms.grpo import grpo_loss
 from services.trainer.algorithms.importance import behaviour_weights
 from services.trainer.batches import Selection, TeamEpisodes, Usable, aware, to_item
-from services.trainer.recipes.base import BaseRecipe, MicroBatch, RecipeConfig, clip_args, ratio_inputs
+from services.trainer.batches import TrainItem
+from services.trainer.recipes.base import BaseRecipe, MicroBatch, Scorer, clip_args, ratio_inputs
+from services.trainer.recipes.hints import HintSettings, hint_advantage, hint_figures, hint_statistics, teacher_inputs
+from services.trainer.sections import ObjectiveSection
 
 
-class GRPOConfig(RecipeConfig):
+class GRPOConfig(HintSettings):
     std_normalize: bool = Field(default=True, description="Divide group-centred rewards by the group std.")
     min_group_size: int = Field(default=2, ge=1, description="Smallest group trained as a group.")
     group_size: int | None = Field(
@@ -46,6 +49,10 @@ class GRPOConfig(RecipeConfig):
         "mismatch) corrected by importance weights truncated at importance_cap, or masked above it (off: the "
         "ratio against the recorded logprobs, as in PPO).")
     importance_cap: float = Field(default=2.0, gt=1, description="importance: the largest weight kept.")
+    hint_coef: float = Field(
+        default=0.0, ge=0, description="Token level: add this times the distillation advantage of calls that got a hint "
+        "(on-policy self-distillation, see opd) to their reward's advantage; 0: hints unused. Calls with a hint "
+        "and no reward are set aside (algorithm opd learns from them).")
 
 
 class GRPO(BaseRecipe):
@@ -55,6 +62,17 @@ class GRPO(BaseRecipe):
     uses_ratio = True
     team_rewards = True
     config: GRPOConfig
+
+    def __init__(self, config: GRPOConfig, objective: ObjectiveSection):
+        if config.hint_coef > 0 and objective.level != "token":
+            raise ValueError("algorithm.grpo.hint_coef teaches each token of a hinted call (algorithm.level must be token)")
+        super().__init__(config, objective)
+
+    def extra_inputs(self, items: list[TrainItem], scorer: Scorer) -> dict[str, torch.Tensor]:
+        return teacher_inputs(items, scorer, self.config.teacher) if self.config.hint_coef > 0 else {}
+
+    def statistics(self, sums: dict[str, float], *, tokens: float) -> dict[str, float]:
+        return hint_figures(sums) if self.config.hint_coef > 0 else dict(sums)
 
     def select(self, usable: list[Usable], *, batch_size: int, now: datetime, sel: Selection, team: TeamEpisodes) -> None:
         """Whole groups of whole episodes, oldest first. A group (task_id) is complete at
@@ -140,14 +158,19 @@ class GRPO(BaseRecipe):
 
     def loss(self, mb: MicroBatch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         a = self.config
-        inputs, normalizer = ratio_inputs(mb, mb.advantages)
-        stats: dict[str, torch.Tensor] = {}
+        advantages, stats = mb.advantages, {}
+        if a.hint_coef > 0:  # the reward's advantage on every token, plus the teacher's on a hinted call's
+            hinted, hint_mask = hint_advantage(mb, clip=a.hint_clip)
+            advantages = advantages.unsqueeze(-1).expand_as(mb.mask) + a.hint_coef * hinted
+            stats = hint_statistics(mb, hinted, hint_mask)
+        inputs, normalizer = ratio_inputs(mb, advantages)
         if not mb.sequence_level and a.importance != "off":
             if mb.first_epoch:  # the proximal policy: the Trainer's own, before this step's update
                 mb.cache[("proximal", mb.key)] = mb.logprobs.detach()
             proximal = mb.cache[("proximal", mb.key)]
-            w, stats = behaviour_weights(proximal, mb.old_logprobs, mb.mask, mode=a.importance, cap=a.importance_cap,
-                                         normalizer=mb.norms.tokens)
+            w, importance = behaviour_weights(proximal, mb.old_logprobs, mb.mask, mode=a.importance,
+                                              cap=a.importance_cap, normalizer=mb.norms.tokens)
+            stats.update(importance)
             inputs.update(old_logprobs=proximal, weights=inputs["weights"] * w)
         by_response = not mb.sequence_level and a.aggregation == "sequence"
         if by_response:  # each response's tokens averaged first

@@ -82,6 +82,19 @@ def test_marsys_surface_and_a_recorded_tool_loop(tiny_model, tmp_path, calling_a
         expected = torch.log_softmax(logits, -1).gather(-1, torch.tensor(row.response_token_ids)[:, None])[:, 0]
         torch.testing.assert_close(torch.tensor(row.response_logprobs), expected, atol=1e-4, rtol=1e-4)
 
+    # a hint alone: each call keeps the teacher's prompt, its conversation and the note, by the same template
+    with pytest.raises(LearnableAgentError, match="needs a reward or a non-empty hint"):
+        agent.feedback(hint=" ")
+    assert agent.feedback(hint="Look the key up first.", commit=False) == 2
+    db = buffer.create_buffer_engine(agent.buffer_url)
+    hinted = [buffer.get_experience(engine=db, experience_id=e) for e in run.experience_ids]
+    db.dispose()
+    for row in hinted:
+        assert row.reward is None and row.status.value == "rewarded" and row.hint["source"] == "learnable-agent"
+        teacher = agent.model.tokenizer.decode(row.hint["prompt_token_ids"])
+        assert teacher.startswith(agent.model.tokenizer.decode(row.prompt_token_ids).rsplit("<|im_start|>", 1)[0])
+        assert "A note on how to answer, from a reviewer: Look the key up first." in teacher
+
     agent.save_pretrained(tmp_path / "saved")
     assert {"adapter_config.json", "adapter_model.safetensors"} <= {p.name for p in (tmp_path / "saved").iterdir()}
     agent.close()
@@ -124,6 +137,11 @@ def test_the_same_agent_through_an_explorer(explorer, tmp_path):
     assert agent.feedback(1.0) == len(agent.last_run.experience_ids) >= 1
     rows = explorer.http.get("/experiences", params={"task_id": "remote"}).json()["data"]
     assert {(r["run_id"], r["reward"], r["status"]) for r in rows} == {("1", 1.0, "committed")}
+    agent.run(TASK, task_id="remote", run_id="2")
+    agent.feedback(hint="Use the lookup tool.")
+    hinted = explorer.http.get("/experiences", params={"task_id": "remote"}).json()["data"]
+    assert {(r["run_id"], r["reward"], (r["hint"] or {}).get("text")) for r in hinted} == {
+        ("1", 1.0, None), ("2", None, "Use the lookup tool.")}
     assert rows[0]["tools"][0]["function"]["name"] == "lookup"
     with pytest.raises(LearnableAgentError, match="its weights are there"):
         agent.model

@@ -122,6 +122,7 @@ def test_retention_purges_old_text_and_keeps_rewards(make_explorer):
     assert r.status_code == 200, r.text
     response_id, old = r.json()["id"], r.json()["experience_id"]
     fresh = _chat(ex, "a new question")
+    assert ex.http.post("/feedback", json={"msg_ids": [old], "hint": "say more"}).status_code == 200
     _reward_and_commit(ex, old)
     e = buffer.experiences.c
     with buffer.write_transaction(ex.state.db) as conn:  # recorded two days ago
@@ -132,6 +133,7 @@ def test_retention_purges_old_text_and_keeps_rewards(make_explorer):
         time.sleep(0.2)
     purged = _stored(ex, old)
     assert purged["purged_at"] and purged["messages"] == [] and purged["prompt_token_ids"] == []
+    assert purged["hint"] is None  # words, and the teacher's prompt (the conversation's ids), go too
     assert purged["reward"] == 1.0 and purged["status"] == "discarded" and purged["model_version"] == 0
     assert _stored(ex, fresh)["messages"]  # younger than the retention period
     r = ex.http.post("/v1/responses", json={"model": "default", "input": "go on", "previous_response_id": response_id})

@@ -47,3 +47,16 @@ def test_async_client_gives_the_same_answers(explorer):
     cid, committed, rows, error = asyncio.run(main())
     assert committed["committed"] == 1 and [r["completion_id"] for r in rows] == [cid] and rows[0]["reward"] == 0.5
     assert error.status == 404 and error.code == "unknown_id"
+
+
+def test_the_client_sends_feedback_in_words(explorer):
+    with SyncExplorerClient(explorer.url) as client:
+        cid = client.chat_completions(model="default", messages=Q, max_tokens=2)["id"]
+        assert client.feedback(msg_ids=[cid], hint="Name a capital.")["updated"] == 1
+        fixed = client.feedback(msg_ids=[cid], correction={"role": "assistant", "content": "Paris."}, reward=0.0)
+        demo = client.experiences(status="committed")
+        assert [d["experience_id"] for d in demo] == [fixed["demonstration_id"]]
+        assert demo[0]["feedback"]["corrects"] == client.experiences(completion_id=cid)[0]["experience_id"]
+        with pytest.raises(ExplorerError) as e:
+            client.feedback(msg_ids=[cid], hint="")
+        assert e.value.status == 400 and "hint" in str(e.value)

@@ -233,3 +233,30 @@ def test_runners_commit_only_what_they_rewarded(explorer):
     assert status[other.id] == "rewarded"
     assert status[r.id] == "committed"
     assert all(status[i] == "committed" for res in results for i in res.msg_ids) and len(results) == 4
+
+
+def test_a_reward_calculator_may_give_a_hint_beside_its_reward_or_alone(explorer):
+    from runner_sdk import Verdict
+
+    def judge(run):  # even runs: wrong, with a hint; odd runs: a hint alone
+        return Verdict(reward=0.0, hint="Name Paris.") if run.input % 2 == 0 else Verdict(hint="Name Rome.")
+
+    runner = TrainingRunner(endpoint=explorer.url, model="default", selection=SamplingRate(1.0), reward=judge,
+                            commit_interval=0)
+    client = runner.openai_client()
+    ids = {}
+    with runner:
+        for i in range(4):
+            with runner.run(i) as run:
+                r = client.chat.completions.create(model="default", messages=Q, max_tokens=2)
+                run.output = r.choices[0].message.content
+            ids[i] = r.id
+        runner.commit_now()
+    rows = {r["completion_id"]: r for r in _experiences(explorer)}
+    for i, cid in ids.items():
+        row = rows[cid]
+        assert row["status"] == "committed" and row["hint"]["text"] == ("Name Paris." if i % 2 == 0 else "Name Rome.")
+        assert row["reward"] == (0.0 if i % 2 == 0 else None) and row["hint"]["source"] == "runner_sdk"
+    assert runner.stats.feedback_sent == 4 and runner.stats.feedback_dropped == 0
+    with pytest.raises(ValueError, match="needs a reward or a non-empty hint"):
+        Verdict(hint="  ")

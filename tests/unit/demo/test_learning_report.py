@@ -51,7 +51,13 @@ def test_a_finished_run_with_the_same_overrides_is_read_back_and_a_different_one
     overrides = ["seed=0", *bench.SETTINGS["base"], "tools.plateau.max_steps=48"]
     (made / "bench.json").write_text(json.dumps({"overrides": overrides, "commit": "abc1234"}))
     ran = []
-    monkeypatch.setattr(bench.subprocess, "run", lambda args, **kw: ran.append(args) or bench.subprocess.CompletedProcess(args, 1))
+    def fake_run(args, **kw):  # the demo fails; git names a commit
+        if args[0] == "git":
+            return bench.subprocess.CompletedProcess(args, 0, stdout="def5678\n")
+        ran.append(args)
+        return bench.subprocess.CompletedProcess(args, 1)
+
+    monkeypatch.setattr(bench.subprocess, "run", fake_run)
     summary = bench.run_demo(0, "base", tmp_path, ["tools.plateau.max_steps=48"])
     assert not ran and summary["commit"] == "abc1234" and summary["evals"][0]["per_prompt"] == [1]
     with pytest.raises(RuntimeError, match=r"kaizen demo failed \(base, seed 0\)"):  # other overrides: cleared, run again

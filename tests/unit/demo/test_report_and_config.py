@@ -48,3 +48,20 @@ def test_unknown_keys_are_refused():
         load_config(DemoConfig, None, ["tools.nope=1"])
     with pytest.raises(ConfigError):
         load_config(DemoConfig, None, ["task=chess"])
+
+
+def test_words_hints_give_the_trainer_its_hint_term_and_are_refused_when_unknown(tmp_path):
+    from services.common.launch import Stack
+    from services.demo.tools_demo import ToolsDemo
+    from services.trainer.config import TrainerConfig
+
+    def trainer(*overrides):
+        cfg = load_config(DemoConfig, None, ["task=tools", *overrides], env={})
+        return ToolsDemo(cfg, Stack(tmp_path, cfg.agent, config_models={"trainer": TrainerConfig})).trainer_config()
+
+    assert trainer()["algorithm"]["grpo"].get("hint_coef") is None
+    hinted = trainer("tools.words=hints", "tools.hint_coef=0.5")["algorithm"]
+    assert hinted["grpo"]["hint_coef"] == 0.5 and hinted["level"] == "token"
+    assert trainer("tools.words=corrections")["algorithm"]["grpo"].get("hint_coef") is None
+    with pytest.raises(Exception, match="words"):
+        trainer("tools.words=shouts")

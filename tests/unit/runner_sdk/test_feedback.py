@@ -73,7 +73,7 @@ def test_commit_names_exactly_the_delivered_ids_in_chunks():
     stats, ex = asyncio.run(main())
     assert ex.feedback_calls[0] == {"msg_ids": [f"chatcmpl-{i}" for i in range(COMMIT_CHUNK + 10)], "reward": 1.0,
                                     "task_id": "t", "run_id": "0", "labels": ["gold"], "comment": None,
-                                    "source": "runner_sdk", "expected": None}
+                                    "source": "runner_sdk", "expected": None, "hint": None}
     assert (stats.feedback_sent, stats.commits, stats.commit_failures) == (3, 3, 0)
     assert stats.committed == 2 * COMMIT_CHUNK + 500
 

@@ -1,0 +1,24 @@
+"""On-policy distillation (Agarwal et al. 2024, GKD, arXiv:2306.13649; Lu & Thinking Machines 2025,
+"On-Policy Distillation"): the student samples, a teacher scores the sampled tokens, and each token's
+advantage is how much likelier the teacher finds it than the student did,
+
+    A_t = log pi_teacher(y_t | x', y_<t) - log pi_student(y_t | x, y_<t),
+
+whose expectation over the student's samples is minus the reverse KL(student || teacher) at that
+position: a policy-gradient step on A_t lowers the reverse KL, one token at a time, on the agent's own
+samples. Kaizen's teacher is the agent itself reading a hint (x' = the conversation and the hint:
+self-distillation with privileged context), or any model that shares its tokenizer. The student's
+logprobs are those recorded at sampling, so the advantage is fixed for the step, as a reward's is.
+Shapes: (B, T) each, right-padded; ``mask`` 1 on the tokens that have a teacher.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def distillation_advantage(teacher_logprobs: torch.Tensor, sampled_logprobs: torch.Tensor, mask: torch.Tensor, *,
+                           clip: float) -> torch.Tensor:
+    """Per-token ``teacher - sampled`` logprob, clamped to [-clip, clip] (one token a teacher finds
+    impossible must not swamp the rest), 0 where ``mask`` is 0."""
+    return ((teacher_logprobs - sampled_logprobs).clamp(-clip, clip) * mask).detach()

@@ -1,0 +1,76 @@
+"""Feedback in words as training signal: the teacher's logprobs of the sampled tokens, for the calls
+that carry a hint (``TrainItem.teacher_prompt_ids``: the call's conversation with the hint, rendered
+by the Explorer), and the distillation advantage they give (services/trainer/algorithms/distill.py).
+Shared by ``opd`` (hints alone) and ``grpo`` (``hint_coef``: added to the reward's advantage)."""
+
+from __future__ import annotations
+
+import time
+from typing import Literal
+
+import torch
+from pydantic import Field
+
+from services.trainer.algorithms.distill import distillation_advantage
+from services.trainer.batches import TrainItem
+from services.trainer.recipes.base import MicroBatch, RecipeConfig, Scorer
+
+Teacher = Literal["policy", "base"]
+
+
+class HintSettings(RecipeConfig):
+    teacher: Teacher = Field(
+        default="policy",
+        description="Who reads the hint: policy (the agent itself, its adapter as before the step: self-distillation) "
+        "or base (the base model without the adapter).")
+    hint_clip: float = Field(default=5.0, gt=0, description="The largest |teacher - sampled| logprob gap a token counts.")
+
+
+def teacher_inputs(items: list[TrainItem], scorer: Scorer, teacher: Teacher) -> dict[str, torch.Tensor]:
+    """{"teacher": (B, R) logprobs of each hinted item's sampled tokens after its teacher prompt, 0 for
+    the others; "hinted": (B,) 1 where an item has a hint; "teacher_s": the forward's seconds}."""
+    width = max((len(it.response_ids) for it in items), default=0)
+    hinted = [k for k, it in enumerate(items) if it.teacher_prompt_ids]
+    out = torch.zeros(len(items), width)
+    start = time.perf_counter()
+    if hinted:
+        lp = scorer.logprobs([items[k].teacher_prompt_ids for k in hinted], [items[k].response_ids for k in hinted],
+                             [items[k].temperature for k in hinted], adapter=teacher == "policy").float().cpu()
+        for row, k in enumerate(hinted):
+            n = len(items[k].response_ids)
+            out[k, :n] = lp[row, :n]
+    flags = torch.tensor([1.0 if it.teacher_prompt_ids else 0.0 for it in items])
+    return {"teacher": out, "hinted": flags, "teacher_s": torch.tensor(time.perf_counter() - start)}
+
+
+def hint_advantage(mb: MicroBatch, *, clip: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(B, R) distillation advantage of the hinted rows (0 elsewhere), and the (B, R) mask of their tokens."""
+    dev = mb.mask.device
+    teacher, hinted = mb.extra["teacher"].to(dev), mb.extra["hinted"].to(dev)
+    width = mb.mask.shape[1]
+    if teacher.shape[1] < width:  # the batch's padding may be wider than its longest response
+        teacher = torch.nn.functional.pad(teacher, (0, width - teacher.shape[1]))
+    mask = mb.mask * hinted.unsqueeze(-1)
+    return distillation_advantage(teacher[:, :width], mb.old_logprobs, mask, clip=clip), mask
+
+
+def hint_statistics(mb: MicroBatch, adv: torch.Tensor, mask: torch.Tensor) -> dict[str, torch.Tensor]:
+    """This micro-batch's shares of the step's figures (``hint_figures`` turns their sums into the
+    step record's): hinted tokens and their advantage over the batch's tokens, the teacher's seconds
+    (counted in the first epoch only)."""
+    n = max(mb.norms.tokens, 1.0)
+    return {
+        "hinted_share": mask.sum() / n,
+        "distill_sum_share": (adv * mask).sum() / n,
+        "teacher_s": mb.extra["teacher_s"] if mb.first_epoch else torch.tensor(0.0),
+    }
+
+
+def hint_figures(sums: dict[str, float]) -> dict[str, float]:
+    """The step record's hint figures: ``hinted_share`` of the trained tokens, ``distill_advantage``
+    (the mean advantage of a hinted token: minus the clipped reverse KL to the teacher) and
+    ``teacher_s`` (the teacher's forward passes, in seconds)."""
+    out = dict(sums)
+    share, total = out.get("hinted_share", 0.0), out.pop("distill_sum_share", 0.0)
+    out["distill_advantage"] = total / share if share > 0 else 0.0
+    return out

@@ -1,0 +1,35 @@
+"""The distillation advantage (services/trainer/algorithms/distill.py), worked by hand."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from services.trainer.algorithms.distill import distillation_advantage
+
+
+def test_each_token_gets_the_teachers_logprob_minus_the_samplers_clamped_and_masked():
+    teacher = torch.log(torch.tensor([[0.5, 0.9, 0.2], [0.8, 1e-9, 0.5]]))
+    sampled = torch.log(torch.tensor([[0.25, 0.9, 0.4], [0.4, 0.5, 0.5]]))
+    mask = torch.tensor([[1.0, 1.0, 1.0], [1.0, 1.0, 0.0]])
+    adv = distillation_advantage(teacher, sampled, mask, clip=5.0)
+    # 0.5 vs 0.25: log 2 up; 0.9 vs 0.9: 0; 0.2 vs 0.4: log 2 down; 0.8 vs 0.4: log 2 up
+    assert torch.allclose(adv[0], torch.tensor([math.log(2), 0.0, -math.log(2)]), atol=1e-6)
+    assert abs(adv[1, 0].item() - math.log(2)) < 1e-6
+    assert adv[1, 1].item() == -5.0  # log(1e-9 / 0.5) = -20.0, clamped
+    assert adv[1, 2].item() == 0.0  # padding
+
+
+def test_its_mean_over_the_students_own_samples_is_minus_the_reverse_kl():
+    # one position, a student over 3 tokens and a teacher: E_student[A] = -KL(student || teacher)
+    student = torch.tensor([0.5, 0.3, 0.2])
+    teacher = torch.tensor([0.2, 0.6, 0.2])
+    adv = distillation_advantage(teacher.log().unsqueeze(0), student.log().unsqueeze(0), torch.ones(1, 3), clip=50.0)
+    kl = (student * (student / teacher).log()).sum()
+    assert abs((student * adv[0]).sum().item() + kl.item()) < 1e-6
+
+
+def test_it_carries_no_gradient():
+    teacher = torch.zeros(1, 2, requires_grad=True)
+    assert not distillation_advantage(teacher, torch.zeros(1, 2), torch.ones(1, 2), clip=1.0).requires_grad

@@ -1,0 +1,113 @@
+"""Hints as training signal (services/trainer/recipes/opd.py, hints.py, grpo's hint_coef): which rows
+the recipes take, the teacher's inputs lined up with the batch, and the loss's gradient worked by hand."""
+
+from __future__ import annotations
+
+import math
+from datetime import datetime, timezone
+
+import pytest
+import torch
+from pytest import approx
+
+from services.common.config import ConfigError, load_config
+from services.common.records import CommittedExperience
+from services.trainer.batches import Norms, select_batch
+from services.trainer.config import TrainerConfig
+from services.trainer.recipes.base import MicroBatch
+from services.trainer.recipes.hints import hint_figures, teacher_inputs
+
+NOW = datetime(2026, 1, 1, tzinfo=timezone.utc)
+
+
+def cfg(*overrides: str) -> TrainerConfig:
+    return load_config(TrainerConfig, None, ["model.path=/m", *overrides], env={})
+
+
+def row(i: int, *, reward: float | None = None, hint: bool = True) -> CommittedExperience:
+    return CommittedExperience(
+        experience_id=f"e{i}", agent="a", task_id=f"t{i}", run_id=None, seq=i, model_version=0,
+        prompt_token_ids=[1, 2], response_token_ids=[3, 4], response_logprobs=[-0.5, -0.5], reward=reward,
+        sampling={"temperature": 0.7}, feedback=None, finish_reason="stop", created_at=NOW, updated_at=NOW,
+        hint={"text": "use the tool", "prompt_token_ids": [1, 2, 9, 9]} if hint else None,
+    )
+
+
+class FixedScorer:
+    """Hands back given logprobs, and keeps what it was asked (a fake: the math is under test)."""
+
+    def __init__(self, lp: torch.Tensor):
+        self.lp, self.asked = lp, []
+
+    def logprobs(self, prompts, responses, temperatures, *, adapter=True):
+        self.asked.append((prompts, responses, temperatures, adapter))
+        return self.lp
+
+
+def test_opd_takes_hinted_rows_without_a_reward_and_sets_the_others_aside():
+    c = cfg("algorithm.name=opd", "train_batch_size=1")
+    sel = select_batch([row(1), row(2, reward=1.0, hint=False)], recipe=c.algorithm.recipe(), cfg=c, current_version=0,
+                       now=NOW)
+    assert [i.experience_id for i in sel.items] == ["e1"] and sel.items[0].teacher_prompt_ids == [1, 2, 9, 9]
+    assert sel.discarded["e2"].startswith("no hint")
+    with pytest.raises(ConfigError, match="algorithm.level must be token"):
+        cfg("algorithm.name=grpo", "algorithm.grpo.hint_coef=1", "algorithm.level=sequence")
+
+
+def test_the_teachers_logprobs_line_up_with_the_batch_and_unhinted_rows_get_none():
+    c = cfg("algorithm.name=opd", "train_batch_size=1")
+    sel = select_batch([row(1)], recipe=c.algorithm.recipe(), cfg=c, current_version=0, now=NOW)
+    plain = sel.items[0].__class__(**{**sel.items[0].__dict__, "experience_id": "e2", "teacher_prompt_ids": None,
+                                      "response_ids": [5, 6, 7]})
+    scorer = FixedScorer(torch.tensor([[-0.1, -0.2]]))
+    x = teacher_inputs([sel.items[0], plain], scorer, "base")
+    assert scorer.asked == [([[1, 2, 9, 9]], [[3, 4]], [0.7], False)]  # the hinted row alone, at its temperature
+    assert x["teacher"].tolist() == [[approx(-0.1), approx(-0.2), 0.0], [0.0, 0.0, 0.0]]
+    assert x["hinted"].tolist() == [1.0, 0.0] and x["teacher_s"].item() >= 0
+
+
+def _micro(recipe, items, logprobs, teacher, advantages=None):
+    mask = torch.ones_like(logprobs)
+    if advantages is not None:
+        for it, a in zip(items, advantages):
+            it.advantage = a
+    return MicroBatch(
+        items=items, logprobs=logprobs, old_logprobs=torch.full_like(logprobs, -0.5), mask=mask,
+        weights=torch.ones(len(items)), rewards=torch.zeros(len(items)), hidden=None, value_head=None,
+        norms=Norms(tokens=float(mask.sum()), sequences=float(len(items))), objective=recipe.objective,
+        sequence_level=False, key=0, first_epoch=True,
+        extra={"teacher": teacher, "hinted": torch.ones(len(items)), "teacher_s": torch.tensor(0.25)},
+    )
+
+
+def test_opd_pushes_up_the_tokens_the_teacher_prefers_and_down_the_others():
+    c = cfg("algorithm.name=opd", "train_batch_size=1")
+    recipe = c.algorithm.recipe()
+    sel = select_batch([row(1)], recipe=recipe, cfg=c, current_version=0, now=NOW)
+    # sampled at -0.5 each; the teacher finds token 1 likelier (-0.1: +0.4) and token 2 less likely (-1.5: -1.0)
+    lp = torch.full((1, 2), -0.5, requires_grad=True)
+    mb = _micro(recipe, sel.items, lp, torch.tensor([[-0.1, -1.5]]))
+    loss, stats = recipe.loss(mb)
+    loss.backward()
+    # at ratio 1 the loss is -mean(r * A): d/dlp_t = -A_t / 2 tokens
+    assert lp.grad.tolist() == [[approx(-0.2), approx(0.5)]]
+    figures = hint_figures({k: float(v) for k, v in stats.items()})
+    assert figures["hinted_share"] == approx(1.0) and figures["distill_advantage"] == approx(-0.3)
+    assert figures["teacher_s"] == approx(0.25)
+
+
+def test_grpo_adds_the_hints_advantage_to_the_rewards_on_hinted_calls_only():
+    c = cfg("algorithm.name=grpo", "train_batch_size=1", "algorithm.grpo.hint_coef=0.5", "algorithm.level=token",
+            "algorithm.grpo.min_group_size=1")
+    recipe = c.algorithm.recipe()
+    sel = select_batch([row(1, reward=1.0)], recipe=recipe, cfg=c, current_version=0, now=NOW)
+    items = sel.items + [sel.items[0].__class__(**{**sel.items[0].__dict__, "teacher_prompt_ids": None})]
+    lp = torch.full((2, 2), -0.5, requires_grad=True)
+    mb = _micro(recipe, items, lp, torch.tensor([[-0.1, -1.5], [0.0, 0.0]]), advantages=[1.0, 1.0])
+    mb.extra["hinted"] = torch.tensor([1.0, 0.0])
+    loss, _ = recipe.loss(mb)
+    loss.backward()
+    # A = 1 + 0.5 * (+0.4, -1.0) on the hinted call, 1 on the other; 4 tokens: grad = -A / 4
+    assert lp.grad.tolist() == [[approx(-1.2 / 4), approx(-0.5 / 4)], [approx(-0.25), approx(-0.25)]]
+    assert math.isclose(recipe.statistics({"hinted_share": 0.5, "distill_sum_share": -0.15}, tokens=4)["distill_advantage"],
+                        -0.3)
