@@ -94,9 +94,11 @@ LONGEST_FIRST = (
     "tests/integration/trainer/test_trainer_service.py",  # 280
     "tests/integration/agents/test_dataset_trainer.py",  # 255
     "tests/integration/trainer/test_real_model.py",  # 300 (with 2 threads)
+    "tests/integration/trainer/test_hints_real.py",  # 120 alone
     "tests/integration/trainer/test_multi_agent.py",  # 135
     "tests/integration/explorer/test_explorer_kills.py",  # 100
     "tests/integration/agents/test_learnable_agent.py",  # 90
+    "tests/integration/trainer/test_hints.py",  # 80 alone
     "tests/integration/demo/test_dashboard.py",  # 85
     "tests/integration/explorer/test_adapters_and_tools.py",  # 80
     "tests/integration/common/test_publish.py",  # 80

@@ -29,7 +29,7 @@ from services.trainer.algorithms.sft import sft_loss
 from services.trainer.batches import Norms, TrainItem, episode_chunks
 from services.trainer.config import TrainerConfig
 from services.trainer.policy import Policy, pack
-from services.trainer.recipes import MicroBatch
+from services.trainer.recipes import GATHER_IDS, MicroBatch
 from services.trainer.stats import StepStats
 
 log = logging.getLogger(__name__)
@@ -47,6 +47,22 @@ class _Scorer:
         batch = pack(prompts, responses, temperatures, p.pad_id, share_prefix_min=self.share_prefix_min)
         out = p.forward(batch, need_hidden=False, adapter=adapter)
         return out.logprobs * batch.response_mask.to(p.device)  # (B, R)
+
+    @torch.no_grad()
+    def top_logprobs(self, prompts, responses, temperatures, k: int, *, adapter: bool = True
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        p = self.policy
+        batch = pack(prompts, responses, temperatures, p.pad_id, share_prefix_min=self.share_prefix_min)
+        out = p.forward(batch, need_hidden=False, adapter=adapter, top_k=k)
+        mask = batch.response_mask.to(p.device)
+        return out.logprobs * mask, out.top[0] * mask.unsqueeze(-1), out.top[1]
+
+
+def _widen(ids: torch.Tensor, width: int) -> torch.Tensor:
+    """(B, R', k) token ids padded (with id 0, masked later) or cut to the batch's R positions."""
+    if ids.shape[1] < width:
+        return torch.nn.functional.pad(ids, (0, 0, 0, width - ids.shape[1]))
+    return ids[:, :width]
 
 
 def _by_length(items: list[TrainItem]) -> list[TrainItem]:
@@ -267,7 +283,11 @@ class LearnerWorker:
         for row, it in enumerate(micro):
             old_lp[row, : len(it.old_logprobs)] = torch.tensor(it.old_logprobs)
         allowed = p.allowed_tokens([i.grammar for i in micro], [i.response_ids for i in micro], batch.response_len)
-        out = p.forward(batch, need_hidden=recipe.uses_critic, entropy_grad=a.entropy_coef > 0, allowed=allowed)
+        if ("extra", key) not in cache:  # before this forward: a recipe may ask it for some tokens' logprobs
+            cache[("extra", key)] = recipe.extra_inputs(micro, _Scorer(p, self.cfg.trainer.shared_prefix_min_tokens))
+        gather = cache[("extra", key)].get(GATHER_IDS)
+        out = p.forward(batch, need_hidden=recipe.uses_critic, entropy_grad=a.entropy_coef > 0, allowed=allowed,
+                        gather=None if gather is None else _widen(gather, batch.response_len))
         stats: dict[str, float] = {"entropy_sum": float(masked_sum(out.entropy.detach(), mask)), "tokens": float(mask.sum())}
         first: dict[str, float] = {}
         if epoch == 0:
@@ -280,8 +300,6 @@ class LearnerWorker:
             with torch.no_grad():
                 ref_lp = p.forward(batch, need_hidden=False, adapter=False, allowed=allowed).logprobs
             stats["kl_sum"] = float(masked_sum(kl_k3(out.logprobs.detach(), ref_lp), mask))
-        if ("extra", key) not in cache:
-            cache[("extra", key)] = recipe.extra_inputs(micro, _Scorer(p, self.cfg.trainer.shared_prefix_min_tokens))
         mb = MicroBatch(
             items=micro, logprobs=out.logprobs, old_logprobs=old_lp, mask=mask,
             weights=torch.tensor([it.weight for it in micro], device=dev),
@@ -290,7 +308,7 @@ class LearnerWorker:
             value_head=p.value_heads[agent] if recipe.uses_critic else None,
             norms=norms, objective=a, sequence_level=a.level == "sequence" and recipe.uses_ratio,
             key=key, first_epoch=epoch == 0, cache=cache, value_mask=response_mask if has_context else None,
-            extra=cache[("extra", key)],
+            extra=cache[("extra", key)], gathered=out.gathered,
         )
         loss, st = recipe.loss(mb)
         objective = {k: float(v) for k, v in st.items() if k != "loss"}

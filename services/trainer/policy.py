@@ -91,6 +91,8 @@ class ForwardOut:
     logprobs: torch.Tensor  # (B, R) of the response tokens, at each row's temperature
     entropy: torch.Tensor  # (B, R), with grad only when asked for (entropy bonus)
     hidden: torch.Tensor | None  # (B, R, H): the state before each response token (for the critic)
+    gathered: torch.Tensor | None = None  # (B, R, k): logprobs of the ``gather`` ids at each position
+    top: tuple[torch.Tensor, torch.Tensor] | None = None  # (B, R, k) logprobs and ids of the k likeliest tokens
 
 
 class Policy:
@@ -220,9 +222,11 @@ class Policy:
         return allowed
 
     def forward(self, batch: PackedBatch, *, need_hidden: bool, adapter: bool = True, entropy_grad: bool = False,
-                allowed: torch.Tensor | None = None) -> ForwardOut:
+                allowed: torch.Tensor | None = None, gather: torch.Tensor | None = None, top_k: int = 0) -> ForwardOut:
         """Logprobs of the response tokens (with grad unless under no_grad), entropy, hidden states.
-        ``allowed`` (B, R, V): score each token over the tokens its grammar allowed, as sampled."""
+        ``allowed`` (B, R, V): score each token over the tokens its grammar allowed, as sampled.
+        ``gather`` (B, R, k) token ids: their logprobs at each response position too (``gathered``);
+        ``top_k``: the k likeliest tokens at each response position (``top``), e.g. a teacher's."""
         P, R = batch.prompt_len, batch.response_len
         with contextlib.nullcontext() if adapter else self.model.disable_adapter():
             out = self.model(**self._inputs(batch), output_hidden_states=need_hidden,
@@ -238,4 +242,9 @@ class Policy:
             logp_finite = logp_all if allowed is None else logp_all.masked_fill(~allowed, 0.0)
             entropy = -(logp_all.exp() * logp_finite).sum(-1)
         hidden = out.hidden_states[-1][:, P - 1 : P - 1 + R, :] if need_hidden else None
-        return ForwardOut(logprobs=logprobs, entropy=entropy, hidden=hidden)
+        gathered = None if gather is None else logp_all.gather(-1, gather.to(self.device))
+        top = None
+        if top_k > 0:
+            values, ids = logp_all.detach().topk(min(top_k, logp_all.shape[-1]), dim=-1)
+            top = (values, ids)
+        return ForwardOut(logprobs=logprobs, entropy=entropy, hidden=hidden, gathered=gathered, top=top)

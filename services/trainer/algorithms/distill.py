@@ -22,3 +22,19 @@ def distillation_advantage(teacher_logprobs: torch.Tensor, sampled_logprobs: tor
     """Per-token ``teacher - sampled`` logprob, clamped to [-clip, clip] (one token a teacher finds
     impossible must not swamp the rest), 0 where ``mask`` is 0."""
     return ((teacher_logprobs - sampled_logprobs).clamp(-clip, clip) * mask).detach()
+
+
+def top_k_distillation(student_logprobs: torch.Tensor, teacher_top_logprobs: torch.Tensor, mask: torch.Tensor
+                       ) -> torch.Tensor:
+    """Per position, KL(teacher || student) over the teacher's k likeliest tokens and one bucket for all
+    the others: ``sum_v t(v) (log t(v) - log s(v)) + t_rest (log t_rest - log s_rest)`` (GKD's forward KL
+    on the student's own sequences, the teacher's distribution in brief; never more than the full KL).
+    Its gradient raises every token the teacher prefers to the student, sampled or not: what the
+    one-sample advantage above cannot do for a token the student never samples. No renormalization: a
+    flat teacher's top k are not made a sharp target. Shapes: (B, T, k) each (the student's logprobs of
+    the teacher's top-k ids), (B, T) mask; returns (B, T), 0 where ``mask`` is 0."""
+    teacher = teacher_top_logprobs.detach()
+    t_rest = (1.0 - teacher.exp().sum(-1)).clamp(min=1e-8)
+    s_rest = (1.0 - student_logprobs.exp().sum(-1)).clamp(min=1e-8)
+    kl = (teacher.exp() * (teacher - student_logprobs)).sum(-1) + t_rest * (t_rest.log() - s_rest.log())
+    return kl * mask

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import importlib
 
-from services.trainer.recipes.base import BaseRecipe, MicroBatch, Recipe, RecipeConfig, Scorer
+from services.trainer.recipes.base import GATHER_IDS, BaseRecipe, MicroBatch, Recipe, RecipeConfig, Scorer
 from services.trainer.recipes.grpo import GRPO
 from services.trainer.recipes.opd import OPD
 from services.trainer.recipes.ppo import PPO
@@ -54,5 +54,5 @@ def build_recipe(name: str, section: RecipeConfig | None, objective: ObjectiveSe
     return cls(section if section is not None else cls.Config(), objective)
 
 
-__all__ = ["BUILT_IN", "BaseRecipe", "MicroBatch", "REGISTRY", "Recipe", "RecipeConfig", "Scorer", "build_recipe",
+__all__ = ["BUILT_IN", "GATHER_IDS", "BaseRecipe", "MicroBatch", "REGISTRY", "Recipe", "RecipeConfig", "Scorer", "build_recipe",
            "recipe_class", "register"]

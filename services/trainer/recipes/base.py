@@ -36,6 +36,18 @@ class Scorer(Protocol):
         or the base model (a teacher or reference that shares the tokenizer)."""
         ...
 
+    def top_logprobs(self, prompts: Sequence[Sequence[int]], responses: Sequence[Sequence[int]],
+                     temperatures: Sequence[float], k: int, *, adapter: bool = True
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``logprobs``' (B, R), and at each response position the k likeliest tokens: their (B, R, k)
+        logprobs (zero past each row's end) and (B, R, k) ids (a teacher's distribution, in brief)."""
+        ...
+
+
+# The key of ``extra_inputs``' answer that asks the learner's forward for more logprobs: (B, R, k) token
+# ids, whose logprobs under the policy (with gradients) reach the loss as ``MicroBatch.gathered``.
+GATHER_IDS = "gather_ids"
+
 
 @dataclass
 class MicroBatch:
@@ -60,6 +72,7 @@ class MicroBatch:
     cache: dict[Any, Any] = field(default_factory=dict)  # lives for one step (e.g. PPO's old values)
     value_mask: torch.Tensor | None = None  # (B, R) where a critic learns: mask plus the first token of context calls
     extra: dict[str, torch.Tensor] = field(default_factory=dict)  # the recipe's extra_inputs, computed once a step
+    gathered: torch.Tensor | None = None  # (B, R, k) policy logprobs of extra[GATHER_IDS], with gradients
 
     @property
     def own(self) -> torch.Tensor:

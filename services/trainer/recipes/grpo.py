@@ -16,7 +16,14 @@ from services.trainer.algorithms.importance import behaviour_weights
 from services.trainer.batches import Selection, TeamEpisodes, Usable, aware, to_item
 from services.trainer.batches import TrainItem
 from services.trainer.recipes.base import BaseRecipe, MicroBatch, Scorer, clip_args, ratio_inputs
-from services.trainer.recipes.hints import HintSettings, hint_advantage, hint_figures, hint_statistics, teacher_inputs
+from services.trainer.recipes.hints import (
+    HintSettings,
+    hint_advantage,
+    hint_figures,
+    hint_statistics,
+    hint_top_k_loss,
+    teacher_inputs,
+)
 from services.trainer.sections import ObjectiveSection
 
 
@@ -69,7 +76,7 @@ class GRPO(BaseRecipe):
         super().__init__(config, objective)
 
     def extra_inputs(self, items: list[TrainItem], scorer: Scorer) -> dict[str, torch.Tensor]:
-        return teacher_inputs(items, scorer, self.config.teacher) if self.config.hint_coef > 0 else {}
+        return teacher_inputs(items, scorer, self.config.teacher, self.config.top_k) if self.config.hint_coef > 0 else {}
 
     def statistics(self, sums: dict[str, float], *, tokens: float) -> dict[str, float]:
         return hint_figures(sums) if self.config.hint_coef > 0 else dict(sums)
@@ -178,6 +185,9 @@ class GRPO(BaseRecipe):
             inputs["weights"] = inputs["weights"] / lengths
             normalizer = mb.norms.sequences
         loss, own = grpo_loss(**inputs, normalizer=normalizer, **clip_args(mb.objective))
+        if a.hint_coef > 0 and a.top_k:
+            top, figures = hint_top_k_loss(mb, a.top_k_coef)
+            loss, stats = loss + top, {**stats, **figures}
         if by_response:  # its token figures as shares of the batch's tokens, as at token level
             scale = mb.norms.sequences / max(mb.norms.tokens, 1.0)
             own.update(clip_frac=own["clip_frac"] * scale, ratio_mean=own["ratio_mean"] * scale)

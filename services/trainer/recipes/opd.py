@@ -14,7 +14,14 @@ from services.common.records import CommittedExperience
 from services.trainer.algorithms.grpo import grpo_loss
 from services.trainer.batches import TrainItem
 from services.trainer.recipes.base import BaseRecipe, MicroBatch, Scorer, clip_args
-from services.trainer.recipes.hints import HintSettings, hint_advantage, hint_figures, hint_statistics, teacher_inputs
+from services.trainer.recipes.hints import (
+    HintSettings,
+    hint_advantage,
+    hint_figures,
+    hint_statistics,
+    hint_top_k_loss,
+    teacher_inputs,
+)
 
 
 class OPDConfig(HintSettings):
@@ -34,7 +41,7 @@ class OPD(BaseRecipe):
         return "no hint: algorithm opd learns from hinted calls only (grpo with hint_coef takes rewards too)"
 
     def extra_inputs(self, items: list[TrainItem], scorer: Scorer) -> dict[str, torch.Tensor]:
-        return teacher_inputs(items, scorer, self.config.teacher)
+        return teacher_inputs(items, scorer, self.config.teacher, self.config.top_k)
 
     def loss(self, mb: MicroBatch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         adv, mask = hint_advantage(mb, clip=self.config.hint_clip)
@@ -42,7 +49,11 @@ class OPD(BaseRecipe):
         loss, stats = grpo_loss(logprobs=mb.logprobs, old_logprobs=mb.old_logprobs, advantages=adv * self.config.coef,
                                 mask=mask, weights=mb.weights.unsqueeze(-1), normalizer=mb.norms.tokens,
                                 **clip_args(mb.objective))
-        return loss, {**stats, **hint_statistics(mb, adv, mask)}
+        stats = {**stats, **hint_statistics(mb, adv, mask)}
+        if self.config.top_k:
+            top, figures = hint_top_k_loss(mb, self.config.top_k_coef)
+            loss, stats = loss + top, {**stats, **figures}
+        return loss, stats
 
     def statistics(self, sums: dict[str, float], *, tokens: float) -> dict[str, float]:
         return hint_figures(sums)

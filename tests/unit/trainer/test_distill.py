@@ -33,3 +33,22 @@ def test_its_mean_over_the_students_own_samples_is_minus_the_reverse_kl():
 def test_it_carries_no_gradient():
     teacher = torch.zeros(1, 2, requires_grad=True)
     assert not distillation_advantage(teacher, torch.zeros(1, 2), torch.ones(1, 2), clip=1.0).requires_grad
+
+
+def test_the_top_k_term_is_the_kl_over_the_teachers_top_k_and_the_rest_and_moves_mass_where_the_teacher_has_it():
+    from services.trainer.algorithms.distill import top_k_distillation
+
+    # teacher's top 2 at one position: 0.3 and 0.1 (rest 0.6); the student has 0.5 and 0.25 on them (rest 0.25)
+    teacher = torch.log(torch.tensor([[[0.3, 0.1]]]))
+    student = torch.log(torch.tensor([[[0.5, 0.25]]])).requires_grad_()
+    kl = top_k_distillation(student, teacher, torch.ones(1, 1))
+    expected = 0.3 * math.log(0.3 / 0.5) + 0.1 * math.log(0.1 / 0.25) + 0.6 * math.log(0.6 / 0.25)
+    assert abs(kl.item() - expected) < 1e-6
+    kl.sum().backward()
+    # d/d log s_v = -t_v + t_rest * s_v / s_rest: 0.9 and 0.5, so descent lowers both (the teacher has more elsewhere)
+    assert torch.allclose(student.grad, torch.tensor([[[0.9, 0.5]]]))
+    # a token the teacher wants more of than the student has is raised: teacher 0.6 where the student has 0.1
+    student = torch.log(torch.tensor([[[0.1, 0.1]]])).requires_grad_()
+    top_k_distillation(student, torch.log(torch.tensor([[[0.6, 0.1]]])), torch.ones(1, 1)).sum().backward()
+    assert student.grad[0, 0, 0].item() < 0  # -0.6 + 0.3 * 0.1 / 0.8
+    assert top_k_distillation(student, teacher, torch.zeros(1, 1)).item() == 0.0

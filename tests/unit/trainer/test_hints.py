@@ -43,6 +43,11 @@ class FixedScorer:
         self.asked.append((prompts, responses, temperatures, adapter))
         return self.lp
 
+    def top_logprobs(self, prompts, responses, temperatures, k, *, adapter=True):
+        self.asked.append((prompts, responses, temperatures, adapter, k))
+        top = torch.log(torch.tensor([[[0.6, 0.2], [0.5, 0.4]]]))
+        return self.lp, top[..., :k], torch.tensor([[[7, 8], [9, 3]]])[..., :k]
+
 
 def test_opd_takes_hinted_rows_without_a_reward_and_sets_the_others_aside():
     c = cfg("algorithm.name=opd", "train_batch_size=1")
@@ -55,7 +60,7 @@ def test_opd_takes_hinted_rows_without_a_reward_and_sets_the_others_aside():
 
 
 def test_the_teachers_logprobs_line_up_with_the_batch_and_unhinted_rows_get_none():
-    c = cfg("algorithm.name=opd", "train_batch_size=1")
+    c = cfg("algorithm.name=opd", "train_batch_size=1", "algorithm.opd.top_k=0")
     sel = select_batch([row(1)], recipe=c.algorithm.recipe(), cfg=c, current_version=0, now=NOW)
     plain = sel.items[0].__class__(**{**sel.items[0].__dict__, "experience_id": "e2", "teacher_prompt_ids": None,
                                       "response_ids": [5, 6, 7]})
@@ -81,7 +86,7 @@ def _micro(recipe, items, logprobs, teacher, advantages=None):
 
 
 def test_opd_pushes_up_the_tokens_the_teacher_prefers_and_down_the_others():
-    c = cfg("algorithm.name=opd", "train_batch_size=1")
+    c = cfg("algorithm.name=opd", "train_batch_size=1", "algorithm.opd.top_k=0")  # the sampled tokens' term alone
     recipe = c.algorithm.recipe()
     sel = select_batch([row(1)], recipe=recipe, cfg=c, current_version=0, now=NOW)
     # sampled at -0.5 each; the teacher finds token 1 likelier (-0.1: +0.4) and token 2 less likely (-1.5: -1.0)
@@ -98,7 +103,7 @@ def test_opd_pushes_up_the_tokens_the_teacher_prefers_and_down_the_others():
 
 def test_grpo_adds_the_hints_advantage_to_the_rewards_on_hinted_calls_only():
     c = cfg("algorithm.name=grpo", "train_batch_size=1", "algorithm.grpo.hint_coef=0.5", "algorithm.level=token",
-            "algorithm.grpo.min_group_size=1")
+            "algorithm.grpo.min_group_size=1", "algorithm.grpo.top_k=0")
     recipe = c.algorithm.recipe()
     sel = select_batch([row(1, reward=1.0)], recipe=recipe, cfg=c, current_version=0, now=NOW)
     items = sel.items + [sel.items[0].__class__(**{**sel.items[0].__dict__, "teacher_prompt_ids": None})]
@@ -111,3 +116,31 @@ def test_grpo_adds_the_hints_advantage_to_the_rewards_on_hinted_calls_only():
     assert lp.grad.tolist() == [[approx(-1.2 / 4), approx(-0.5 / 4)], [approx(-0.25), approx(-0.25)]]
     assert math.isclose(recipe.statistics({"hinted_share": 0.5, "distill_sum_share": -0.15}, tokens=4)["distill_advantage"],
                         -0.3)
+
+
+def test_with_top_k_the_teachers_likeliest_tokens_are_asked_of_the_learners_forward_and_pulled_up():
+    from services.trainer.recipes.base import GATHER_IDS
+
+    c = cfg("algorithm.name=opd", "train_batch_size=1", "algorithm.opd.top_k=2", "algorithm.opd.top_k_coef=2")
+    recipe = c.algorithm.recipe()
+    sel = select_batch([row(1)], recipe=recipe, cfg=c, current_version=0, now=NOW)
+    plain = sel.items[0].__class__(**{**sel.items[0].__dict__, "teacher_prompt_ids": None})
+    x = recipe.extra_inputs([sel.items[0], plain], FixedScorer(torch.tensor([[-0.1, -0.2]])))
+    assert x[GATHER_IDS].tolist() == [[[7, 8], [9, 3]], [[0, 0], [0, 0]]] and x["teacher_top"].shape == (2, 2, 2)
+    # the student's logprobs of those ids, as the learner's forward gathers them: 0.3/0.3 and 0.5/0.4
+    gathered = torch.log(torch.tensor([[[0.3, 0.3], [0.5, 0.4]], [[0.1, 0.1], [0.1, 0.1]]])).requires_grad_()
+    lp = torch.full((2, 2), -0.5, requires_grad=True)
+    mb = _micro(recipe, [sel.items[0], plain], lp, x["teacher"])
+    mb.extra.update(x)
+    mb.gathered = gathered
+    loss, stats = recipe.loss(mb)
+    loss.backward()
+    # teacher 0.6, 0.2 (rest 0.2) at position 0, 0.5, 0.4 (rest 0.1) at 1; student 0.3, 0.3 (rest 0.4) and 0.5, 0.4
+    # (rest 0.1): d/d log s_v = -t_v + t_rest * s_v / s_rest, times coef 2 over 4 tokens
+    g0 = [(-0.6 + 0.2 * 0.3 / 0.4) / 2, (-0.2 + 0.2 * 0.3 / 0.4) / 2]
+    assert gathered.grad[0].tolist() == [[approx(g0[0]), approx(g0[1])], [approx(0.0, abs=1e-6), approx(0.0, abs=1e-6)]]
+    assert gathered.grad[1].abs().sum().item() == 0  # no hint: no teacher
+    kl0 = 0.6 * math.log(0.6 / 0.3) + 0.2 * math.log(0.2 / 0.3) + 0.2 * math.log(0.2 / 0.4)
+    kl1 = 0.0  # the student already matches the teacher there
+    figures = hint_figures({k: float(v) for k, v in stats.items()})
+    assert figures["teacher_kl"] == approx((kl0 + kl1) / 2) and figures["hinted_share"] == approx(0.5)
