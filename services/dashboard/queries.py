@@ -20,7 +20,7 @@ from typing import Any, Sequence
 from sqlalchemy import BigInteger, Integer, and_, cast, extract, func, select
 from sqlalchemy.engine import Engine
 
-from services.common import checkpoints
+from services.common import buffer, checkpoints
 from services.common.buffer import experiences, release_decisions, trainer_steps
 from services.common.records import ExperienceStatus
 
@@ -303,4 +303,8 @@ def experience(engine: Engine, experience_id: str) -> dict[str, Any] | None:
     for key in ("created_at", "updated_at", "purged_at"):
         x[key] = _timestamp(x[key])
     x["prompt_tokens"] = len(x.pop("prompt_token_ids") or [])
+    if x.get("hint"):  # the words; the teacher's prompt ids are the Trainer's
+        x["hint"] = {k: v for k, v in x["hint"].items() if k != "prompt_token_ids"}
+    x["reward_history"] = [{**h, "created_at": _timestamp(h["created_at"])}
+                           for h in buffer.reward_history(engine=engine, experience_id=experience_id)]
     return x

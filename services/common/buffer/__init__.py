@@ -24,6 +24,7 @@ from services.common.buffer.recording import (
     commit_experiences,
     episode_experience_ids,
     feedback_rows,
+    reward_history,
     find_unknown_ids,
     insert_experiences,
     insert_missing_experiences,
@@ -55,6 +56,7 @@ from services.common.buffer.schema import (
     experiences,
     metadata,
     release_decisions,
+    reward_ledger,
     tombstones,
     trainer_steps,
 )
@@ -74,13 +76,13 @@ from services.common.buffer.training import (
 
 __all__ = [
     # schema
-    "metadata", "experiences", "trainer_steps", "release_decisions", "audit_log", "tombstones", "TERMINAL",
+    "metadata", "experiences", "trainer_steps", "release_decisions", "reward_ledger", "audit_log", "tombstones", "TERMINAL",
     "BufferError", "UnknownIds", "ForbiddenAgents", "AlreadyConsumed", "BatchChanged",
     # engine
     "create_buffer_engine", "write_transaction", "iter_chunks", "utcnow",
     # recording
     "insert_experiences", "insert_missing_experiences", "find_unknown_ids", "episode_experience_ids",
-    "FeedbackResult", "apply_feedback", "feedback_rows", "commit_experiences",
+    "FeedbackResult", "apply_feedback", "feedback_rows", "reward_history", "commit_experiences",
     # governance
     "record_audit", "list_audit", "purge_text", "delete_user_data",
     # reports

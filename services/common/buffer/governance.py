@@ -9,7 +9,7 @@ from sqlalchemy import insert, select, update
 from sqlalchemy.engine import Connection, Engine
 
 from services.common.buffer.engine import _lock_rows, iter_chunks, utcnow, write_transaction
-from services.common.buffer.schema import TERMINAL, audit_log, experiences, tombstones
+from services.common.buffer.schema import TERMINAL, audit_log, experiences, reward_ledger, tombstones
 from services.common.records import ExperienceStatus
 
 
@@ -99,6 +99,7 @@ def delete_user_data(*, engine: Engine, user_id: str, agents: Sequence[str] | No
         now = utcnow()
         for chunk in iter_chunks([r.experience_id for r in rows], 500):
             conn.execute(experiences.delete().where(e.experience_id.in_(chunk)))
+            conn.execute(reward_ledger.delete().where(reward_ledger.c.experience_id.in_(chunk)))
             fresh = set(chunk) - _buried(conn, chunk)
             if fresh:
                 conn.execute(insert(tombstones), [{"experience_id": i, "deleted_at": now} for i in sorted(fresh)])

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 from sqlalchemy import and_, insert, or_, select, update
@@ -10,7 +10,15 @@ from sqlalchemy.engine import Connection, Engine
 
 from services.common.buffer.engine import _lock_rows, iter_chunks, utcnow, write_transaction
 from services.common.buffer.governance import _audit, _buried
-from services.common.buffer.schema import TERMINAL, AlreadyConsumed, ForbiddenAgents, UnknownIds, _row_to_experience, experiences
+from services.common.buffer.schema import (
+    TERMINAL,
+    AlreadyConsumed,
+    ForbiddenAgents,
+    UnknownIds,
+    _row_to_experience,
+    experiences,
+    reward_ledger,
+)
 from services.common.records import Experience, ExperienceStatus
 
 
@@ -98,6 +106,7 @@ def find_unknown_ids(*, engine: Engine, msg_ids: Sequence[str]) -> list[str]:
 @dataclass
 class FeedbackResult:
     experience_ids: list[str]
+    late: list[str] = field(default_factory=list)  # of them, those already trained on or discarded: recorded late
 
 
 def feedback_rows(*, engine: Engine, msg_ids: Sequence[str]) -> list[Experience]:
@@ -130,7 +139,11 @@ def apply_feedback(
     reward and ``feedback`` note left as they were). Either makes a recorded row rewarded (it has
     feedback, and can be committed).
 
-    Raises UnknownIds if any id names nothing, AlreadyConsumed if any experience was already
+    Every reward is also a row of ``reward_ledger``. One for an experience already trained on (or
+    discarded) is late: it still becomes the experience's reward (the latest is what the release gate
+    and the canary read), its status stays, and the ledger says it came late (``FeedbackResult.late``).
+
+    Raises UnknownIds if any id names nothing, AlreadyConsumed if hints name an experience already
     trained on (or discarded), ForbiddenAgents if ``agents`` is given and an experience belongs to
     another agent; in each case nothing changes. ``audit``: a row for ``audit_log`` (actor, action,
     target, details), written in the same transaction.
@@ -143,7 +156,7 @@ def apply_feedback(
         targets = sorted({e for rows in found.values() for e, _ in rows})
         _check_agents(conn, targets, agents)
         frozen = sorted({e for rows in found.values() for e, s in rows if s in TERMINAL})
-        if frozen:
+        if frozen and hints is not None:
             raise AlreadyConsumed(frozen)
         if reward is None and hints is None:
             raise ValueError("apply_feedback needs a reward or hints")
@@ -156,9 +169,9 @@ def apply_feedback(
             values["run_id"] = run_id
         for e in targets if hints is not None else ():
             conn.execute(update(experiences).where(experiences.c.experience_id == e).values(hint=hints[e]))
-        # Recorded rows become rewarded; committed rows keep their status and take the new reward.
+        # Recorded rows become rewarded; the others keep their status and take the new reward.
         for chunk in iter_chunks(targets, 500):
-            base = and_(experiences.c.experience_id.in_(chunk), experiences.c.status.notin_(TERMINAL))
+            base = experiences.c.experience_id.in_(chunk)
             conn.execute(
                 update(experiences)
                 .where(base, experiences.c.status == ExperienceStatus.RECORDED.value)
@@ -169,8 +182,39 @@ def apply_feedback(
                 .where(base, experiences.c.status != ExperienceStatus.RECORDED.value)
                 .values(**values)
             )
+        if reward is not None:
+            statuses = {e: s for rows in found.values() for e, s in rows}  # as they were, locked
+            _ledger(conn, statuses, reward=float(reward), feedback=feedback, audit=audit, at=values["updated_at"])
         _audit(conn, audit, count=len(targets))
-    return FeedbackResult(experience_ids=targets)
+    return FeedbackResult(experience_ids=targets, late=frozen if reward is not None else [])
+
+
+def _ledger(conn: Connection, statuses: dict[str, str], *, reward: float, feedback: dict[str, Any],
+            audit: dict[str, Any] | None, at: Any) -> None:
+    """One ``reward_ledger`` row per experience (``statuses``: its status before this reward): this
+    reward, and whether it came after training."""
+    e = experiences.c
+    rows = []
+    for chunk in iter_chunks(sorted(statuses), 500):
+        for exp_id, agent, trained_in in conn.execute(
+                select(e.experience_id, e.agent, e.trained_in).where(e.experience_id.in_(chunk))):
+            status = statuses[exp_id]
+            late = status in TERMINAL
+            rows.append({"experience_id": exp_id, "agent": agent, "reward": reward, "source": feedback.get("source"),
+                         "actor": (audit or {}).get("actor"), "late": late, "status_at": status,
+                         "trained_in": trained_in if late else None, "outcome": "recorded" if late else "applied",
+                         "created_at": at})
+    if rows:
+        conn.execute(insert(reward_ledger), rows)
+
+
+def reward_history(*, engine: Engine, experience_id: str) -> list[dict[str, Any]]:
+    """Every reward sent for one experience, oldest first (its ``reward`` is the last)."""
+    r = reward_ledger.c
+    q = select(r.reward, r.source, r.actor, r.late, r.status_at, r.trained_in, r.outcome, r.created_at) \
+        .where(r.experience_id == experience_id).order_by(r.id)
+    with engine.connect() as conn:
+        return [dict(row._mapping) for row in conn.execute(q)]
 
 
 def _check_agents(conn: Connection, experience_ids: Sequence[str], agents: Sequence[str] | None) -> None:

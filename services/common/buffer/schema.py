@@ -109,6 +109,26 @@ Index("ix_experiences_agent_seq", experiences.c.agent, experiences.c.seq)
 Index("ix_experiences_dashboard", experiences.c.agent, experiences.c.model_version, experiences.c.created_at,
       experiences.c.status, experiences.c.reward)
 
+# Every reward ever sent, in arrival order (the experience's ``reward`` is the latest): a reward sent
+# after its experience was trained on (late) is recorded here, never refused.
+reward_ledger = Table(
+    "reward_ledger",
+    metadata,
+    Column("id", _ID, primary_key=True, autoincrement=True),
+    Column("experience_id", String(96), nullable=False),
+    Column("agent", String(128), nullable=False),
+    Column("reward", Float, nullable=False),
+    Column("source", String(128)),  # the feedback's source (api, runner_sdk, ...)
+    Column("actor", String(128)),  # the API key's name that sent it
+    Column("late", Boolean, nullable=False),  # sent after the experience was trained on (or discarded)
+    Column("status_at", String(16), nullable=False),  # the experience's status when it came
+    Column("trained_in", Integer),  # a late one: the version that had trained on the experience
+    Column("outcome", String(64)),  # applied (before training); a late one: recorded
+    Column("created_at", DateTime(timezone=True), nullable=False),
+)
+Index("ix_reward_ledger_experience", reward_ledger.c.experience_id, reward_ledger.c.id)
+Index("ix_reward_ledger_agent_late", reward_ledger.c.agent, reward_ledger.c.late, reward_ledger.c.id)
+
 # Who did what through the admin and feedback endpoints.
 audit_log = Table(
     "audit_log",
@@ -161,10 +181,13 @@ class ForbiddenAgents(BufferError):
 
 
 class AlreadyConsumed(BufferError):
+    """Words for experiences already trained on (or discarded): a hint teaches only what is still to
+    be trained. (A reward is never refused so: it is recorded late, see ``reward_ledger``.)"""
+
     def __init__(self, ids: Sequence[str]):
         self.ids = list(ids)
         super().__init__(
-            f"experience(s) already trained on or discarded, reward can no longer change: "
+            f"experience(s) already trained on or discarded, a hint can no longer teach them: "
             f"{', '.join(self.ids)}"
         )
 

@@ -372,6 +372,13 @@ async function experience(main, id) {
     x.tools && x.tools.length ? [el("h2", { text: "Tools offered" }), el("pre", { class: "json msg", text: JSON.stringify(x.tools, null, 2) })] : null,
     el("h2", { text: "Feedback" }),
     el("pre", { class: "json msg", id: "feedback", text: x.feedback ? JSON.stringify(x.feedback, null, 2) : "none" }),
+    x.hint ? [el("h2", { text: "Hint (feedback in words)" }), el("pre", { class: "json msg", id: "hint", text: JSON.stringify(x.hint, null, 2) })] : null,
+    x.reward_history && x.reward_history.length ? [el("h2", { text: "Rewards, as they came" }),
+      el("table", { id: "reward-history" },
+        el("thead", {}, el("tr", {}, ["reward", "source", "sent by", "came", "status then", "outcome", "at"].map((h) => el("th", { text: h })))),
+        el("tbody", {}, x.reward_history.map((h) => el("tr", {}, [String(h.reward), h.source ?? "–", h.actor ?? "–",
+          h.late ? (h.trained_in === null ? "late (discarded)" : "late (trained in v" + h.trained_in + ")") : "before training", h.status_at, h.outcome ?? "–", fmtTime(h.created_at)]
+          .map((v) => el("td", { text: v }))))))] : null,
     el("h2", { text: "Sampling" }),
     el("pre", { class: "json msg", text: JSON.stringify(x.sampling, null, 2) }),
     x.privacy ? [el("h2", { text: "Privacy" }), el("pre", { class: "json msg", text: JSON.stringify(x.privacy, null, 2) })] : null,

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 
 from fastapi import APIRouter, Query
+from fastapi.encoders import jsonable_encoder
 
 from services.common import buffer
 from services.common.http.access import check_agent
@@ -22,7 +23,8 @@ async def get_experience(experience_id: str, k: StateDep, principal: PrincipalDe
     exp = await asyncio.to_thread(buffer.get_experience, engine=k.db, experience_id=experience_id)
     if exp is None or not principal.may_use(exp.agent):  # another agent's: as if it did not exist
         raise APIError(404, f"no experience {experience_id!r}", param="experience_id", code="unknown_id")
-    return exp.model_dump(mode="json")
+    history = await asyncio.to_thread(buffer.reward_history, engine=k.db, experience_id=experience_id)
+    return {**exp.model_dump(mode="json"), "reward_history": jsonable_encoder(history)}
 
 
 @router.get("/experiences")

@@ -49,6 +49,8 @@ class ExplorerMetrics:
         )
         self.journal_segments = Gauge("kaizen_journal_segments", "Journal segment files this Explorer holds", registry=r)
         self.feedback = Counter("kaizen_feedback", "Experiences given a reward", registry=r)
+        self.late_rewards = Counter("kaizen_late_rewards", "Rewards for experiences already trained on or discarded (recorded late)",
+                                    registry=r)
         self.committed = Counter("kaizen_committed", "Experiences committed for training", registry=r)
         self.engine_running = Gauge("kaizen_engine_running", "Sequences in the running batch", registry=r)
         self.engine_waiting = Gauge("kaizen_engine_waiting", "Requests waiting for the engine", registry=r)

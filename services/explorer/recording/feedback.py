@@ -92,8 +92,11 @@ class FeedbackService:
                                   else ids_target(ids), **details),
             )
             self._metrics.feedback.inc(len(result.experience_ids))
+            self._metrics.late_rewards.inc(len(result.late))
         body: dict[str, Any] = {"status": "success", "updated": len(result.experience_ids),
                                 "experience_ids": result.experience_ids}
+        if result.late:  # already trained on (or discarded): recorded, the latest reward, trained again only on request
+            body["late"] = result.late
         if correction is not None:
             await asyncio.to_thread(buffer.insert_experiences, engine=self._db, records=[correction])
             await asyncio.to_thread(buffer.record_audit, engine=self._db, actor=principal.name, action="correction",

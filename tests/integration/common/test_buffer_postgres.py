@@ -1,9 +1,10 @@
 """The buffer on a real PostgreSQL server: the SQLite unit tests again, then what only a server
 with concurrent writers can show. Several Explorer replicas (and the Trainer) write to one
 database at the same time and must behave like one replica: feedback is all or nothing and
-serialisable, a reward is replaced until the row is consumed, no commit is counted twice, and the
-Trainer's consume_batch racing a feedback either wins entirely or fails with BatchChanged (the
-feedback then wins) while the feedback fails with AlreadyConsumed (the consume won).
+serialisable, a reward replaces the last (after the row is consumed, it is recorded late), no commit
+is counted twice, and the Trainer's consume_batch racing a feedback either wins entirely or fails with
+BatchChanged (the feedback then wins); when the consume won, the feedback is recorded as late, the
+rows stay consumed in the consume's version.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import pytest
 from sqlalchemy import select, text
 
 from services.common import buffer
-from services.common.buffer import AlreadyConsumed, BatchChanged
+from services.common.buffer import BatchChanged
 from tests.unit.common import test_buffer as _unit
 from tests.unit.common.test_buffer import _exp, db  # noqa: F401 - `db` is the fixture the reused tests take
 
@@ -210,8 +211,9 @@ def test_consume_and_feedback_queued_on_the_same_rows(replicas, first):
         assert buffer.last_trainer_step(engine=b, agent="a") is None
     else:
         assert consume_outcome is None, consume_outcome
-        assert isinstance(fb_outcome, AlreadyConsumed) and sorted(fb_outcome.ids) == ["c9-0", "c9-1"], fb_outcome
-        assert {(r["status"], r["reward"], r["trained_in"]) for r in rows.values()} == {("consumed", 1.0, 7)}
+        assert isinstance(fb_outcome, buffer.FeedbackResult) and fb_outcome.late == ["c9-0", "c9-1"], fb_outcome
+        assert {(r["status"], r["reward"], r["trained_in"]) for r in rows.values()} == {("consumed", 0.5, 7)}
+        assert [h["late"] for h in buffer.reward_history(engine=a, experience_id="c9-0")] == [False, True]
         assert buffer.last_trainer_step(engine=b, agent="a").version == 7
 
 
@@ -231,8 +233,8 @@ def test_consume_racing_feedback_wins_entirely_or_not_at_all(replicas):
         rows = {k: v for k, v in _rows(b).items() if k.startswith(f"{cid}-")}
         states = {(r["status"], r["reward"], r["trained_in"]) for r in rows.values()}
         if consumed is None:
-            assert isinstance(fb, AlreadyConsumed), fb
-            assert states == {("consumed", 1.0, rnd + 1)}
+            assert isinstance(fb, buffer.FeedbackResult) and len(fb.late) == 2, fb
+            assert states == {("consumed", 0.25, rnd + 1)}
             outcomes.add("consume won")
         else:
             assert isinstance(consumed, BatchChanged), consumed

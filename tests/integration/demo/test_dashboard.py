@@ -180,6 +180,8 @@ def test_one_experience_token_by_token(dashboard, db, demo_run):
     model = yaml.safe_load((demo_run / "explorer.yaml").read_text())["model"]["path"]
     tok = AutoTokenizer.from_pretrained(model)
     assert [t["text"] for t in x["tokens"]] == [tok.decode([i]) for i in json.loads(ids)]
+    history = [(h["reward"], h["late"], h["outcome"]) for h in x["reward_history"]]
+    assert history and history[-1] == (x["reward"], False, "applied")  # the latest is the reward
 
 
 def test_bad_input_gets_a_clear_error_in_openai_shape(dashboard):
@@ -323,6 +325,9 @@ def test_pages_in_chromium_show_the_database_figures(browser, dashboard, db, dem
     assert [float(v) for v in tokens.evaluate_all("ts => ts.map(t => t.dataset.logprob)")] == \
         pytest.approx(json.loads(logprobs))
     assert float(page.inner_text("[data-field='reward']")) == reward
+    # every reward it was sent, as they came (here one, before training)
+    history = page.locator("#reward-history tbody tr")
+    assert history.count() >= 1 and float(history.last.locator("td").first.inner_text()) == reward
     assert errors == [], errors
 
 

@@ -69,15 +69,24 @@ def test_young_unknown_id_waits_for_other_replicas_then_404s(make_explorer):
     assert time.monotonic() - t0 < 0.5  # not one of our ids: no reason to wait
 
 
-def test_consumed_experience_gives_409(explorer):
+def test_a_reward_after_training_is_recorded_late_and_the_history_kept(explorer):
     r = _chat(explorer)
+    exp_id = r.choices[0].model_extra["experience_id"]
     explorer.http.post("/feedback", json={"msg_ids": [r.id], "reward": 1.0})
     explorer.http.post("/commit")
     with explorer.state.db.begin() as conn:  # what the Trainer does when it trains on it
         conn.execute(update(buffer.experiences).values(status="consumed", trained_in=1))
-    fb = explorer.http.post("/feedback", json={"msg_ids": [r.id], "reward": 0.0})
+    fb = explorer.http.post("/feedback", json={"msg_ids": [r.id], "reward": 0.0, "source": "support-ticket"})
+    assert fb.status_code == 200 and fb.json()["late"] == [exp_id], fb.text
+    e = _status(explorer, exp_id)
+    assert (e["reward"], e["status"], e["trained_in"]) == (0.0, "consumed", 1)  # the latest reward; trained in v1
+    assert [(h["reward"], h["late"], h["trained_in"], h["outcome"], h["source"]) for h in e["reward_history"]] == [
+        (1.0, False, None, "applied", "api"), (0.0, True, 1, "recorded", "support-ticket")]
+    assert "kaizen_late_rewards_total 1.0" in explorer.http.get("/metrics").text
+    # a hint cannot teach a call already trained on: 409, nothing changes
+    fb = explorer.http.post("/feedback", json={"msg_ids": [r.id], "hint": "shorter", "reward": 0.5})
     assert fb.status_code == 409 and fb.json()["error"]["code"] == "already_consumed"
-    assert _status(explorer, r.choices[0].model_extra["experience_id"])["reward"] == 1.0
+    assert _status(explorer, exp_id)["reward"] == 0.0 and len(_status(explorer, exp_id)["reward_history"]) == 2
 
 
 def test_trinity_bodies_work_unchanged(explorer):

@@ -60,9 +60,19 @@ def test_feedback_replaces_until_consumed(db):
     assert (e.reward, e.status.value, e.task_id, e.run_id) == (0.9, "committed", "g", "3")
     with db.begin() as conn:
         conn.execute(update(buffer.experiences).values(status="consumed"))
+    # once trained on, a reward is still taken (late): the latest, the status kept, the history in the ledger
+    result = buffer.apply_feedback(engine=db, msg_ids=["c2-0", "c1-0"], reward=0.0, feedback={"source": "late"})
+    assert result.late == ["c1-0", "c2-0"]
+    e = buffer.get_experience(engine=db, experience_id="c2-0")
+    assert (e.reward, e.status.value) == (0.0, "consumed")
+    history = buffer.reward_history(engine=db, experience_id="c2-0")
+    assert [(h["reward"], h["late"], h["status_at"], h["outcome"]) for h in history] == [
+        (0.1, False, "recorded", "applied"), (0.9, False, "committed", "applied"), (0.0, True, "consumed", "recorded")]
+    # words cannot teach what was trained already: refused, and nothing changes
     with pytest.raises(AlreadyConsumed):
-        buffer.apply_feedback(engine=db, msg_ids=["c2-0", "c1-0"], reward=0.0, feedback={})
-    assert buffer.get_experience(engine=db, experience_id="c2-0").reward == 0.9
+        buffer.apply_feedback(engine=db, msg_ids=["c2-0"], reward=1.0, feedback={}, hints={"c2-0": {"text": "x"}})
+    assert buffer.get_experience(engine=db, experience_id="c2-0").reward == 0.0
+    assert len(buffer.reward_history(engine=db, experience_id="c2-0")) == 3
 
 
 def test_commit_filters(db):
