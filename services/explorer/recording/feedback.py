@@ -125,17 +125,19 @@ class FeedbackService:
             if r.purged_at is not None or not r.messages:
                 raise APIError(400, f"{r.experience_id}'s conversation was purged (retention): a {field} has nothing "
                                "to be read with", param="msg_ids", code="purged")
-        hints = None
-        if req.hint is not None:
-            at = note["at"]
-            hints = {r.experience_id: {"text": req.hint, "source": note["source"], "at": at,
-                                       "prompt_token_ids": self._demos.hint_prompt(
-                                           r, req.hint, template=self._hint_template, role=self._hint_role)}
-                     for r in rows}
-        correction = None
-        if req.correction is not None:
-            correction = self._demos.correction(rows[0], req.correction, comment=req.comment)
-        return hints, correction
+        def render() -> tuple[dict[str, dict[str, Any]] | None, Experience | None]:  # tokenizing: off the loop
+            hints = None
+            if req.hint is not None:
+                hints = {r.experience_id: {"text": req.hint, "source": note["source"], "at": note["at"],
+                                           "prompt_token_ids": self._demos.hint_prompt(
+                                               r, req.hint, template=self._hint_template, role=self._hint_role)}
+                         for r in rows}
+            correction = None
+            if req.correction is not None:
+                correction = self._demos.correction(rows[0], req.correction, comment=req.comment)
+            return hints, correction
+
+        return await asyncio.to_thread(render)
 
     async def _episode(self, task_id: str, run_id: str, agent: str | None = None) -> list[str]:
         """Every call of an episode (or of one agent in it), once this replica's records of it are written."""
