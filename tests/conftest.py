@@ -98,7 +98,8 @@ LONGEST_FIRST = (
     "tests/integration/trainer/test_multi_agent.py",  # 135
     "tests/integration/explorer/test_explorer_kills.py",  # 100
     "tests/integration/agents/test_learnable_agent.py",  # 90
-    "tests/integration/trainer/test_hints.py",  # 80 alone
+    "tests/integration/trainer/test_hints.py",  # 45 alone
+    "tests/integration/trainer/test_late_rewards.py",  # 70 alone
     "tests/integration/demo/test_dashboard.py",  # 85
     "tests/integration/explorer/test_adapters_and_tools.py",  # 80
     "tests/integration/common/test_publish.py",  # 80

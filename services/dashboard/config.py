@@ -58,7 +58,7 @@ OTHER_SERVICES_SECTIONS = frozenset({
     "engine", "server", "agents", "reload", "recorder", "release", "privacy", "backpressure", "log_level",
     "log_format",
     # the Trainer's
-    "algorithm", "lora", "optim", "staleness", "guard", "train_batch_size", "save_interval", "trainer", "ray",
+    "algorithm", "lora", "optim", "staleness", "late_rewards", "guard", "train_batch_size", "save_interval", "trainer", "ray",
 })
 
 

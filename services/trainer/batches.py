@@ -45,6 +45,7 @@ class TrainItem:
     # Feedback in words: the teacher's prompt (this call's conversation with the hint), whose logprobs of
     # the sampled tokens on-policy self-distillation moves the policy towards.
     teacher_prompt_ids: list[int] | None = None
+    late: bool = False  # trained before, and again for a reward that came after (late_rewards: retrain)
 
     @property
     def episode(self) -> tuple[str | None, str]:
@@ -101,6 +102,9 @@ class Selection:
     groups: int | None = None  # groups the recipe looked at (None: it has none; every row is its own)
     failed_groups: int = 0  # of those, groups in which no episode succeeded (success_reward)
     figures: dict[str, float] = field(default_factory=dict)  # the recipe's own figures of its choice
+    late: list[TrainItem] = field(default_factory=list)  # trained again for a late reward, never consumed again
+    # reward_ledger id -> what this step does with that late reward (None: retrained in its version)
+    late_outcomes: dict[int, str | None] = field(default_factory=dict)
 
     @property
     def ready(self) -> bool:
@@ -108,7 +112,7 @@ class Selection:
 
     @property
     def all_items(self) -> list[TrainItem]:
-        return self.items + self.demonstrations + self.imitations + self.context
+        return self.items + self.late + self.demonstrations + self.imitations + self.context
 
 
 # The team's episodes of the tasks at hand: {task_id: {run_id: TeamEpisode}} (buffer.team_episodes).

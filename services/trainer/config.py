@@ -12,7 +12,7 @@ from pydantic import ConfigDict, Field, ValidationError, model_validator
 from services.common.config import BufferSection, CheckpointsSection, ConfigModel, ModelSection
 from services.common.release import ReleaseSection
 from services.trainer.recipes import REGISTRY, Recipe, RecipeConfig, build_recipe, recipe_class
-from services.trainer.sections import GuardSection, ObjectiveSection, StalenessSection
+from services.trainer.sections import GuardSection, LateRewardsSection, ObjectiveSection, StalenessSection
 
 log = logging.getLogger(__name__)
 
@@ -163,6 +163,7 @@ class TrainerConfig(ConfigModel):
     lora: LoraSection = Field(default_factory=LoraSection)
     optim: OptimSection = Field(default_factory=OptimSection)
     staleness: StalenessSection = Field(default_factory=StalenessSection)
+    late_rewards: LateRewardsSection = Field(default_factory=LateRewardsSection)
     guard: GuardSection = Field(default_factory=GuardSection)
     train_batch_size: int = Field(default=16, ge=1, description="Experiences per training step (per agent).")
     save_interval: int = Field(default=1, ge=1, description="Steps per published adapter version.")
@@ -179,6 +180,10 @@ class TrainerConfig(ConfigModel):
 
     @model_validator(mode="after")
     def _check(self) -> "TrainerConfig":
+        late = self.late_rewards
+        if "retrain" in {late.mode, *late.agents.values()} and not self.algorithm.recipe().retrains_late:
+            raise ValueError(f"late_rewards: retrain needs an objective that can train a late reward again (grpo); "
+                             f"{self.algorithm.name} cannot")
         sch = self.trainer.schedule
         if sch.mode == "round_robin":
             if not (sch.order or self.trainer.agents):

@@ -91,6 +91,22 @@ class GuardSection(ConfigModel):
     )
 
 
+class LateRewardsSection(ConfigModel):
+    """What the Trainer does with a reward sent after its experience was trained on (``reward_ledger``)."""
+
+    mode: Literal["record", "retrain"] = Field(
+        default="record",
+        description="record: kept with its history (the release gate and canary read it), not trained again; retrain: "
+        "trained again in the agent's next step, off-policy (the ratio against the Trainer's own policy, the gap to "
+        "the recorded logprobs corrected by importance weights truncated at algorithm.grpo.importance_cap), within "
+        "staleness.max_staleness versions of the one that sampled it, once per late reward.")
+    agents: dict[str, Literal["record", "retrain"]] = Field(default_factory=dict, description="Per agent, over mode.")
+    max_per_step: int = Field(default=64, ge=1, description="retrain: late rewards handled in one step at most.")
+
+    def mode_of(self, agent: str) -> str:
+        return self.agents.get(agent, self.mode)
+
+
 class StalenessSection(ConfigModel):
     max_staleness: int = Field(default=4, ge=0, description="Experiences from more versions back than this are stale.")
     policy: Literal["discard", "downweight"] = Field(default="discard", description="What happens to stale experiences.")

@@ -382,7 +382,34 @@ class TrainerService:
                     n = buffer.discard_experiences(engine=self.db, experience_ids=list(selection.discarded))
                     self._log_discards(agent, selection, n)
                 return False
+            if self.cfg.late_rewards.mode_of(agent) == "retrain":
+                self._late(agent, progress, selection)
             return self._train(agent, progress, selection)
+
+    def _late(self, agent: str, progress: AgentProgress, selection: Selection) -> None:
+        """late_rewards: retrain: the agent's late rewards no step has handled yet ride along with this
+        step: trained again (``Selection.late``) within max_staleness versions, or set down with why not;
+        their ledger rows are marked in the step's own transaction (``consume_batch``)."""
+        pending = buffer.pending_late_rewards(engine=self.db, agent=agent, limit=self.cfg.late_rewards.max_per_step)
+        if not pending:
+            return
+        found = {r.experience_id: r for r in buffer.fetch_experiences(engine=self.db, experience_ids=[e for _, e in pending])}
+        why: dict[str, str] = {}
+        for _, e in pending:
+            row = found.get(e)
+            lag = None if row is None else progress.published - row.model_version
+            if row is None:
+                why[e] = "not retrained: discarded, never trained"
+            elif lag > self.cfg.staleness.max_staleness:
+                why[e] = f"not retrained: {lag} versions stale (staleness.max_staleness {self.cfg.staleness.max_staleness})"
+        rows = [r for e, r in found.items() if e not in why]
+        team = buffer.team_episodes(engine=self.db, task_ids=[r.task_id for r in rows if r.task_id and r.run_id is not None])
+        items, skipped = self.recipe.late_items(rows, team=team) if rows else ([], {})
+        why.update({e: f"not retrained: {w}" for e, w in skipped.items()})
+        selection.late = items
+        selection.late_outcomes = {lid: why.get(e) for lid, e in pending}
+        log.info("agent %s: %d late reward(s): %d call(s) trained again, %d not (%s)", agent, len(pending), len(items),
+                 sum(1 for w in selection.late_outcomes.values() if w), "; ".join(sorted(set(why.values()))) or "-")
 
     def _select(self, agent: str, progress: AgentProgress, rows: list, demos: list, team, successes: list) -> Selection:
         """The next batch; larger than train_batch_size while a backlog would otherwise go stale
@@ -482,6 +509,7 @@ class TrainerService:
                 engine=self.db, agent=agent, step=step, version=version,
                 consumed={i.experience_id: i.reward for i in items}, discarded=list(selection.discarded),
                 state_ref=str(state.relative_to(self.root)), metrics=record,
+                late_outcomes={lid: why or f"retrained in v{version}" for lid, why in selection.late_outcomes.items()},
             )
         except BatchChanged as e:
             log.warning("agent %s: %s; rolling the step back and retrying with fresh data", agent, e)
@@ -509,6 +537,7 @@ class TrainerService:
         """``guard``: what the guard did in the step that made this version (a refused step's version
         has its parent's weights)."""
         lineage = sorted(e for e, _ in buffer.consumed_ids(engine=self.db, agent=agent, trained_in=version))
+        retrained = buffer.retrained_in(engine=self.db, agent=agent, version=version)
         manifest = {
             "step": progress.step,
             "base_model": self.cfg.model.path,
@@ -519,6 +548,8 @@ class TrainerService:
             "experience_ids": lineage,
             "experience_count": len(lineage),
         }
+        if retrained:  # trained again in this version for rewards that came after their first training
+            manifest["late_retrained_ids"] = retrained
         if guard:
             manifest["guard"] = guard
         path = self.learners.write_version(agent, str(self.root), version, manifest)

@@ -46,6 +46,7 @@ from services.common.buffer.reports import (
     rewarded_history,
 )
 from services.common.buffer.schema import (
+    LATE_PENDING,
     TERMINAL,
     AlreadyConsumed,
     BatchChanged,
@@ -66,17 +67,20 @@ from services.common.buffer.training import (
     consumed_ids,
     discard_experiences,
     fetch_committed,
+    fetch_experiences,
     fetch_successes,
     last_trainer_step,
+    pending_late_rewards,
     publishing_steps,
     recent_trainer_steps,
+    retrained_in,
     team_episodes,
     teammate_calls,
 )
 
 __all__ = [
     # schema
-    "metadata", "experiences", "trainer_steps", "release_decisions", "reward_ledger", "audit_log", "tombstones", "TERMINAL",
+    "metadata", "experiences", "trainer_steps", "release_decisions", "reward_ledger", "audit_log", "tombstones", "TERMINAL", "LATE_PENDING",
     "BufferError", "UnknownIds", "ForbiddenAgents", "AlreadyConsumed", "BatchChanged",
     # engine
     "create_buffer_engine", "write_transaction", "iter_chunks", "utcnow",
@@ -89,7 +93,8 @@ __all__ = [
     "get_experience", "list_experiences", "RewardPoint", "rewarded_history", "count_versions_served",
     "count_by_status", "committed_backlog",
     # training
-    "agents_with_committed", "fetch_committed", "fetch_successes", "team_episodes", "teammate_calls", "consume_batch",
+    "agents_with_committed", "fetch_committed", "fetch_experiences", "fetch_successes", "team_episodes", "teammate_calls",
+    "consume_batch", "pending_late_rewards", "retrained_in",
     "discard_experiences", "last_trainer_step", "recent_trainer_steps", "publishing_steps", "consumed_ids",
     # releases
     "record_decision", "list_decisions", "newest_decided_version", "recent_rewarded", "version_rewards",

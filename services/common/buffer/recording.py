@@ -11,6 +11,7 @@ from sqlalchemy.engine import Connection, Engine
 from services.common.buffer.engine import _lock_rows, iter_chunks, utcnow, write_transaction
 from services.common.buffer.governance import _audit, _buried
 from services.common.buffer.schema import (
+    LATE_PENDING,
     TERMINAL,
     AlreadyConsumed,
     ForbiddenAgents,
@@ -202,7 +203,7 @@ def _ledger(conn: Connection, statuses: dict[str, str], *, reward: float, feedba
             late = status in TERMINAL
             rows.append({"experience_id": exp_id, "agent": agent, "reward": reward, "source": feedback.get("source"),
                          "actor": (audit or {}).get("actor"), "late": late, "status_at": status,
-                         "trained_in": trained_in if late else None, "outcome": "recorded" if late else "applied",
+                         "trained_in": trained_in if late else None, "outcome": LATE_PENDING if late else "applied",
                          "created_at": at})
     if rows:
         conn.execute(insert(reward_ledger), rows)

@@ -126,6 +126,7 @@ reward_ledger = Table(
     Column("outcome", String(64)),  # applied (before training); a late one: recorded
     Column("created_at", DateTime(timezone=True), nullable=False),
 )
+LATE_PENDING = "recorded"  # a late reward's outcome until a Trainer step handles it (late_rewards: retrain)
 Index("ix_reward_ledger_experience", reward_ledger.c.experience_id, reward_ledger.c.id)
 Index("ix_reward_ledger_agent_late", reward_ledger.c.agent, reward_ledger.c.late, reward_ledger.c.id)
 

@@ -10,7 +10,14 @@ from sqlalchemy import insert, or_, select, update
 from sqlalchemy.engine import Engine
 
 from services.common.buffer.engine import _lock_rows, iter_chunks, utcnow, write_transaction
-from services.common.buffer.schema import _DEMONSTRATION, BatchChanged, experiences, trainer_steps
+from services.common.buffer.schema import (
+    _DEMONSTRATION,
+    LATE_PENDING,
+    BatchChanged,
+    experiences,
+    reward_ledger,
+    trainer_steps,
+)
 from services.common.records import EVAL_TASK_PREFIX, CommittedExperience, ExperienceStatus, TeamEpisode, TrainerStep
 
 _TRAIN_COLUMNS = (
@@ -105,6 +112,40 @@ def teammate_calls(*, engine: Engine, episodes: Sequence[tuple[str, str]], agent
     return sorted(out, key=lambda r: r.seq)
 
 
+def _by_value(d: dict[int, str]) -> dict[str, list[int]]:
+    out: dict[str, list[int]] = {}
+    for k, v in d.items():
+        out.setdefault(v, []).append(k)
+    return out
+
+
+def pending_late_rewards(*, engine: Engine, agent: str, limit: int) -> list[tuple[int, str]]:
+    """(ledger id, experience id) of ``agent``'s late rewards no step has handled yet, oldest first."""
+    r = reward_ledger.c
+    q = select(r.id, r.experience_id).where(r.agent == agent, r.late.is_(True), r.outcome == LATE_PENDING) \
+        .order_by(r.id).limit(limit)
+    with engine.connect() as conn:
+        return [(int(i), e) for i, e in conn.execute(q)]
+
+
+def fetch_experiences(*, engine: Engine, experience_ids: Sequence[str]) -> list[CommittedExperience]:
+    """What the Trainer reads of these experiences, whatever their status (a late reward's), in arrival order."""
+    rows = []
+    with engine.connect() as conn:
+        for chunk in iter_chunks(sorted(set(experience_ids)), 500):
+            rows += conn.execute(select(*_TRAIN_COLUMNS, experiences.c.status).where(experiences.c.experience_id.in_(chunk)))
+    return [CommittedExperience(**{k: v for k, v in r._mapping.items() if k != "status"}) for r in sorted(rows, key=lambda r: r.seq)
+            if r.status == ExperienceStatus.CONSUMED.value]
+
+
+def retrained_in(*, engine: Engine, agent: str, version: int) -> list[str]:
+    """The experiences whose late reward was retrained in ``version`` (its lineage, beside consumed_ids)."""
+    r = reward_ledger.c
+    q = select(r.experience_id).where(r.agent == agent, r.outcome == f"retrained in v{version}").distinct()
+    with engine.connect() as conn:
+        return sorted(conn.scalars(q))
+
+
 def consume_batch(
     *,
     engine: Engine,
@@ -115,6 +156,7 @@ def consume_batch(
     discarded: Sequence[str],
     state_ref: str | None,
     metrics: dict[str, Any] | None = None,
+    late_outcomes: dict[int, str] | None = None,
 ) -> None:
     """In one transaction: mark the batch consumed (trained_in=version), the rejected rows
     discarded, and record the step with the trainer state it produced.
@@ -122,6 +164,10 @@ def consume_batch(
     ``consumed`` maps experience id -> the reward that was trained on. If any row is no longer
     committed with that reward, raises BatchChanged and changes nothing, so the caller can roll
     its model back to the previous state and train on fresh data instead.
+
+    ``late_outcomes``: {reward_ledger id: what this step did with that late reward} (retrained in
+    this version, or why not), set on ledger rows still pending only, in the same transaction: a step
+    redone after a crash finds them pending again, and none is ever handled twice.
     """
     ids = list(consumed) + list(discarded)
     with write_transaction(engine) as conn:
@@ -146,6 +192,10 @@ def consume_batch(
                 .where(experiences.c.experience_id.in_(chunk))
                 .values(status=ExperienceStatus.DISCARDED.value, updated_at=now)
             )
+        for outcome, ledger_ids in _by_value(late_outcomes or {}).items():
+            for chunk in iter_chunks(ledger_ids, 500):
+                conn.execute(update(reward_ledger).where(reward_ledger.c.id.in_(chunk),
+                                                         reward_ledger.c.outcome == LATE_PENDING).values(outcome=outcome))
         conn.execute(
             insert(trainer_steps).values(
                 agent=agent, step=step, version=version, consumed=len(consumed), discarded=len(discarded),

@@ -93,6 +93,7 @@ class Recipe(Protocol):
     uses_critic: ClassVar[bool]  # needs a value head on the policy
     uses_ratio: ClassVar[bool]  # clipped importance ratio against the sampling logprobs (and the KL penalty)
     team_rewards: ClassVar[bool]  # its group statistics count the team's episodes: select gets their rewards
+    retrains_late: ClassVar[bool]  # implements late_items (late_rewards: retrain)
     config: RecipeConfig
     objective: ObjectiveSection
 
@@ -103,6 +104,12 @@ class Recipe(Protocol):
     def select(self, usable: list[Usable], *, batch_size: int, now: datetime, sel: Selection, team: TeamEpisodes) -> None:
         """Fill ``sel.items`` (oldest first, advantages where known now), or leave it empty to wait.
         ``team``: the team's episode rewards of the usable rows' tasks (empty unless ``team_rewards``)."""
+        ...
+
+    def late_items(self, rows: list[CommittedExperience], *, team: TeamEpisodes) -> tuple[list[TrainItem], dict[str, str]]:
+        """Already-trained rows whose reward came late, as items to train again (``late=True``, advantages
+        from the latest rewards), and {experience_id: why not} for the rest. ``team``: the episodes of
+        their tasks, with their latest rewards. Only with ``retrains_late``."""
         ...
 
     def extra_inputs(self, items: list[TrainItem], scorer: Scorer) -> dict[str, torch.Tensor]:
@@ -132,6 +139,7 @@ class BaseRecipe:
     uses_critic: ClassVar[bool] = False
     uses_ratio: ClassVar[bool] = False
     team_rewards: ClassVar[bool] = False
+    retrains_late: ClassVar[bool] = False
 
     def __init__(self, config: RecipeConfig, objective: ObjectiveSection):
         self.config = config

@@ -10,11 +10,11 @@ from typing import Literal
 import torch
 from pydantic import Field
 
+from services.common.records import CommittedExperience
 from services.trainer.algorithms.advantages import batch_relative, episode_relative
 from services.trainer.algorithms.grpo import grpo_loss
 from services.trainer.algorithms.importance import behaviour_weights
-from services.trainer.batches import Selection, TeamEpisodes, Usable, aware, to_item
-from services.trainer.batches import TrainItem
+from services.trainer.batches import Selection, TeamEpisodes, TrainItem, Usable, aware, to_item
 from services.trainer.recipes.base import BaseRecipe, MicroBatch, Scorer, clip_args, ratio_inputs
 from services.trainer.recipes.hints import (
     HintSettings,
@@ -68,12 +68,49 @@ class GRPO(BaseRecipe):
     legacy_keys = {k: k for k in ("std_normalize", "min_group_size", "group_size", "group_wait_s", "small_groups")}
     uses_ratio = True
     team_rewards = True
+    retrains_late = True
     config: GRPOConfig
 
     def __init__(self, config: GRPOConfig, objective: ObjectiveSection):
         if config.hint_coef > 0 and objective.level != "token":
             raise ValueError("algorithm.grpo.hint_coef teaches each token of a hinted call (algorithm.level must be token)")
         super().__init__(config, objective)
+
+    def late_items(self, rows: list[CommittedExperience], *, team: TeamEpisodes) -> tuple[list[TrainItem], dict[str, str]]:
+        """Each late row's episode is valued against its group as the rewards stand now (the latest of each
+        episode of its task this agent acted in, or the team's with team_credit), as ``select`` would have;
+        every call of it that got the late reward is trained again with that advantage."""
+        a = self.config
+        episodes: dict[tuple[str | None, str | None], list[CommittedExperience]] = {}
+        for r in rows:
+            episodes.setdefault((r.task_id, r.run_id), []).append(r)
+        items: list[TrainItem] = []
+        skipped: dict[str, str] = {}
+        for (task, run), calls in episodes.items():
+            agent = calls[0].agent
+            group = {k: ep for k, ep in (team.get(task) or {}).items() if self.objective.team_credit or agent in ep.agents}
+            why = None
+            if task is None or run is None or run not in group:
+                why = "not an episode of a group (task_id and run_id)"
+            elif len(group) < a.min_group_size:
+                why = f"group of {len(group)} episodes < min_group_size {a.min_group_size}"
+            else:
+                runs = sorted(group)
+                rewards = torch.tensor([group[k].reward for k in runs])
+                if float(rewards.max()) == float(rewards.min()) and a.flat_groups != "baseline":
+                    why = f"no signal: every episode of the group scored {float(rewards[0]):g}"
+                else:
+                    adv = float(rewards[runs.index(run)] - a.flat_baseline) if float(rewards.max()) == float(rewards.min()) \
+                        else float(episode_relative(rewards, torch.zeros(len(runs), dtype=torch.long),
+                                                    std_normalize=a.std_normalize)[runs.index(run)])
+            for r in sorted(calls, key=lambda r: r.seq):
+                if why is not None:
+                    skipped[r.experience_id] = why
+                    continue
+                it = to_item(r, 1.0 / len(calls))
+                it.advantage, it.late = adv, True
+                items.append(it)
+        return items, skipped
 
     def extra_inputs(self, items: list[TrainItem], scorer: Scorer) -> dict[str, torch.Tensor]:
         return teacher_inputs(items, scorer, self.config.teacher, self.config.top_k) if self.config.hint_coef > 0 else {}
@@ -171,6 +208,17 @@ class GRPO(BaseRecipe):
             advantages = advantages.unsqueeze(-1).expand_as(mb.mask) + a.hint_coef * hinted
             stats = hint_statistics(mb, hinted, hint_mask)
         inputs, normalizer = ratio_inputs(mb, advantages)
+        late = torch.tensor([1.0 if it.late else 0.0 for it in mb.items], device=mb.mask.device).unsqueeze(-1)
+        if not mb.sequence_level and a.importance == "off" and bool(late.any()):
+            # a late reward's calls were sampled several versions back: against the Trainer's own policy, the gap
+            # to the recorded logprobs corrected by truncated importance weights (as importance=truncate does)
+            if mb.first_epoch:
+                mb.cache[("proximal", mb.key)] = mb.logprobs.detach()
+            proximal = mb.cache[("proximal", mb.key)]
+            w, _ = behaviour_weights(proximal, mb.old_logprobs, mb.mask * late, mode="truncate", cap=a.importance_cap,
+                                     normalizer=mb.norms.tokens)
+            inputs.update(old_logprobs=late * proximal + (1 - late) * inputs["old_logprobs"],
+                          weights=inputs["weights"] * (late * w + (1 - late)))
         if not mb.sequence_level and a.importance != "off":
             if mb.first_epoch:  # the proximal policy: the Trainer's own, before this step's update
                 mb.cache[("proximal", mb.key)] = mb.logprobs.detach()

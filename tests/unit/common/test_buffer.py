@@ -193,3 +193,27 @@ def test_a_versions_lineage_is_an_index_lookup(tmp_path):
     with db.connect() as conn:
         plan = " ".join(str(row[-1]) for row in conn.execute(text(f"EXPLAIN QUERY PLAN {sql}")))
     assert "ix_experiences_agent_trained_in" in plan, plan
+
+
+def test_a_late_reward_waits_in_the_ledger_until_a_step_handles_it_once(db):
+    buffer.apply_feedback(engine=db, msg_ids=["c1", "c2"], reward=1.0, feedback={})
+    buffer.commit_experiences(engine=db)
+    buffer.consume_batch(engine=db, agent="a", step=1, version=1, consumed={"c1-0": 1.0, "c1-1": 1.0, "c2-0": 1.0},
+                         discarded=[], state_ref=None)
+    buffer.apply_feedback(engine=db, msg_ids=["c1-0"], reward=0.0, feedback={})
+    buffer.apply_feedback(engine=db, msg_ids=["c1-0", "c2-0"], reward=0.5, feedback={})  # revised again
+    pending = buffer.pending_late_rewards(engine=db, agent="a", limit=10)
+    assert [e for _, e in pending] == ["c1-0", "c1-0", "c2-0"]
+    assert [r.experience_id for r in buffer.fetch_experiences(engine=db, experience_ids=["c2-0", "c1-0"])] == ["c1-0", "c2-0"]
+    outcomes = {pending[0][0]: "retrained in v2", pending[1][0]: "retrained in v2", pending[2][0]: "not retrained: stale"}
+    buffer.consume_batch(engine=db, agent="a", step=2, version=2, consumed={}, discarded=[], state_ref=None,
+                         late_outcomes=outcomes)
+    assert buffer.pending_late_rewards(engine=db, agent="a", limit=10) == []
+    assert buffer.retrained_in(engine=db, agent="a", version=2) == ["c1-0"]
+    # handled rows are never handled again, even if a step names them once more
+    buffer.consume_batch(engine=db, agent="a", step=3, version=3, consumed={}, discarded=[], state_ref=None,
+                         late_outcomes={pending[0][0]: "retrained in v3"})
+    assert buffer.retrained_in(engine=db, agent="a", version=3) == []
+    history = buffer.reward_history(engine=db, experience_id="c1-0")
+    assert [(h["reward"], h["outcome"]) for h in history] == [(1.0, "applied"), (0.0, "retrained in v2"),
+                                                              (0.5, "retrained in v2")]
