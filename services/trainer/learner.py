@@ -17,7 +17,7 @@ import random
 import socket
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -38,20 +38,27 @@ log = logging.getLogger(__name__)
 class _Scorer:
     """``Recipe.extra_inputs``' view of the policy: logprobs of given tokens, without gradients."""
 
-    def __init__(self, policy: Policy, share_prefix_min: int):
-        self.policy, self.share_prefix_min = policy, share_prefix_min
+    def __init__(self, policy: Policy, share_prefix_min: int, models: Callable[[str], Policy] | None = None):
+        self.policy, self.share_prefix_min, self.models = policy, share_prefix_min, models
+
+    def _model(self, model: str | None) -> Policy:
+        if model is None:
+            return self.policy
+        if self.models is None:
+            raise ValueError(f"this scorer has no model but the policy (asked for {model})")
+        return self.models(model)
 
     @torch.no_grad()
-    def logprobs(self, prompts, responses, temperatures, *, adapter: bool = True) -> torch.Tensor:
-        p = self.policy
+    def logprobs(self, prompts, responses, temperatures, *, adapter: bool = True, model: str | None = None) -> torch.Tensor:
+        p = self._model(model)
         batch = pack(prompts, responses, temperatures, p.pad_id, share_prefix_min=self.share_prefix_min)
         out = p.forward(batch, need_hidden=False, adapter=adapter)
         return out.logprobs * batch.response_mask.to(p.device)  # (B, R)
 
     @torch.no_grad()
-    def top_logprobs(self, prompts, responses, temperatures, k: int, *, adapter: bool = True
+    def top_logprobs(self, prompts, responses, temperatures, k: int, *, adapter: bool = True, model: str | None = None
                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        p = self.policy
+        p = self._model(model)
         batch = pack(prompts, responses, temperatures, p.pad_id, share_prefix_min=self.share_prefix_min)
         out = p.forward(batch, need_hidden=False, adapter=adapter, top_k=k)
         mask = batch.response_mask.to(p.device)
@@ -91,8 +98,23 @@ class LearnerWorker:
         self.optimizers: dict[str, torch.optim.Optimizer] = {}
         self.critic_optimizers: dict[str, torch.optim.Optimizer] = {}
         self._guard_nll: dict[str, tuple[tuple[str, ...], float]] = {}  # agent -> (guard set, its NLL now)
+        self._others: dict[str, Policy] = {}  # path -> another model a recipe scores with (a teacher)
 
     # ------------------------------------------------------------------ set-up
+
+    def _other_model(self, path: str) -> Policy:
+        """Another model for a recipe's scorer (a teacher), loaded once, on the policy's device and dtype;
+        it must share the agent's tokenizer, since it scores the agent's token ids."""
+        if path not in self._others:
+            p = self.policy
+            other = Policy(model_path=path, chat_template=None, dtype=self.cfg.model.dtype, device=self.cfg.trainer.device,
+                           lora=self.cfg.lora, seed=self.cfg.trainer.seed)
+            if other.tokenizer.get_vocab() != p.tokenizer.get_vocab():
+                raise ValueError(f"the teacher model {path} does not share the agent's tokenizer ({p.model_path}): "
+                                 "it could not score the agent's token ids")
+            other.base.eval()
+            self._others[path] = other
+        return self._others[path]
 
     def rendezvous_address(self) -> tuple[str, int]:
         """Rank 0 only: an address and free port for the process group."""
@@ -284,7 +306,8 @@ class LearnerWorker:
             old_lp[row, : len(it.old_logprobs)] = torch.tensor(it.old_logprobs)
         allowed = p.allowed_tokens([i.grammar for i in micro], [i.response_ids for i in micro], batch.response_len)
         if ("extra", key) not in cache:  # before this forward: a recipe may ask it for some tokens' logprobs
-            cache[("extra", key)] = recipe.extra_inputs(micro, _Scorer(p, self.cfg.trainer.shared_prefix_min_tokens))
+            cache[("extra", key)] = recipe.extra_inputs(micro, _Scorer(p, self.cfg.trainer.shared_prefix_min_tokens,
+                                                                       self._other_model))
         gather = cache[("extra", key)].get(GATHER_IDS)
         out = p.forward(batch, need_hidden=recipe.uses_critic, entropy_grad=a.entropy_coef > 0, allowed=allowed,
                         gather=None if gather is None else _widen(gather, batch.response_len))

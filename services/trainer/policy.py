@@ -189,6 +189,10 @@ class Policy:
 
     # ------------------------------------------------------------------ forward passes
 
+    @property
+    def _net(self) -> nn.Module:
+        return self.base if self.model is None else self.model
+
     def _inputs(self, batch: PackedBatch) -> dict:
         """The model's inputs for ``batch``; its shared prefix (if any) is run here, once, and joins
         every row as past keys and values."""
@@ -200,7 +204,7 @@ class Policy:
         from transformers import DynamicCache
 
         B, L = ids.shape[0], batch.prefix_len
-        pre = self.model(input_ids=batch.prefix_ids.to(dev).unsqueeze(0), use_cache=True, logits_to_keep=1).past_key_values
+        pre = self._net(input_ids=batch.prefix_ids.to(dev).unsqueeze(0), use_cache=True, logits_to_keep=1).past_key_values
         layers = [(k.expand(B, *k.shape[1:]), v.expand(B, *v.shape[1:])) for k, v, *_ in pre]
         inputs.update(attention_mask=torch.cat([attn.new_ones((B, L)), attn], dim=1),
                       past_key_values=DynamicCache(ddp_cache_data=layers), use_cache=True)
@@ -228,9 +232,10 @@ class Policy:
         ``gather`` (B, R, k) token ids: their logprobs at each response position too (``gathered``);
         ``top_k``: the k likeliest tokens at each response position (``top``), e.g. a teacher's."""
         P, R = batch.prompt_len, batch.response_len
-        with contextlib.nullcontext() if adapter else self.model.disable_adapter():
-            out = self.model(**self._inputs(batch), output_hidden_states=need_hidden,
-                             logits_to_keep=R + 1)  # positions P-1 .. P+R-1; the last one predicts nothing we need
+        net = self._net  # the base model alone until an agent exists (a teacher model has none)
+        with contextlib.nullcontext() if adapter or self.model is None else self.model.disable_adapter():
+            out = net(**self._inputs(batch), output_hidden_states=need_hidden,
+                      logits_to_keep=R + 1)  # positions P-1 .. P+R-1; the last one predicts nothing we need
         logits = out.logits[:, :-1, :].float() / batch.temperatures.to(self.device).view(-1, 1, 1)  # (B, R, V)
         if allowed is not None:
             allowed = allowed.to(self.device)

@@ -6,7 +6,6 @@ Shared by ``opd`` (hints alone) and ``grpo`` (``hint_coef``: added to the reward
 from __future__ import annotations
 
 import time
-from typing import Literal
 
 import torch
 from pydantic import Field
@@ -15,14 +14,12 @@ from services.trainer.algorithms.distill import distillation_advantage, top_k_di
 from services.trainer.batches import TrainItem
 from services.trainer.recipes.base import GATHER_IDS, MicroBatch, RecipeConfig, Scorer
 
-Teacher = Literal["policy", "base"]
-
-
 class HintSettings(RecipeConfig):
-    teacher: Teacher = Field(
-        default="policy",
-        description="Who reads the hint: policy (the agent itself, its adapter as before the step: self-distillation) "
-        "or base (the base model without the adapter).")
+    teacher: str = Field(
+        default="policy", min_length=1,
+        description="Who reads the hint: policy (the agent itself, its adapter as before the step: self-distillation), "
+        "base (the base model without the adapter), or the path of another model that shares the agent's tokenizer "
+        "(loaded once by each learner).")
     hint_clip: float = Field(default=5.0, gt=0, description="The largest |teacher - sampled| logprob gap a token counts.")
     top_k: int = Field(
         default=16, ge=0, le=256,
@@ -32,7 +29,7 @@ class HintSettings(RecipeConfig):
     top_k_coef: float = Field(default=1.0, gt=0, description="top_k: the weight of that KL term.")
 
 
-def teacher_inputs(items: list[TrainItem], scorer: Scorer, teacher: Teacher, top_k: int = 0) -> dict[str, torch.Tensor]:
+def teacher_inputs(items: list[TrainItem], scorer: Scorer, teacher: str, top_k: int = 0) -> dict[str, torch.Tensor]:
     """{"teacher": (B, R) logprobs of each hinted item's sampled tokens after its teacher prompt, 0 for
     the others; "hinted": (B,) 1 where an item has a hint; "teacher_s": the forward's seconds}; with
     ``top_k``, also the teacher's k likeliest tokens at each position: "teacher_top" (B, R, k) logprobs
@@ -45,11 +42,14 @@ def teacher_inputs(items: list[TrainItem], scorer: Scorer, teacher: Teacher, top
     if hinted:
         args = ([items[k].teacher_prompt_ids for k in hinted], [items[k].response_ids for k in hinted],
                 [items[k].temperature for k in hinted])
+        who = {"adapter": teacher == "policy"}
+        if teacher not in ("policy", "base"):
+            who["model"] = teacher
         if top_k:
-            lp, values, ids = scorer.top_logprobs(*args, top_k, adapter=teacher == "policy")
+            lp, values, ids = scorer.top_logprobs(*args, top_k, **who)
             values, ids = values.float().cpu(), ids.cpu()
         else:
-            lp = scorer.logprobs(*args, adapter=teacher == "policy")
+            lp = scorer.logprobs(*args, **who)
         lp = lp.float().cpu()
         for row, k in enumerate(hinted):
             n = len(items[k].response_ids)

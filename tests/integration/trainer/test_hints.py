@@ -56,7 +56,9 @@ def test_opd_moves_the_agent_towards_the_teacher_that_read_the_hint(top_k, tiny_
             hint = None if task == rows[0][2] else {"text": "think first", "prompt_token_ids": PREFIX + json.loads(prompt)}
             con.execute("UPDATE experiences SET hint = ? WHERE experience_id = ?", (json.dumps(hint), exp_id))
     steps = 2
-    log = _train(tiny_model, tmp_path, ray_address, "algorithm.name=opd", "algorithm.opd.teacher=base", "optim.lr=1e-3",
+    # the teacher: a model of its own, by path (here the same weights as the base: the measure's teacher)
+    log = _train(tiny_model, tmp_path, ray_address, "algorithm.name=opd", f"algorithm.opd.teacher={tiny_model}",
+                 "optim.lr=1e-3",
                  f"algorithm.opd.top_k={top_k}", "trainer.epochs=2", "--max-steps", str(steps))
     assert "published v2" in log
     records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
@@ -77,3 +79,16 @@ def test_opd_moves_the_agent_towards_the_teacher_that_read_the_hint(top_k, tiny_
     before, after = _reverse_kl(model, trained, adapter=False), _reverse_kl(model, trained, adapter=True)
     print(f"reverse KL to the teacher, top_k={top_k}: {before:.3f} -> {after:.3f}")
     assert after < 0.9 * before, (before, after)
+
+
+def test_a_teacher_that_does_not_share_the_agents_tokenizer_is_refused(tiny_model, tmp_path):
+    from services.common.tiny_model import build_tiny_model
+    from services.trainer.learner import LearnerWorker
+
+    other = build_tiny_model(tmp_path / "other", seed=7)  # another tokenizer (trained on another corpus)
+    w = LearnerWorker({"model": {"path": str(tiny_model)}, "trainer": {"device": "cpu", "torch_threads": 1},
+                       "algorithm": {"name": "opd", "opd": {"teacher": str(other)}}, "log_level": "warning"})
+    w.setup()
+    with pytest.raises(ValueError, match="does not share the agent's tokenizer"):
+        w._other_model(str(other))
+    assert w._other_model(str(tiny_model)).model is None  # the same tokenizer: loaded, without adapters

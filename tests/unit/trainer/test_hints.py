@@ -39,11 +39,11 @@ class FixedScorer:
     def __init__(self, lp: torch.Tensor):
         self.lp, self.asked = lp, []
 
-    def logprobs(self, prompts, responses, temperatures, *, adapter=True):
-        self.asked.append((prompts, responses, temperatures, adapter))
+    def logprobs(self, prompts, responses, temperatures, *, adapter=True, model=None):
+        self.asked.append((prompts, responses, temperatures, adapter) + ((model,) if model else ()))
         return self.lp
 
-    def top_logprobs(self, prompts, responses, temperatures, k, *, adapter=True):
+    def top_logprobs(self, prompts, responses, temperatures, k, *, adapter=True, model=None):
         self.asked.append((prompts, responses, temperatures, adapter, k))
         top = torch.log(torch.tensor([[[0.6, 0.2], [0.5, 0.4]]]))
         return self.lp, top[..., :k], torch.tensor([[[7, 8], [9, 3]]])[..., :k]
@@ -69,6 +69,9 @@ def test_the_teachers_logprobs_line_up_with_the_batch_and_unhinted_rows_get_none
     assert scorer.asked == [([[1, 2, 9, 9]], [[3, 4]], [0.7], False)]  # the hinted row alone, at its temperature
     assert x["teacher"].tolist() == [[approx(-0.1), approx(-0.2), 0.0], [0.0, 0.0, 0.0]]
     assert x["hinted"].tolist() == [1.0, 0.0] and x["teacher_s"].item() >= 0
+    other = FixedScorer(torch.tensor([[-0.1, -0.2]]))  # a teacher of its own, by path
+    teacher_inputs([sel.items[0]], other, "/models/teacher")
+    assert other.asked == [([[1, 2, 9, 9]], [[3, 4]], [0.7], False, "/models/teacher")]
 
 
 def _micro(recipe, items, logprobs, teacher, advantages=None):
