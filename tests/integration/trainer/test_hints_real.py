@@ -3,7 +3,8 @@ demonstration: its answers, served and recorded by a real Explorer, get only the
 answer with the word Sure." through POST /feedback; the real `kaizen trainer` runs opd (the agent
 itself, reading the hint, is the teacher: on-policy self-distillation with the teacher's top tokens).
 Asserted, read exactly off the model: on held-out questions, without any hint, the probability that
-the answer starts with "Sure" rises by a wide margin."""
+the answer starts with "Sure" rises by a wide margin (one step: 0.002 -> 0.15 when written; two steps on
+32 answers: 0.77, and no rise without the teacher's top tokens, docs/TRAINER.md)."""
 
 from __future__ import annotations
 
@@ -22,9 +23,7 @@ pytestmark = pytest.mark.integration
 HINT = "Begin your answer with the word Sure."
 ASKED = ["What is the capital of Spain?", "Name a fruit that is red.", "How many legs does a spider have?",
          "What color is the sky?", "Who wrote Hamlet?", "What is 12 plus 7?", "Name a large animal.",
-         "What do bees make?", "Which planet is closest to the sun?", "What is ice made of?",
-         "Name a musical instrument.", "What language is spoken in Brazil?", "How many days are in a week?",
-         "What do cows drink?", "Name a color of the rainbow.", "What is the opposite of hot?"]
+         "What do bees make?", "Which planet is closest to the sun?", "What is ice made of?"]
 HELD_OUT = ["What is the capital of Italy?", "Name a vegetable that is green.", "How many wheels does a bicycle have?",
             "What color is grass?", "Who painted the Mona Lisa?", "What is 9 plus 4?", "What do spiders spin?",
             "Name a small bird."]
@@ -56,7 +55,7 @@ def test_a_hint_alone_teaches_smollm2_what_it_says(smollm2_model, make_explorer,
                 hinted += 1
     assert hinted >= 16 and ex.http.post("/commit", json={}).json()["committed"] == hinted
     ex.stop()
-    steps = 2
+    steps = 1
     cmd = [sys.executable, "-m", "services.cli", "trainer", "--config", "configs/trainer.yaml",
            f"model.path={smollm2_model}", f"buffer.url={url}", f"checkpoints.root={tmp_path}/ck",
            f"trainer.run_dir={tmp_path}/run", f"ray.address={ray_address}", "algorithm.name=opd",
