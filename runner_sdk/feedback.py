@@ -23,6 +23,7 @@ from runner_sdk.records import RunnerStats
 
 log = logging.getLogger("runner_sdk")
 
+HINT_MAX_CHARS = 4_000  # the longest hint the Explorer takes (services/common/hints.py)
 COMMIT_CHUNK = 1_000  # ids per POST /commit; the Explorer takes up to 10,000, smaller bodies retry cheaper
 
 

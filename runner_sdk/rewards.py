@@ -26,7 +26,9 @@ class Verdict:
     hint: str | None = None
 
     def __post_init__(self) -> None:
-        if self.reward is None and not (self.hint or "").strip():
+        if self.hint is not None and not self.hint.strip():
+            object.__setattr__(self, "hint", None)  # a blank hint says nothing: the reward alone
+        if self.reward is None and self.hint is None:
             raise ValueError("a Verdict needs a reward or a non-empty hint")
 
 

@@ -39,7 +39,7 @@ import httpx
 
 from runner_sdk.client import AgentClient, ExplorerClient, tracked_async_http_client, tracked_http_client
 from runner_sdk.context import run_var, running
-from runner_sdk.feedback import Feedback, FeedbackQueue
+from runner_sdk.feedback import HINT_MAX_CHARS, Feedback, FeedbackQueue
 from runner_sdk.records import AgentRun, RunnerStats
 from runner_sdk.rewards import Verdict
 from runner_sdk.selection import RequestInfo, SamplingRate, SelectionStrategy, decide
@@ -344,8 +344,14 @@ class TrainingRunner:
         ``hint``: feedback in words, beside the reward or alone (``reward=None``)."""
         if not msg_ids:
             return  # nothing to reward (the Explorer would refuse an empty list)
+        if hint is not None and (not hint.strip() or len(hint) > HINT_MAX_CHARS):
+            if hint.strip():
+                log.warning("a hint of %d characters is more than the Explorer takes (%d): the reward goes alone",
+                            len(hint), HINT_MAX_CHARS)
+            hint = None  # so the reward is not refused with it
         if reward is None and hint is None:
-            raise ValueError("queue_feedback needs a reward or a hint")
+            log.warning("feedback for %s dropped: no reward and no usable hint", task_id or msg_ids[0])
+            return
         self._feedback.put(Feedback(msg_ids=tuple(msg_ids), reward=None if reward is None else float(reward),
                                     task_id=task_id, run_id=None if run_id is None else str(run_id),
                                     labels=tuple(labels or ()), comment=comment, source=source, expected=expected,

@@ -32,7 +32,7 @@ from typing import Any, Callable
 
 from runner_sdk import ExplorerError, SyncExplorerClient
 from services.common import buffer, checkpoints
-from services.common.hints import hint_prompt_ids
+from services.common.hints import HINT_MAX_CHARS, hint_prompt_ids
 from services.common.ids import experience_id, new_id
 from services.common.records import Experience
 
@@ -264,6 +264,8 @@ class LearnableAgent:
             raise LearnableAgentError("no run to reward yet: call run(task) first")
         if reward is None and not (hint or "").strip():
             raise LearnableAgentError("feedback needs a reward or a non-empty hint")
+        if hint is not None and len(hint) > HINT_MAX_CHARS:
+            raise LearnableAgentError(f"a hint has at most {HINT_MAX_CHARS} characters ({len(hint)} given)")
         if self.endpoint is not None:
             path = "/feedback"
             try:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
+HINT_MAX_CHARS = 4000  # the longest hint POST /feedback takes (runner_sdk.feedback keeps its own copy)
 HINT_TEMPLATE = "A note on how to answer, from a reviewer: {hint}"
 HINT_ROLE = "user"
 

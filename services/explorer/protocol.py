@@ -17,6 +17,7 @@ from typing import Annotated, Any, Literal, Union
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, Strict, field_validator, model_validator
 
 from services.common.checkpoints import AGENT_NAME
+from services.common.hints import HINT_MAX_CHARS
 from services.common.http.errors import APIError, check_storable
 from services.common.storable import RUN_ID_MAX, TASK_ID_MAX
 
@@ -194,9 +195,6 @@ class DemonstrationRequest(_Recorded):
         return self
 
 
-HINT_MAX_CHARS = 4000
-
-
 class FeedbackRequest(_Recorded):
     """Compatible with Trinity-RFT's serve-mode body. Without ``msg_ids``, ``task_id`` + ``run_id``
     name an episode and the reward reaches every call of it (an extension).
@@ -213,7 +211,7 @@ class FeedbackRequest(_Recorded):
     run_id: GroupingId | None = None
     labels: list[str] | None = None
     comment: str | None = Field(default=None, max_length=10_000)
-    source: str | None = None
+    source: str | None = Field(default=None, max_length=128)
     agent: str | None = Field(default=None, min_length=1, max_length=128)  # episode feedback: only this agent's calls
     expected: Any = None  # what the run was expected to produce (JSON); a gated release's replay scores with it
 

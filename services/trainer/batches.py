@@ -252,7 +252,8 @@ def select_batch(
     for row in rows:
         lag = current_version - int(row.model_version)
         if row.reward is None and recipe.needs_reward:
-            sel.discarded[row.experience_id] = "no reward"
+            sel.discarded[row.experience_id] = "no reward, a hint alone (algorithm opd learns from those)" if row.hint \
+                else "no reward"
             continue
         if not row.response_token_ids or len(row.response_token_ids) != len(row.response_logprobs):
             sel.discarded[row.experience_id] = "empty response or logprobs of another length"

@@ -181,9 +181,13 @@ class TrainerConfig(ConfigModel):
     @model_validator(mode="after")
     def _check(self) -> "TrainerConfig":
         late = self.late_rewards
-        if "retrain" in {late.mode, *late.agents.values()} and not self.algorithm.recipe().retrains_late:
-            raise ValueError(f"late_rewards: retrain needs an objective that can train a late reward again (grpo); "
-                             f"{self.algorithm.name} cannot")
+        if "retrain" in {late.mode, *late.agents.values()}:
+            if not self.algorithm.recipe().retrains_late:
+                raise ValueError(f"late_rewards: retrain needs an objective that can train a late reward again (grpo); "
+                                 f"{self.algorithm.name} cannot")
+            if self.algorithm.level != "token":
+                raise ValueError("late_rewards: retrain corrects a late call's tokens by importance weights: it needs "
+                                 "algorithm.level token")
         sch = self.trainer.schedule
         if sch.mode == "round_robin":
             if not (sch.order or self.trainer.agents):

@@ -109,7 +109,8 @@ class LearnerWorker:
             p = self.policy
             other = Policy(model_path=path, chat_template=None, dtype=self.cfg.model.dtype, device=self.cfg.trainer.device,
                            lora=self.cfg.lora, seed=self.cfg.trainer.seed)
-            if other.tokenizer.get_vocab() != p.tokenizer.get_vocab():
+            if other.tokenizer.get_vocab() != p.tokenizer.get_vocab() or \
+                    other.base.config.vocab_size != p.base.config.vocab_size:
                 raise ValueError(f"the teacher model {path} does not share the agent's tokenizer ({p.model_path}): "
                                  "it could not score the agent's token ids")
             other.base.eval()

@@ -394,12 +394,16 @@ class TrainerService:
         if not pending:
             return
         found = {r.experience_id: r for r in buffer.fetch_experiences(engine=self.db, experience_ids=[e for _, e in pending])}
+        refused = refused_versions(buffer.list_decisions(engine=self.db, agent=agent, limit=100_000)) \
+            if self._policy(agent).rejected_experiences == "discard" else set()
         why: dict[str, str] = {}
         for _, e in pending:
             row = found.get(e)
             lag = None if row is None else progress.published - row.model_version
             if row is None:
-                why[e] = "not retrained: discarded, never trained"
+                why[e] = "not retrained: discarded, purged or not trainable"
+            elif row.model_version in refused:
+                why[e] = f"not retrained: made by v{row.model_version}, a refused version (release.rejected_experiences)"
             elif lag > self.cfg.staleness.max_staleness:
                 why[e] = f"not retrained: {lag} versions stale (staleness.max_staleness {self.cfg.staleness.max_staleness})"
         rows = [r for e, r in found.items() if e not in why]

@@ -93,7 +93,8 @@ def step_record(*, agent: str, step: int, version: int, algorithm: str, recipe: 
         "team_episodes": selection.team_episodes, "teammate_turns": len(selection.context),
         "logprob_mismatch": total.mismatch_sum / tokens,
         "imitations": len(selection.imitations), "groups": selection.groups, "failed_groups": selection.failed_groups,
-        "late_retrained": len(selection.late), "late_not_retrained": sum(1 for w in selection.late_outcomes.values() if w),
+        "late_retrained": len(selection.late),  # calls trained again for a late reward; and those left as recorded:
+        "late_not_retrained": len({lid for lid, w in selection.late_outcomes.items() if w}),
     }
     if total.demo_nll is not None:
         rec["demo_nll"] = total.demo_nll

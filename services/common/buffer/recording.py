@@ -108,6 +108,7 @@ def find_unknown_ids(*, engine: Engine, msg_ids: Sequence[str]) -> list[str]:
 class FeedbackResult:
     experience_ids: list[str]
     late: list[str] = field(default_factory=list)  # of them, those already trained on or discarded: recorded late
+    hint_not_kept: list[str] = field(default_factory=list)  # of them, those whose hint came too late to teach
 
 
 def feedback_rows(*, engine: Engine, msg_ids: Sequence[str]) -> list[Experience]:
@@ -144,9 +145,9 @@ def apply_feedback(
     discarded) is late: it still becomes the experience's reward (the latest is what the release gate
     and the canary read), its status stays, and the ledger says it came late (``FeedbackResult.late``).
 
-    Raises UnknownIds if any id names nothing, AlreadyConsumed if hints name an experience already
-    trained on (or discarded), ForbiddenAgents if ``agents`` is given and an experience belongs to
-    another agent; in each case nothing changes. ``audit``: a row for ``audit_log`` (actor, action,
+    A hint for an experience already trained on (or discarded) is not kept (``hint_not_kept``); words
+    alone for one raise AlreadyConsumed. Raises UnknownIds if any id names nothing, ForbiddenAgents if
+    ``agents`` is given and an experience belongs to another agent; in each case nothing changes. ``audit``: a row for ``audit_log`` (actor, action,
     target, details), written in the same transaction.
     """
     with write_transaction(engine) as conn:
@@ -157,8 +158,8 @@ def apply_feedback(
         targets = sorted({e for rows in found.values() for e, _ in rows})
         _check_agents(conn, targets, agents)
         frozen = sorted({e for rows in found.values() for e, s in rows if s in TERMINAL})
-        if frozen and hints is not None:
-            raise AlreadyConsumed(frozen)
+        if frozen and hints is not None and reward is None:
+            raise AlreadyConsumed(frozen)  # words alone, for what was trained already: nothing to keep
         if reward is None and hints is None:
             raise ValueError("apply_feedback needs a reward or hints")
         if hints is not None and (missing := sorted(set(targets) - set(hints))):
@@ -168,10 +169,12 @@ def apply_feedback(
             values["task_id"] = task_id
         if run_id is not None:
             values["run_id"] = run_id
-        for e in targets if hints is not None else ():
-            conn.execute(update(experiences).where(experiences.c.experience_id == e).values(hint=hints[e]))
-        # Recorded rows become rewarded; the others keep their status and take the new reward.
-        for chunk in iter_chunks(targets, 500):
+        live = [e for e in targets if e not in set(frozen)]
+        for e in live if hints is not None else ():  # a purged row keeps no words (nor their token ids)
+            conn.execute(update(experiences).where(experiences.c.experience_id == e, experiences.c.purged_at.is_(None))
+                         .values(hint=hints[e]))
+        # Recorded rows become rewarded; committed ones keep their status and take the new reward.
+        for chunk in iter_chunks(live, 500):
             base = experiences.c.experience_id.in_(chunk)
             conn.execute(
                 update(experiences)
@@ -183,11 +186,16 @@ def apply_feedback(
                 .where(base, experiences.c.status != ExperienceStatus.RECORDED.value)
                 .values(**values)
             )
+        # Trained (or discarded) rows take the late reward alone: their grouping, note and lineage stay as trained.
+        for chunk in iter_chunks(frozen if reward is not None else [], 500):
+            conn.execute(update(experiences).where(experiences.c.experience_id.in_(chunk))
+                         .values(reward=float(reward), updated_at=values["updated_at"]))
         if reward is not None:
             statuses = {e: s for rows in found.values() for e, s in rows}  # as they were, locked
             _ledger(conn, statuses, reward=float(reward), feedback=feedback, audit=audit, at=values["updated_at"])
         _audit(conn, audit, count=len(targets))
-    return FeedbackResult(experience_ids=targets, late=frozen if reward is not None else [])
+    return FeedbackResult(experience_ids=targets, late=frozen if reward is not None else [],
+                          hint_not_kept=frozen if hints is not None else [])
 
 
 def _ledger(conn: Connection, statuses: dict[str, str], *, reward: float, feedback: dict[str, Any],
@@ -201,12 +209,16 @@ def _ledger(conn: Connection, statuses: dict[str, str], *, reward: float, feedba
                 select(e.experience_id, e.agent, e.trained_in).where(e.experience_id.in_(chunk))):
             status = statuses[exp_id]
             late = status in TERMINAL
-            rows.append({"experience_id": exp_id, "agent": agent, "reward": reward, "source": feedback.get("source"),
-                         "actor": (audit or {}).get("actor"), "late": late, "status_at": status,
+            rows.append({"experience_id": exp_id, "agent": agent, "reward": reward,
+                         "source": _cut(feedback.get("source")), "actor": _cut((audit or {}).get("actor")), "late": late, "status_at": status,
                          "trained_in": trained_in if late else None, "outcome": LATE_PENDING if late else "applied",
                          "created_at": at})
     if rows:
         conn.execute(insert(reward_ledger), rows)
+
+
+def _cut(text: str | None, width: int = 128) -> str | None:
+    return None if text is None else str(text)[:width]
 
 
 def reward_history(*, engine: Engine, experience_id: str) -> list[dict[str, Any]]:

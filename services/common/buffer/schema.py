@@ -123,7 +123,7 @@ reward_ledger = Table(
     Column("late", Boolean, nullable=False),  # sent after the experience was trained on (or discarded)
     Column("status_at", String(16), nullable=False),  # the experience's status when it came
     Column("trained_in", Integer),  # a late one: the version that had trained on the experience
-    Column("outcome", String(64)),  # applied (before training); a late one: recorded
+    Column("outcome", String(256)),  # applied (before training); a late one: recorded, then what a step did
     Column("created_at", DateTime(timezone=True), nullable=False),
 )
 LATE_PENDING = "recorded"  # a late reward's outcome until a Trainer step handles it (late_rewards: retrain)

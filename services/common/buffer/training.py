@@ -129,13 +129,16 @@ def pending_late_rewards(*, engine: Engine, agent: str, limit: int) -> list[tupl
 
 
 def fetch_experiences(*, engine: Engine, experience_ids: Sequence[str]) -> list[CommittedExperience]:
-    """What the Trainer reads of these experiences, whatever their status (a late reward's), in arrival order."""
+    """What the Trainer reads of these experiences (a late reward's), in arrival order: those consumed,
+    their text kept and trainable (a purged or withdrawn one is never trained again)."""
     rows = []
     with engine.connect() as conn:
         for chunk in iter_chunks(sorted(set(experience_ids)), 500):
-            rows += conn.execute(select(*_TRAIN_COLUMNS, experiences.c.status).where(experiences.c.experience_id.in_(chunk)))
-    return [CommittedExperience(**{k: v for k, v in r._mapping.items() if k != "status"}) for r in sorted(rows, key=lambda r: r.seq)
-            if r.status == ExperienceStatus.CONSUMED.value]
+            rows += conn.execute(select(*_TRAIN_COLUMNS, experiences.c.status, experiences.c.purged_at,
+                                        experiences.c.trainable).where(experiences.c.experience_id.in_(chunk)))
+    return [CommittedExperience(**{k: v for k, v in r._mapping.items() if k not in ("status", "purged_at", "trainable")})
+            for r in sorted(rows, key=lambda r: r.seq)
+            if r.status == ExperienceStatus.CONSUMED.value and r.purged_at is None and r.trainable is not False]
 
 
 def retrained_in(*, engine: Engine, agent: str, version: int) -> list[str]:

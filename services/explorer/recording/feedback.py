@@ -97,6 +97,8 @@ class FeedbackService:
                                 "experience_ids": result.experience_ids}
         if result.late:  # already trained on (or discarded): recorded, the latest reward, trained again only on request
             body["late"] = result.late
+        if result.hint_not_kept:  # already trained on: a hint can no longer teach them
+            body["hint_not_kept"] = result.hint_not_kept
         if correction is not None:
             await asyncio.to_thread(buffer.insert_experiences, engine=self._db, records=[correction])
             await asyncio.to_thread(buffer.record_audit, engine=self._db, actor=principal.name, action="correction",
@@ -125,6 +127,12 @@ class FeedbackService:
             if r.purged_at is not None or not r.messages:
                 raise APIError(400, f"{r.experience_id}'s conversation was purged (retention): a {field} has nothing "
                                "to be read with", param="msg_ids", code="purged")
+            if r.trainable is False:
+                raise APIError(400, f"{r.experience_id} is never trained on (no consent, or redacted): a {field} for it "
+                               "would train on its conversation", param="msg_ids", code="not_trainable")
+            if any(m.get("role") == "prompt" for m in r.messages):
+                raise APIError(400, f"{r.experience_id} is a text completion, sampled without a chat template: a "
+                               f"{field} is read as a chat turn", param="msg_ids", code="not_a_chat")
         def render() -> tuple[dict[str, dict[str, Any]] | None, Experience | None]:  # tokenizing: off the loop
             hints = None
             if req.hint is not None:

@@ -33,8 +33,10 @@ def top_k_distillation(student_logprobs: torch.Tensor, teacher_top_logprobs: tor
     one-sample advantage above cannot do for a token the student never samples. No renormalization: a
     flat teacher's top k are not made a sharp target. Shapes: (B, T, k) each (the student's logprobs of
     the teacher's top-k ids), (B, T) mask; returns (B, T), 0 where ``mask`` is 0."""
-    teacher = teacher_top_logprobs.detach()
+    keep = mask.unsqueeze(-1).bool() & torch.isfinite(student_logprobs)  # masked: no inf reaches the arithmetic
+    student = torch.where(keep, student_logprobs, torch.zeros_like(student_logprobs))
+    teacher = torch.where(keep, teacher_top_logprobs.detach(), torch.full_like(student, -30.0))
     t_rest = (1.0 - teacher.exp().sum(-1)).clamp(min=1e-8)
-    s_rest = (1.0 - student_logprobs.exp().sum(-1)).clamp(min=1e-8)
-    kl = (teacher.exp() * (teacher - student_logprobs)).sum(-1) + t_rest * (t_rest.log() - s_rest.log())
-    return kl * mask
+    s_rest = (1.0 - torch.where(keep, student.exp(), torch.zeros_like(student)).sum(-1)).clamp(min=1e-8)
+    kl = (teacher.exp() * (teacher - student)).sum(-1) + t_rest * (t_rest.log() - s_rest.log())
+    return torch.where(mask.bool(), kl, torch.zeros_like(kl))

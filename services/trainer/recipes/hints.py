@@ -58,8 +58,10 @@ def teacher_inputs(items: list[TrainItem], scorer: Scorer, teacher: str, top_k: 
                 top_lp[k, :n], top_ids[k, :n] = values[row, :n], ids[row, :n]
     flags = torch.tensor([1.0 if it.teacher_prompt_ids else 0.0 for it in items])
     extra = {"teacher": out, "hinted": flags, "teacher_s": torch.tensor(time.perf_counter() - start)}
-    if top_k:
-        extra.update({"teacher_top": top_lp, GATHER_IDS: top_ids})
+    # the top-k term leaves out calls sampled under a grammar: their tokens were scored over what it allowed
+    top_rows = torch.tensor([1.0 if it.teacher_prompt_ids and not it.grammar else 0.0 for it in items])
+    if top_k and bool(top_rows.any()):
+        extra.update({"teacher_top": top_lp, "top_k_rows": top_rows, GATHER_IDS: top_ids})
     return extra
 
 
@@ -78,12 +80,14 @@ def hint_top_k_loss(mb: MicroBatch, coef: float) -> tuple[torch.Tensor, dict[str
     """The top-k term (``HintSettings.top_k``): ``coef`` times the KL from the teacher's k likeliest
     tokens to the student at each hinted position, each row at its staleness weight, over the batch's
     tokens; and its share of the step's ``teacher_kl`` figure."""
+    if "teacher_top" not in mb.extra:  # no hinted call here that the term can teach
+        return mb.logprobs.sum() * 0.0, {}
     dev = mb.mask.device
     width = mb.mask.shape[1]
     teacher = mb.extra["teacher_top"].to(dev)
     if teacher.shape[1] < width:
         teacher = torch.nn.functional.pad(teacher, (0, 0, 0, width - teacher.shape[1]))
-    mask = mb.mask * mb.extra["hinted"].to(dev).unsqueeze(-1)
+    mask = mb.mask * mb.extra["top_k_rows"].to(dev).unsqueeze(-1)
     kl = top_k_distillation(mb.gathered, teacher[:, :width], mask)
     n = max(mb.norms.tokens, 1.0)
     loss = coef * (kl * mb.weights.unsqueeze(-1)).sum() / n
@@ -93,12 +97,12 @@ def hint_top_k_loss(mb: MicroBatch, coef: float) -> tuple[torch.Tensor, dict[str
 def hint_statistics(mb: MicroBatch, adv: torch.Tensor, mask: torch.Tensor) -> dict[str, torch.Tensor]:
     """This micro-batch's shares of the step's figures (``hint_figures`` turns their sums into the
     step record's): hinted tokens and their advantage over the batch's tokens, the teacher's seconds
-    (counted in the first epoch only)."""
+    (the same in every epoch: a step's figures are its epochs' mean)."""
     n = max(mb.norms.tokens, 1.0)
     return {
         "hinted_share": mask.sum() / n,
         "distill_sum_share": (adv * mask).sum() / n,
-        "teacher_s": mb.extra["teacher_s"] if mb.first_epoch else torch.tensor(0.0),
+        "teacher_s": mb.extra["teacher_s"],
     }
 
 

@@ -83,10 +83,14 @@ def test_a_reward_after_training_is_recorded_late_and_the_history_kept(explorer)
     assert [(h["reward"], h["late"], h["trained_in"], h["outcome"], h["source"]) for h in e["reward_history"]] == [
         (1.0, False, None, "applied", "api"), (0.0, True, 1, "recorded", "support-ticket")]
     assert "kaizen_late_rewards_total 1.0" in explorer.http.get("/metrics").text
-    # a hint cannot teach a call already trained on: 409, nothing changes
-    fb = explorer.http.post("/feedback", json={"msg_ids": [r.id], "hint": "shorter", "reward": 0.5})
+    # a hint cannot teach a call already trained on: alone, 409 (nothing changes); beside a reward, not kept
+    fb = explorer.http.post("/feedback", json={"msg_ids": [r.id], "hint": "shorter"})
     assert fb.status_code == 409 and fb.json()["error"]["code"] == "already_consumed"
-    assert _status(explorer, exp_id)["reward"] == 0.0 and len(_status(explorer, exp_id)["reward_history"]) == 2
+    assert len(_status(explorer, exp_id)["reward_history"]) == 2
+    fb = explorer.http.post("/feedback", json={"msg_ids": [r.id], "hint": "shorter", "reward": 0.5})
+    assert fb.status_code == 200 and fb.json()["hint_not_kept"] == [exp_id], fb.text
+    e = _status(explorer, exp_id)
+    assert (e["reward"], e["hint"], len(e["reward_history"])) == (0.5, None, 3)
 
 
 def test_trinity_bodies_work_unchanged(explorer):

@@ -122,3 +122,14 @@ def test_words_for_a_record_never_sampled_are_refused(ex):
         r = ex.http.post("/feedback", json={"msg_ids": [demo], **words})
         assert r.status_code == 400 and r.json()["error"]["code"] == "not_sampled", r.text
     assert _get(ex, demo)["hint"] is None
+
+
+def test_words_for_a_call_never_trained_or_not_a_chat_are_refused(ex):
+    private = ex.http.post("/v1/chat/completions", json={"model": "default", "messages": QUESTION, "max_tokens": 4,
+                                                         "metadata": {"train": False}}).json()
+    text = ex.http.post("/v1/completions", json={"model": "default", "prompt": "2 + 2 =", "max_tokens": 2}).json()
+    for msg_id, code in ((private["id"], "not_trainable"), (text["id"], "not_a_chat")):
+        for words in ({"hint": HINT}, {"correction": CALL}):
+            r = ex.http.post("/feedback", json={"msg_ids": [msg_id], **words})
+            assert r.status_code == 400 and r.json()["error"]["code"] == code, r.text
+    assert ex.http.get("/experiences", params={"status": "committed"}).json()["data"] == []

@@ -260,3 +260,12 @@ def test_a_reward_calculator_may_give_a_hint_beside_its_reward_or_alone(explorer
     assert runner.stats.feedback_sent == 4 and runner.stats.feedback_dropped == 0
     with pytest.raises(ValueError, match="needs a reward or a non-empty hint"):
         Verdict(hint="  ")
+    assert Verdict(reward=1.0, hint=" ").hint is None  # a blank hint: the reward alone
+    # a hint longer than the Explorer takes is left out, so the reward is not refused with it
+    with runner:
+        with runner.run(9) as run:
+            r = client.chat.completions.create(model="default", messages=Q, max_tokens=2)
+            run.output = r.choices[0].message.content
+        runner.queue_feedback(msg_ids=[r.id], reward=0.5, hint="x" * 5000)
+        runner.commit_now()
+    assert _experiences(explorer, completion_id=r.id)[0]["reward"] == 0.5

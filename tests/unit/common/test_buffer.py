@@ -68,11 +68,16 @@ def test_feedback_replaces_until_consumed(db):
     history = buffer.reward_history(engine=db, experience_id="c2-0")
     assert [(h["reward"], h["late"], h["status_at"], h["outcome"]) for h in history] == [
         (0.1, False, "recorded", "applied"), (0.9, False, "committed", "applied"), (0.0, True, "consumed", "recorded")]
-    # words cannot teach what was trained already: refused, and nothing changes
+    # words cannot teach what was trained already: alone, refused (nothing changes); beside a reward, not kept
     with pytest.raises(AlreadyConsumed):
-        buffer.apply_feedback(engine=db, msg_ids=["c2-0"], reward=1.0, feedback={}, hints={"c2-0": {"text": "x"}})
-    assert buffer.get_experience(engine=db, experience_id="c2-0").reward == 0.0
+        buffer.apply_feedback(engine=db, msg_ids=["c2-0"], reward=None, feedback={}, hints={"c2-0": {"text": "x"}})
     assert len(buffer.reward_history(engine=db, experience_id="c2-0")) == 3
+    result = buffer.apply_feedback(engine=db, msg_ids=["c2-0"], reward=1.0, feedback={"source": "s" * 500},
+                                   hints={"c2-0": {"text": "x"}})
+    assert result.hint_not_kept == ["c2-0"] and result.late == ["c2-0"]
+    e = buffer.get_experience(engine=db, experience_id="c2-0")
+    assert (e.reward, e.hint, e.feedback) == (1.0, None, {})  # a trained row takes the late reward alone
+    assert buffer.reward_history(engine=db, experience_id="c2-0")[-1]["source"] == "s" * 128
 
 
 def test_commit_filters(db):

@@ -52,3 +52,15 @@ def test_the_top_k_term_is_the_kl_over_the_teachers_top_k_and_the_rest_and_moves
     top_k_distillation(student, torch.log(torch.tensor([[[0.6, 0.1]]])), torch.ones(1, 1)).sum().backward()
     assert student.grad[0, 0, 0].item() < 0  # -0.6 + 0.3 * 0.1 / 0.8
     assert top_k_distillation(student, teacher, torch.zeros(1, 1)).item() == 0.0
+
+
+def test_the_top_k_term_stays_finite_where_the_student_has_minus_infinity():
+    from services.trainer.algorithms.distill import top_k_distillation
+
+    # a grammar forbade token 2 at the first position (-inf), and the second row is padding (masked)
+    student = torch.tensor([[[math.log(0.5), float("-inf")]], [[float("-inf"), float("-inf")]]]).requires_grad_()
+    teacher = torch.log(torch.tensor([[[0.3, 0.1]], [[0.5, 0.5]]]))
+    kl = top_k_distillation(student, teacher, torch.tensor([[1.0], [0.0]]))
+    kl.sum().backward()
+    assert torch.isfinite(kl).all() and kl[1, 0].item() == 0.0 and torch.isfinite(student.grad).all()
+    assert student.grad[1].abs().sum().item() == 0.0

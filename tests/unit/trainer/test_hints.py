@@ -147,3 +147,16 @@ def test_with_top_k_the_teachers_likeliest_tokens_are_asked_of_the_learners_forw
     kl1 = 0.0  # the student already matches the teacher there
     figures = hint_figures({k: float(v) for k, v in stats.items()})
     assert figures["teacher_kl"] == approx((kl0 + kl1) / 2) and figures["hinted_share"] == approx(0.5)
+
+
+def test_calls_sampled_under_a_grammar_get_the_sampled_term_only_and_a_hint_alone_is_named_when_set_aside():
+    from services.trainer.recipes.base import GATHER_IDS
+
+    c = cfg("algorithm.name=opd", "train_batch_size=1", "algorithm.opd.top_k=2")
+    sel = select_batch([row(1)], recipe=c.algorithm.recipe(), cfg=c, current_version=0, now=NOW)
+    constrained = sel.items[0].__class__(**{**sel.items[0].__dict__, "grammar": 'root ::= "x"'})
+    x = c.algorithm.recipe().extra_inputs([constrained], FixedScorer(torch.tensor([[-0.1, -0.2]])))
+    assert GATHER_IDS not in x and x["hinted"].tolist() == [1.0]  # the top-k term: none; the sampled one: yes
+    g = cfg("algorithm.name=grpo", "train_batch_size=1")
+    sel = select_batch([row(2, reward=None)], recipe=g.algorithm.recipe(), cfg=g, current_version=0, now=NOW)
+    assert sel.discarded["e2"] == "no reward, a hint alone (algorithm opd learns from those)"

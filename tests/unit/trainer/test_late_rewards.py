@@ -81,3 +81,9 @@ def test_retrain_needs_an_objective_that_can():
     assert cfg("late_rewards.agents={b: retrain}").late_rewards.mode_of("b") == "retrain"
     with pytest.raises(ConfigError, match="late_rewards: retrain needs an objective"):
         load_config(TrainerConfig, None, ["model.path=/m", "algorithm.name=rft", "late_rewards.mode=retrain"], env={})
+
+
+def test_retrain_needs_token_level():
+    with pytest.raises(ConfigError, match="needs algorithm.level token"):
+        load_config(TrainerConfig, None, ["model.path=/m", "algorithm.name=grpo", "algorithm.level=sequence",
+                                          "late_rewards.mode=retrain"], env={})

@@ -1,0 +1,91 @@
+"""The Trainer's step on CUDA (skipped without a GPU: CI has none; run by hand on a GPU machine with
+`python -m pytest tests/gpu`, which needs torch, transformers, peft, pydantic and SQLAlchemy, no Ray).
+
+The learner runs in this process (as the demo's control arm runs it), on the tiny model built here: a
+GRPO step and an opd step with the teacher's top-k give the CPU's figures and adapter in float32, and
+stay close in bfloat16. ``KAIZEN_GPU_TEST_DEVICE=cpu`` runs them against the CPU itself (a check of
+the test, not of a GPU)."""
+
+from __future__ import annotations
+
+import os
+import random
+
+import pytest
+import torch
+
+DEVICE = os.environ.get("KAIZEN_GPU_TEST_DEVICE", "cuda")
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(DEVICE == "cuda" and not torch.cuda.is_available(), reason="no CUDA device")]
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    from services.common.tiny_model import build_tiny_model
+
+    return build_tiny_model(tmp_path_factory.mktemp("gpu") / "tiny")
+
+
+def _worker(model, device: str, dtype: str, algorithm: dict):
+    from services.trainer.learner import LearnerWorker
+
+    w = LearnerWorker({"model": {"path": str(model), "dtype": dtype}, "trainer": {"device": device, "torch_threads": 2},
+                       "algorithm": algorithm, "lora": {"r": 8}, "optim": {"lr": 1e-3, "warmup_steps": 0},
+                       "log_level": "warning"})
+    w.setup()
+    w.ensure_agent("a")
+    return w
+
+
+def _items(model, hinted: bool):
+    """16 calls of 4 groups, their recorded logprobs those of the base model (as if it had sampled them)."""
+    import json
+
+    from services.trainer.batches import TrainItem
+    from services.trainer.learner import _Scorer
+
+    vocab = json.loads((model / "config.json").read_text())["vocab_size"]
+    rng = random.Random(0)
+    items = []
+    for i in range(16):
+        prompt = [rng.randrange(10, vocab - 1) for _ in range(rng.randrange(8, 24))]
+        response = [rng.randrange(10, vocab - 1) for _ in range(rng.randrange(4, 12))]
+        items.append(TrainItem(experience_id=f"e{i}", task_id=f"t{i // 4}", run_id=str(i % 4), model_version=0,
+                               prompt_ids=prompt, response_ids=response, old_logprobs=[], reward=float(i % 2),
+                               temperature=1.0, advantage=1.0 if i % 2 else -1.0,
+                               teacher_prompt_ids=[7, 11, 13, 17] + prompt if hinted else None))
+    base = _worker(model, "cpu", "float32", {"name": "grpo"})
+    lp = _Scorer(base.policy, 0).logprobs([i.prompt_ids for i in items], [i.response_ids for i in items], [1.0] * 16)
+    for k, it in enumerate(items):
+        it.old_logprobs = lp[k, :len(it.response_ids)].tolist()
+    return items
+
+
+def _steps(w, items, n=3):
+    from services.trainer.batches import Norms
+
+    out = []
+    for step in range(n):
+        st = w.train_step("a", items, Norms.of(items), step, 0)
+        out.append({"loss": float(st.loss), "grad_norm": float(st.grad_norm), **{k: float(v) for k, v in st.objective.items()}})
+    return out, w.policy.adapter_state("a")
+
+
+@pytest.mark.parametrize("algorithm, hinted", [
+    ({"name": "grpo"}, False),
+    ({"name": "opd", "opd": {"top_k": 16, "teacher": "base"}}, True),
+])
+def test_a_step_on_the_gpu_gives_the_cpus_figures_and_adapter(model, algorithm, hinted):
+    items = _items(model, hinted)
+    cpu, cpu_state = _steps(_worker(model, "cpu", "float32", algorithm), items)
+    gpu, gpu_state = _steps(_worker(model, DEVICE, "float32", algorithm), items)
+    for a, b in zip(cpu, gpu):
+        assert a.keys() == b.keys()
+        for k in (k for k in a if not k.endswith("_s")):  # times differ, of course
+            assert b[k] == pytest.approx(a[k], rel=1e-3, abs=1e-5), (k, a[k], b[k])
+    for k, v in cpu_state.items():
+        torch.testing.assert_close(gpu_state[k], v, rtol=1e-3, atol=1e-5)
+    half, _ = _steps(_worker(model, DEVICE, "bfloat16", algorithm), items)
+    for a, b in zip(cpu, half):
+        assert all(torch.isfinite(torch.tensor(v)) for v in b.values()), b
+        assert b["loss"] == pytest.approx(a["loss"], rel=0.05, abs=2e-3), (a["loss"], b["loss"])
