@@ -83,8 +83,8 @@ def test_a_step_on_the_gpu_gives_the_cpus_figures_and_adapter(model, algorithm, 
         assert a.keys() == b.keys()
         for k in (k for k in a if not k.endswith("_s")):  # times differ, of course
             assert b[k] == pytest.approx(a[k], rel=1e-3, abs=1e-5), (k, a[k], b[k])
-    for k, v in cpu_state.items():
-        torch.testing.assert_close(gpu_state[k], v, rtol=1e-3, atol=1e-5)
+    for k, v in cpu_state.items():  # Adam turns a float's noise in a near-zero gradient into up to ~lr/10
+        torch.testing.assert_close(gpu_state[k], v, rtol=1e-3, atol=1e-4)
     half, _ = _steps(_worker(model, DEVICE, "bfloat16", algorithm), items)
     for a, b in zip(cpu, half):
         assert all(torch.isfinite(torch.tensor(v)) for v in b.values()), b
