@@ -213,8 +213,8 @@ def _ledger(conn: Connection, statuses: dict[str, str], *, reward: float, feedba
                          "source": _cut(feedback.get("source")), "actor": _cut((audit or {}).get("actor")), "late": late, "status_at": status,
                          "trained_in": trained_in if late else None, "outcome": LATE_PENDING if late else "applied",
                          "created_at": at})
-    if rows:
-        conn.execute(insert(reward_ledger), rows)
+    if rows:  # in one order on every database: the ledger's ids follow the experience ids
+        conn.execute(insert(reward_ledger), sorted(rows, key=lambda r: r["experience_id"]))
 
 
 def _cut(text: str | None, width: int = 128) -> str | None:

@@ -25,6 +25,19 @@ def _alive(processes) -> list[int]:
     return [pid for pid, started in processes if (st := _stat(pid)) is not None and st[1] == started]
 
 
+def _settled(processes, timeout: float = 15.0) -> list[int]:
+    """What is still there once the deaths a kill sets off are over (the same set twice, a second
+    apart): on a busy machine they can take more than the one second this waited before."""
+    last, deadline = _alive(processes), time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        time.sleep(1.0)
+        now = _alive(processes)
+        if now == last:
+            return now
+        last = now
+    return last
+
+
 def _wait(predicate, timeout: float, what: str):
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -89,8 +102,7 @@ def test_a_killed_trainer_leaves_no_ray_cluster(tiny_model, tmp_path):
         os.kill(guard, signal.SIGKILL)
         second.proc.kill()
         second.proc.wait(30)
-        time.sleep(1)  # what Ray ties to its driver by PR_SET_PDEATHSIG is killed now; the rest stays
-        leftovers = _alive(processes)
+        leftovers = _settled(processes)  # what Ray ties to its driver by PR_SET_PDEATHSIG dies; the rest stays
         print(f"after kill -9 of the Trainer and its guard, {len(leftovers)} of {len(processes)} processes stayed")
         third = _Trainer(tiny_model, tmp_path, "third")
         trainers.append(third)
