@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -108,8 +109,9 @@ def test_a_killed_trainer_leaves_no_ray_cluster(tiny_model, tmp_path):
         trainers.append(third)
         third.ready()
         assert not _alive(processes), _alive(processes)
-        if leftovers:
-            assert f"killed {len(leftovers)} processes of the Ray cluster an earlier run left behind" in third.log.read_text()
+        if leftovers:  # the restart killed them; those Ray ties to a killed parent may go with it, not by its hand
+            said = re.search(r"killed (\d+) processes of the Ray cluster an earlier run left behind", third.log.read_text())
+            assert said and 1 <= int(said.group(1)) <= len(leftovers), (leftovers, third.log.read_text()[-2000:])
 
         # A clean stop (SIGTERM) leaves nothing either, not even the record.
         processes = [tuple(p) for p in json.loads(third.record.read_text())["processes"]]
