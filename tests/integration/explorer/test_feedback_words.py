@@ -7,13 +7,10 @@ from __future__ import annotations
 
 import pytest
 
+from tests.integration.explorer.test_demonstrations import CALL, QUESTION, TOOLS
+
 pytestmark = pytest.mark.integration
 
-TOOLS = [{"type": "function", "function": {"name": "calculator", "description": "Evaluate arithmetic.",
-                                            "parameters": {"type": "object", "properties": {"expression": {"type": "string"}}}}}]
-QUESTION = [{"role": "user", "content": "What is 17 * 23?"}]
-CALL = {"role": "assistant", "content": None, "tool_calls": [
-    {"id": "call_1", "type": "function", "function": {"name": "calculator", "arguments": '{"expression": "17 * 23"}'}}]}
 HINT = "Call the calculator with 17 * 23 first."
 
 
