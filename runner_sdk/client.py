@@ -144,6 +144,7 @@ class _Call:
     path: str
     json: dict[str, Any] | None = None
     params: dict[str, Any] | None = None
+    headers: dict[str, str] | None = None
     key: str | None = None  # return only this key of the JSON answer (lists come as {"data": [...]})
     text: bool = False  # the answer is plain text (Prometheus), not JSON
     answer: Any = None  # answered here, without a request (see commit)
@@ -183,16 +184,19 @@ class _ExplorerRoutes:
     def feedback(self, *, reward: float | None = None, msg_ids: list[str] | None = None, task_id: str | None = None,
                  run_id: str | None = None, labels: list[str] | None = None, comment: str | None = None,
                  source: str | None = None, agent: str | None = None, expected: Any = None, hint: str | None = None,
-                 correction: dict[str, Any] | None = None) -> Any:
+                 correction: dict[str, Any] | None = None, idempotency_key: str | None = None) -> Any:
         """``expected``: what the run was expected to produce, kept with the reward (a gated release
         replays held-out calls and scores them with the same reward calculator). Feedback in words,
         alone or beside the reward: ``hint``, what should have been done (the agent learns it by
         self-distillation), and ``correction``, the assistant message one call (msg_ids of one id)
-        should have answered (it becomes a demonstration for that call's prompt)."""
+        should have answered (it becomes a demonstration for that call's prompt).
+        ``idempotency_key``: send a retry of this feedback under the same key and it is applied once
+        (the answer then says ``replayed``); sent as the Idempotency-Key header."""
         body = {"msg_ids": msg_ids, "reward": reward, "task_id": task_id, "run_id": run_id,
                 "labels": labels, "comment": comment, "source": source, "agent": agent, "expected": expected,
                 "hint": hint, "correction": correction}
-        return self._send(_Call("POST", "/feedback", json=_present(body)))
+        headers = None if idempotency_key is None else {"Idempotency-Key": idempotency_key}
+        return self._send(_Call("POST", "/feedback", json=_present(body), headers=headers))
 
     def episode_feedback(self, *, task_id: str, run_id: str, reward: float | None = None, **extra: Any) -> Any:
         """The reward of a whole episode: it reaches every call made under task_id + run_id (a team
@@ -250,7 +254,8 @@ class ExplorerClient(_ExplorerRoutes):
     async def _send(self, call: _Call) -> Any:
         if call.answer is not None:
             return call.answer
-        return _answer(call, await self._http.request(call.method, call.path, json=call.json, params=call.params))
+        return _answer(call, await self._http.request(call.method, call.path, json=call.json, params=call.params,
+                                          headers=call.headers))
 
     async def aclose(self) -> None:
         await self._http.aclose()
@@ -273,7 +278,8 @@ class SyncExplorerClient(_ExplorerRoutes):
     def _send(self, call: _Call) -> Any:
         if call.answer is not None:
             return call.answer
-        return _answer(call, self._http.request(call.method, call.path, json=call.json, params=call.params))
+        return _answer(call, self._http.request(call.method, call.path, json=call.json, params=call.params,
+                                          headers=call.headers))
 
     def close(self) -> None:
         self._http.close()

@@ -13,7 +13,8 @@ import asyncio
 import collections
 import logging
 import threading
-from dataclasses import dataclass
+import uuid
+from dataclasses import dataclass, field
 from typing import Any, Iterator, Sequence
 
 import httpx
@@ -45,6 +46,8 @@ class Feedback:
     source: str = "runner_sdk"
     expected: Any = None  # what the run was expected to produce (kept for the release gate's replay)
     hint: str | None = None  # feedback in words: what should have been done
+    # every retry of this body goes under this key: the Explorer applies it once (a timed-out attempt it took)
+    key: str = field(default_factory=lambda: uuid.uuid4().hex)
 
 
 class FeedbackQueue:
@@ -146,7 +149,8 @@ class FeedbackQueue:
             try:
                 await self._explorer.feedback(msg_ids=list(fb.msg_ids), reward=fb.reward, task_id=fb.task_id,
                                               run_id=fb.run_id, labels=list(fb.labels) or None, comment=fb.comment,
-                                              source=fb.source, expected=fb.expected, hint=fb.hint)
+                                              source=fb.source, expected=fb.expected, hint=fb.hint,
+                                              idempotency_key=fb.key)
             except (httpx.HTTPError, ExplorerError) as e:
                 if isinstance(e, ExplorerError) and not e.retryable:
                     log.warning("feedback refused, dropping it: %s", e)

@@ -110,7 +110,7 @@ def create_app(config: ExplorerConfig, *, engine: Engine | None = None) -> FastA
         completions=CompletionsService(chat=chat_service),
         feedback=FeedbackService(db=db, recorder=recorder, metrics=metrics, unknown_id_grace_s=rc.unknown_id_grace_s,
                                  wait_s=rc.feedback_wait_s, demonstrations=demo_service,
-                                 hint_template=rc.hint_template, hint_role=rc.hint_role),
+                                 hint_template=rc.hint_template, hint_role=rc.hint_role, key_ttl_s=rc.feedback_key_ttl_s),
         demonstrations=demo_service,
         releases=ReleaseController(release=config.release, root=config.checkpoints.root, registry=registry, db=db,
                                    metrics=metrics, episodes=pins, api_key=internal_key,

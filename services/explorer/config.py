@@ -160,6 +160,10 @@ class RecorderSection(ConfigModel):
         default=5.0, gt=0,
         description="Feedback or commit naming a record not yet written waits this long, then gets 503 with Retry-After.",
     )
+    feedback_key_ttl_s: float = Field(
+        default=86_400.0, gt=0,
+        description="How long a feedback's idempotency key (the Idempotency-Key header or idempotency_key field) is "
+        "remembered: a retry under it within this time changes nothing and gets the first answer.")
     hint_template: str = Field(
         default=HINT_TEMPLATE,
         description="Feedback in words: a hint is added to its call's conversation as this message ({hint} is its "

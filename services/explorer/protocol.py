@@ -11,6 +11,7 @@ field, because once accepted its record could never be written.
 
 from __future__ import annotations
 
+import hashlib
 import json
 from typing import Annotated, Any, Literal, Union
 
@@ -214,6 +215,13 @@ class FeedbackRequest(_Recorded):
     source: str | None = Field(default=None, max_length=128)
     agent: str | None = Field(default=None, min_length=1, max_length=128)  # episode feedback: only this agent's calls
     expected: Any = None  # what the run was expected to produce (JSON); a gated release's replay scores with it
+    # a retry of this feedback sends it again under the same key: applied once (also the Idempotency-Key header)
+    idempotency_key: str | None = Field(default=None, min_length=1, max_length=128)
+
+    def digest(self) -> str:
+        """The body's fingerprint, its idempotency key aside: a key reused with another body is refused."""
+        body = self.model_dump(mode="json", exclude={"idempotency_key"}, exclude_none=True)
+        return hashlib.sha256(json.dumps(body, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
 
     @field_validator("expected")
     @classmethod

@@ -20,10 +20,12 @@ from services.common.buffer.engine import create_buffer_engine, iter_chunks, utc
 from services.common.buffer.governance import delete_user_data, list_audit, purge_text, record_audit
 from services.common.buffer.recording import (
     FeedbackResult,
+    IdempotencyKey,
     apply_feedback,
     commit_experiences,
     episode_experience_ids,
     feedback_rows,
+    replayed_feedback,
     reward_history,
     find_unknown_ids,
     insert_experiences,
@@ -52,9 +54,11 @@ from services.common.buffer.schema import (
     BatchChanged,
     BufferError,
     ForbiddenAgents,
+    IdempotencyKeyReused,
     UnknownIds,
     audit_log,
     experiences,
+    feedback_keys,
     metadata,
     release_decisions,
     reward_ledger,
@@ -80,13 +84,13 @@ from services.common.buffer.training import (
 
 __all__ = [
     # schema
-    "metadata", "experiences", "trainer_steps", "release_decisions", "reward_ledger", "audit_log", "tombstones", "TERMINAL", "LATE_PENDING",
-    "BufferError", "UnknownIds", "ForbiddenAgents", "AlreadyConsumed", "BatchChanged",
+    "metadata", "experiences", "trainer_steps", "release_decisions", "reward_ledger", "feedback_keys", "audit_log", "tombstones", "TERMINAL",
+    "LATE_PENDING", "BufferError", "UnknownIds", "ForbiddenAgents", "AlreadyConsumed", "IdempotencyKeyReused", "BatchChanged",
     # engine
     "create_buffer_engine", "write_transaction", "iter_chunks", "utcnow",
     # recording
     "insert_experiences", "insert_missing_experiences", "find_unknown_ids", "episode_experience_ids",
-    "FeedbackResult", "apply_feedback", "feedback_rows", "reward_history", "commit_experiences",
+    "FeedbackResult", "IdempotencyKey", "apply_feedback", "feedback_rows", "replayed_feedback", "reward_history", "commit_experiences",
     # governance
     "record_audit", "list_audit", "purge_text", "delete_user_data",
     # reports

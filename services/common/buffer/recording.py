@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
+from datetime import timedelta
 from typing import Any, Sequence
 
-from sqlalchemy import and_, insert, or_, select, update
+from sqlalchemy import and_, delete, insert, or_, select, update
+from sqlalchemy.exc import IntegrityError
 from sqlalchemy.engine import Connection, Engine
 
 from services.common.buffer.engine import _lock_rows, iter_chunks, utcnow, write_transaction
@@ -15,9 +17,11 @@ from services.common.buffer.schema import (
     TERMINAL,
     AlreadyConsumed,
     ForbiddenAgents,
+    IdempotencyKeyReused,
     UnknownIds,
     _row_to_experience,
     experiences,
+    feedback_keys,
     reward_ledger,
 )
 from services.common.records import Experience, ExperienceStatus
@@ -38,15 +42,17 @@ def insert_experiences(*, engine: Engine, records: Sequence[Experience]) -> None
     if not records:
         return
     now = utcnow()
-    rows = []
-    for r in records:
-        row = r.model_dump(mode="python")
-        row["status"] = r.status.value
-        row["created_at"] = r.created_at or now
-        row["updated_at"] = now
-        rows.append(row)
+    rows = [_row(r, now) for r in records]
     with write_transaction(engine) as conn:
         conn.execute(insert(experiences), rows)
+
+
+def _row(record: Experience, now: Any) -> dict[str, Any]:
+    row = record.model_dump(mode="python")
+    row["status"] = record.status.value
+    row["created_at"] = record.created_at or now
+    row["updated_at"] = now
+    return row
 
 
 def insert_missing_experiences(*, engine: Engine, records: Sequence[Experience]) -> int:
@@ -109,6 +115,19 @@ class FeedbackResult:
     experience_ids: list[str]
     late: list[str] = field(default_factory=list)  # of them, those already trained on or discarded: recorded late
     hint_not_kept: list[str] = field(default_factory=list)  # of them, those whose hint came too late to teach
+    demonstration_ids: list[str] = field(default_factory=list)  # the corrections it stored, as demonstrations
+    replayed: bool = False  # an earlier feedback with the same idempotency key did all this: nothing changed now
+
+
+@dataclass(frozen=True)
+class IdempotencyKey:
+    """A feedback's idempotency key: ``key`` of API key ``actor``, for a body of digest ``request_hash``;
+    kept ``ttl_s`` seconds."""
+
+    actor: str
+    key: str
+    request_hash: str
+    ttl_s: float = 86_400.0
 
 
 def feedback_rows(*, engine: Engine, msg_ids: Sequence[str]) -> list[Experience]:
@@ -135,6 +154,8 @@ def apply_feedback(
     agents: Sequence[str] | None = None,
     audit: dict[str, Any] | None = None,
     hints: dict[str, dict[str, Any]] | None = None,
+    corrections: Sequence[Experience] = (),
+    idempotency: IdempotencyKey | None = None,
 ) -> FeedbackResult:
     """Set the reward of every experience the ids name, all or nothing; with ``hints``
     ({experience_id: hint}), each named experience's hint too (``None`` reward: the hint alone, the
@@ -149,7 +170,49 @@ def apply_feedback(
     alone for one raise AlreadyConsumed. Raises UnknownIds if any id names nothing, ForbiddenAgents if
     ``agents`` is given and an experience belongs to another agent; in each case nothing changes. ``audit``: a row for ``audit_log`` (actor, action,
     target, details), written in the same transaction.
+
+    ``corrections``: demonstrations to store with it (a correction of a named call), in the same
+    transaction. ``idempotency``: a key this feedback is sent under; if the actor used it before, the
+    earlier result comes back (``replayed``) and nothing changes, or IdempotencyKeyReused if that was
+    another body.
     """
+    if idempotency is not None and (done := _keyed(engine, idempotency)) is not None:
+        return done
+    try:
+        return _apply_feedback(engine, msg_ids=msg_ids, reward=reward, feedback=feedback, task_id=task_id, run_id=run_id,
+                               agents=agents, audit=audit, hints=hints, corrections=corrections, idempotency=idempotency)
+    except IntegrityError:
+        if idempotency is not None and (done := _keyed(engine, idempotency)) is not None:
+            return done  # the same key, sent twice at once: the other one wrote it first
+        raise
+
+
+def replayed_feedback(*, engine: Engine, idempotency: IdempotencyKey) -> FeedbackResult | None:
+    """What the feedback first sent under this key did (``replayed``), None if none was; raises
+    IdempotencyKeyReused if that feedback had another body."""
+    return _keyed(engine, idempotency)
+
+
+def _keyed(conn_or_engine: Connection | Engine, idempotency: IdempotencyKey) -> FeedbackResult | None:
+    """What an earlier feedback under this key did (``replayed``), or None if there was none."""
+    k = feedback_keys.c
+    q = select(k.request_hash, k.result).where(k.actor == idempotency.actor, k.key == idempotency.key)
+    if isinstance(conn_or_engine, Connection):
+        row = conn_or_engine.execute(q).first()
+    else:
+        with conn_or_engine.connect() as conn:
+            row = conn.execute(q).first()
+    if row is None:
+        return None
+    if row.request_hash != idempotency.request_hash:
+        raise IdempotencyKeyReused(idempotency.key)
+    return FeedbackResult(**{**row.result, "replayed": True})
+
+
+def _apply_feedback(engine: Engine, *, msg_ids: Sequence[str], reward: float | None, feedback: dict[str, Any],
+                    task_id: str | None, run_id: str | None, agents: Sequence[str] | None, audit: dict[str, Any] | None,
+                    hints: dict[str, dict[str, Any]] | None, corrections: Sequence[Experience],
+                    idempotency: IdempotencyKey | None) -> FeedbackResult:
     with write_transaction(engine) as conn:
         found = _resolve(conn, msg_ids, lock=True)
         unknown = [i for i, rows in found.items() if not rows]
@@ -160,8 +223,10 @@ def apply_feedback(
         frozen = sorted({e for rows in found.values() for e, s in rows if s in TERMINAL})
         if frozen and hints is not None and reward is None:
             raise AlreadyConsumed(frozen)  # words alone, for what was trained already: nothing to keep
-        if reward is None and hints is None:
-            raise ValueError("apply_feedback needs a reward or hints")
+        if idempotency is not None and (done := _keyed(conn, idempotency)) is not None:
+            return done  # sent again while the first was waiting for these rows' locks
+        if reward is None and hints is None and not corrections:
+            raise ValueError("apply_feedback needs a reward, hints or corrections")
         if hints is not None and (missing := sorted(set(targets) - set(hints))):
             raise ValueError(f"no hint given for {', '.join(missing)}")  # a caller's bug: every target gets one
         values = _now_row() if reward is None else _now_row(reward=float(reward), feedback=feedback)
@@ -169,7 +234,8 @@ def apply_feedback(
             values["task_id"] = task_id
         if run_id is not None:
             values["run_id"] = run_id
-        live = [e for e in targets if e not in set(frozen)]
+        touched = reward is not None or hints is not None  # a correction alone leaves the call as it was
+        live = [e for e in targets if e not in set(frozen)] if touched else []
         for e in live if hints is not None else ():  # a purged row keeps no words (nor their token ids)
             conn.execute(update(experiences).where(experiences.c.experience_id == e, experiences.c.purged_at.is_(None))
                          .values(hint=hints[e]))
@@ -193,9 +259,20 @@ def apply_feedback(
         if reward is not None:
             statuses = {e: s for rows in found.values() for e, s in rows}  # as they were, locked
             _ledger(conn, statuses, reward=float(reward), feedback=feedback, audit=audit, at=values["updated_at"])
-        _audit(conn, audit, count=len(targets))
-    return FeedbackResult(experience_ids=targets, late=frozen if reward is not None else [],
-                          hint_not_kept=frozen if hints is not None else [])
+        if corrections:
+            conn.execute(insert(experiences), [_row(c, values["updated_at"]) for c in corrections])
+        _audit(conn, audit, count=len(targets), **({"demonstrations": [c.experience_id for c in corrections]}
+                                                     if corrections else {}))
+        result = FeedbackResult(experience_ids=targets if reward is not None or hints is not None else [],
+                                late=frozen if reward is not None else [], hint_not_kept=frozen if hints is not None else [],
+                                demonstration_ids=[c.experience_id for c in corrections])
+        if idempotency is not None:
+            at = values["updated_at"]
+            conn.execute(delete(feedback_keys).where(feedback_keys.c.created_at < at - timedelta(seconds=idempotency.ttl_s)))
+            result_row = {k: v for k, v in asdict(result).items() if k != "replayed"}
+            conn.execute(insert(feedback_keys).values(actor=idempotency.actor, key=idempotency.key,
+                                                      request_hash=idempotency.request_hash, result=result_row, created_at=at))
+    return result
 
 
 def _ledger(conn: Connection, statuses: dict[str, str], *, reward: float, feedback: dict[str, Any],

@@ -130,6 +130,19 @@ LATE_PENDING = "recorded"  # a late reward's outcome until a Trainer step handle
 Index("ix_reward_ledger_experience", reward_ledger.c.experience_id, reward_ledger.c.id)
 Index("ix_reward_ledger_agent_late", reward_ledger.c.agent, reward_ledger.c.late, reward_ledger.c.id)
 
+# Feedback sent with an idempotency key: what it did, so a retry of it (a client that timed out
+# after the Explorer applied it) changes nothing and gets the same answer. Keys are per API key
+# (``actor``) and kept ``recorder.feedback_key_ttl_s`` (pruned as new keys arrive).
+feedback_keys = Table(
+    "feedback_keys",
+    metadata,
+    Column("actor", String(128), primary_key=True),
+    Column("key", String(128), primary_key=True),
+    Column("request_hash", String(64), nullable=False),  # the body's digest: the same key with another body is refused
+    Column("result", JSON, nullable=False),  # the FeedbackResult it gave
+    Column("created_at", DateTime(timezone=True), nullable=False, index=True),
+)
+
 # Who did what through the admin and feedback endpoints.
 audit_log = Table(
     "audit_log",
@@ -191,6 +204,15 @@ class AlreadyConsumed(BufferError):
             f"experience(s) already trained on or discarded, a hint can no longer teach them: "
             f"{', '.join(self.ids)}"
         )
+
+
+class IdempotencyKeyReused(BufferError):
+    """An idempotency key already used by this API key for a feedback with another body."""
+
+    def __init__(self, key: str):
+        self.key = key
+        super().__init__(f"idempotency key {key!r} was already used for a different feedback body; "
+                         "a retry must resend the same body (or use a new key)")
 
 
 class BatchChanged(BufferError):

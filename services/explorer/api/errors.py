@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from fastapi import FastAPI, Request
 
-from services.common.buffer import AlreadyConsumed, ForbiddenAgents, UnknownIds
+from services.common.buffer import AlreadyConsumed, ForbiddenAgents, IdempotencyKeyReused, UnknownIds
 from services.common.http.errors import error_response, install_error_handlers, logged_error
 from services.explorer.recording.recorder import RecordsNotWritten, RecordsSetAside
 from services.explorer.serving.engines.base import EngineError, EngineOverloaded
@@ -26,6 +26,10 @@ def install_explorer_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(AlreadyConsumed)
     async def _consumed(_: Request, exc: AlreadyConsumed):
         return error_response(409, str(exc), param="msg_ids", code="already_consumed")
+
+    @app.exception_handler(IdempotencyKeyReused)
+    async def _key_reused(_: Request, exc: IdempotencyKeyReused):
+        return error_response(409, f"{exc}; nothing was changed", param="idempotency_key", code="idempotency_key_reused")
 
     @app.exception_handler(EngineOverloaded)
     async def _overloaded(_: Request, exc: EngineOverloaded):

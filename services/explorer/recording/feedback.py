@@ -34,6 +34,7 @@ class FeedbackService:
     def __init__(
         self, *, db: Engine, recorder: Recorder, metrics: ExplorerMetrics, unknown_id_grace_s: float, wait_s: float = 5.0,
         demonstrations: DemonstrationService | None = None, hint_template: str = "{hint}", hint_role: str = "user",
+        key_ttl_s: float = 86_400.0,
     ):
         self._db = db
         self._recorder = recorder
@@ -42,6 +43,7 @@ class FeedbackService:
         self._wait_s = wait_s
         self._demos = demonstrations  # renders words with the served chat template
         self._hint_template, self._hint_role = hint_template, hint_role
+        self._key_ttl_s = key_ttl_s
 
     async def _settle(self, ids: list[str]) -> None:
         """Wait until every id is written, by us or (for a short while) by another replica.
@@ -60,6 +62,11 @@ class FeedbackService:
             delay = min(delay * 2, 0.5)
 
     async def feedback(self, req: FeedbackRequest, principal: Principal) -> dict[str, Any]:
+        key = None if req.idempotency_key is None else buffer.IdempotencyKey(
+            actor=principal.name, key=req.idempotency_key, request_hash=req.digest(), ttl_s=self._key_ttl_s)
+        if key is not None and (done := await asyncio.to_thread(buffer.replayed_feedback, engine=self._db,
+                                                                idempotency=key)) is not None:
+            return self._body(done)  # a retry of a feedback already applied: nothing changes
         if req.episode:
             check_agent(principal, req.agent, "agent")
             ids = await self._episode(req.task_id, str(req.run_id), req.agent)
@@ -75,36 +82,41 @@ class FeedbackService:
         if req.expected is not None:
             note["expected"] = req.expected
         hints, correction = await self._words(req, ids, principal, note)
-        result = buffer.FeedbackResult(experience_ids=[])
-        if req.reward is not None or hints is not None:
-            details = {"reward": req.reward} | ({"hint": True} if hints else {})
-            result = await asyncio.to_thread(
-                buffer.apply_feedback,
-                engine=self._db,
-                msg_ids=ids,
-                reward=req.reward,
-                feedback=note,
-                task_id=req.task_id,
-                run_id=None if req.run_id is None else str(req.run_id),
-                agents=principal.agent_list,
-                hints=hints,
-                audit=audit_entry(principal, "feedback", {"task_id": req.task_id, "run_id": req.run_id} if req.episode
-                                  else ids_target(ids), **details),
-            )
+        details = ({"reward": req.reward} if req.reward is not None else {}) | ({"hint": True} if hints else {}) \
+            | ({"correction": True} if correction is not None else {})
+        # the reward, the hints and the correction's demonstration: one transaction, all or nothing
+        result = await asyncio.to_thread(
+            buffer.apply_feedback,
+            engine=self._db,
+            msg_ids=ids,
+            reward=req.reward,
+            feedback=note,
+            task_id=req.task_id,
+            run_id=None if req.run_id is None else str(req.run_id),
+            agents=principal.agent_list,
+            hints=hints,
+            corrections=[correction] if correction is not None else [],
+            idempotency=key,
+            audit=audit_entry(principal, "feedback", {"task_id": req.task_id, "run_id": req.run_id} if req.episode
+                              else ids_target(ids), **details),
+        )
+        if not result.replayed:
             self._metrics.feedback.inc(len(result.experience_ids))
             self._metrics.late_rewards.inc(len(result.late))
+        return self._body(result)
+
+    @staticmethod
+    def _body(result: buffer.FeedbackResult) -> dict[str, Any]:
         body: dict[str, Any] = {"status": "success", "updated": len(result.experience_ids),
                                 "experience_ids": result.experience_ids}
         if result.late:  # already trained on (or discarded): recorded, the latest reward, trained again only on request
             body["late"] = result.late
         if result.hint_not_kept:  # already trained on: a hint can no longer teach them
             body["hint_not_kept"] = result.hint_not_kept
-        if correction is not None:
-            await asyncio.to_thread(buffer.insert_experiences, engine=self._db, records=[correction])
-            await asyncio.to_thread(buffer.record_audit, engine=self._db, actor=principal.name, action="correction",
-                                    target={"corrects": correction.feedback["corrects"],
-                                            "experience_id": correction.experience_id})
-            body["demonstration_id"] = correction.experience_id
+        if result.demonstration_ids:  # the correction, stored as a demonstration of the call's prompt
+            body["demonstration_id"] = result.demonstration_ids[0]
+        if result.replayed:  # the idempotency key's first feedback did this; nothing changed now
+            body["replayed"] = True
         return body
 
     async def _words(self, req: FeedbackRequest, ids: list[str], principal: Principal, note: dict[str, Any]

@@ -118,6 +118,7 @@ class DemonstrationService:
                       "corrects": exp.experience_id, "prompt_as_recorded": prompt_ids == exp.prompt_token_ids,
                       "at": datetime.now(timezone.utc).isoformat()},
             status=ExperienceStatus.COMMITTED, user_id=exp.user_id, trainable=exp.trainable,
+            created_at=exp.created_at,  # the user's conversation, as old as the call: retention purges both at once
         )
 
     async def add(self, req: DemonstrationRequest) -> Demonstration:

@@ -130,3 +130,27 @@ def test_words_for_a_call_never_trained_or_not_a_chat_are_refused(ex):
             r = ex.http.post("/feedback", json={"msg_ids": [msg_id], **words})
             assert r.status_code == 400 and r.json()["error"]["code"] == code, r.text
     assert ex.http.get("/experiences", params={"status": "committed"}).json()["data"] == []
+
+
+def test_a_retried_feedback_is_applied_once_and_a_reused_key_is_refused(ex):
+    """A client that timed out after the Explorer took its feedback sends it again under the same
+    idempotency key: the reward, the hint and the correction's demonstration land once, and the retry
+    gets the first answer. The same key with another body is a client's bug: 409, nothing changes."""
+    exp_id, _ = _call(ex)
+    body = {"msg_ids": [exp_id], "reward": 0.0, "hint": HINT, "correction": CALL}
+    first = ex.http.post("/feedback", json=body, headers={"Idempotency-Key": "fb-1"})
+    assert first.status_code == 200 and "replayed" not in first.json(), first.text
+    for again in (ex.http.post("/feedback", json=body, headers={"Idempotency-Key": "fb-1"}),
+                  ex.http.post("/feedback", json={**body, "idempotency_key": "fb-1"})):  # the body's field: the same key
+        assert again.status_code == 200 and again.json() == {**first.json(), "replayed": True}, again.text
+    demos = ex.http.get("/experiences", params={"status": "committed"}).json()["data"]
+    assert [d["experience_id"] for d in demos] == [first.json()["demonstration_id"]]  # one demonstration
+    assert len(_get(ex, exp_id)["reward_history"]) == 1  # one reward in the ledger
+    # the demonstration is as old as the call it corrects (retention purges them together)
+    assert _get(ex, demos[0]["experience_id"])["created_at"] == _get(ex, exp_id)["created_at"]
+
+    reused = ex.http.post("/feedback", json={**body, "reward": 1.0}, headers={"Idempotency-Key": "fb-1"})
+    assert reused.status_code == 409 and reused.json()["error"]["code"] == "idempotency_key_reused", reused.text
+    both = ex.http.post("/feedback", json={**body, "idempotency_key": "fb-2"}, headers={"Idempotency-Key": "fb-3"})
+    assert both.status_code == 400 and both.json()["error"]["param"] == "idempotency_key", both.text
+    assert _get(ex, exp_id)["reward"] == 0.0 and len(_get(ex, exp_id)["reward_history"]) == 1

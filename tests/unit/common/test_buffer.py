@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+from datetime import timedelta
+
 import pytest
 from sqlalchemy import update
 
 from services.common import buffer
 from services.common.buffer import AlreadyConsumed, UnknownIds
-from services.common.records import Experience
+from services.common.records import Experience, ExperienceStatus
 
 
 def _exp(cid: str, i: int, task: str | None = "t1") -> Experience:
@@ -222,3 +224,47 @@ def test_a_late_reward_waits_in_the_ledger_until_a_step_handles_it_once(db):
     history = buffer.reward_history(engine=db, experience_id="c1-0")
     assert [(h["reward"], h["outcome"]) for h in history] == [(1.0, "applied"), (0.0, "retrained in v2"),
                                                               (0.5, "retrained in v2")]
+
+
+def _key(key: str = "k1", body: str = "body-1", actor: str = "alice", ttl_s: float = 86_400.0) -> buffer.IdempotencyKey:
+    return buffer.IdempotencyKey(actor=actor, key=key, request_hash=body, ttl_s=ttl_s)
+
+
+def test_a_feedback_sent_twice_under_one_key_is_applied_once(db):
+    first = buffer.apply_feedback(engine=db, msg_ids=["c1"], reward=0.5, feedback={}, idempotency=_key())
+    assert not first.replayed and first.experience_ids == ["c1-0", "c1-1"]
+    buffer.apply_feedback(engine=db, msg_ids=["c1-0"], reward=0.7, feedback={})  # another feedback in between
+    again = buffer.apply_feedback(engine=db, msg_ids=["c1"], reward=0.5, feedback={}, idempotency=_key())
+    assert again.replayed and again.experience_ids == first.experience_ids
+    assert buffer.get_experience(engine=db, experience_id="c1-0").reward == 0.7  # the retry changed nothing
+    assert [h["reward"] for h in buffer.reward_history(engine=db, experience_id="c1-1")] == [0.5]  # one ledger row
+    assert buffer.replayed_feedback(engine=db, idempotency=_key()).replayed
+    # the same key from another API key is another feedback; the same key with another body is refused
+    assert not buffer.apply_feedback(engine=db, msg_ids=["c1-1"], reward=0.2, feedback={},
+                                     idempotency=_key(actor="bob")).replayed
+    with pytest.raises(buffer.IdempotencyKeyReused):
+        buffer.apply_feedback(engine=db, msg_ids=["c1-1"], reward=0.9, feedback={}, idempotency=_key(body="body-2"))
+    assert buffer.get_experience(engine=db, experience_id="c1-1").reward == 0.2
+
+
+def test_a_refused_feedback_keeps_no_key_and_old_keys_expire(db):
+    with pytest.raises(UnknownIds):
+        buffer.apply_feedback(engine=db, msg_ids=["ghost"], reward=1.0, feedback={}, idempotency=_key())
+    assert buffer.replayed_feedback(engine=db, idempotency=_key()) is None  # nothing applied: a retry may succeed
+    buffer.apply_feedback(engine=db, msg_ids=["c2-0"], reward=1.0, feedback={}, idempotency=_key("old"))
+    with buffer.write_transaction(db) as conn:  # make "old" two days old
+        conn.execute(update(buffer.feedback_keys).values(created_at=buffer.utcnow() - timedelta(days=2)))
+    buffer.apply_feedback(engine=db, msg_ids=["c1-0"], reward=1.0, feedback={}, idempotency=_key("new"))
+    assert buffer.replayed_feedback(engine=db, idempotency=_key("old")) is None  # pruned past its ttl
+    assert buffer.replayed_feedback(engine=db, idempotency=_key("new")) is not None
+
+
+def test_a_correction_is_stored_with_its_feedback_or_not_at_all(db):
+    fix = _exp("demo-fix", 0).model_copy(update={"status": ExperienceStatus.COMMITTED})
+    with pytest.raises(UnknownIds):  # an unknown id beside it: the correction is not stored either
+        buffer.apply_feedback(engine=db, msg_ids=["c2-0", "ghost"], reward=0.0, feedback={}, corrections=[fix])
+    assert buffer.get_experience(engine=db, experience_id="demo-fix-0") is None
+    res = buffer.apply_feedback(engine=db, msg_ids=["c2-0"], reward=None, feedback={}, corrections=[fix])
+    assert res.experience_ids == [] and res.demonstration_ids == ["demo-fix-0"]
+    assert _status(db, "demo-fix-0") == "committed"
+    assert _status(db, "c2-0") == "recorded"  # a correction alone leaves the call it corrects as it was

@@ -20,6 +20,7 @@ class FakeExplorer:
         self.commit_calls: list[list[str]] = []
         self.refuse: dict[str, int] = {}  # route -> how many calls to answer 404
         self.fail: dict[str, int] = {}  # route -> how many calls fail to connect
+        self.attempted_keys: list[str | None] = []  # the idempotency key of every feedback attempt
 
     def _maybe_error(self, route: str) -> None:
         if self.fail.get(route):
@@ -30,6 +31,7 @@ class FakeExplorer:
             raise ExplorerError(404, "unknown id(s)", "unknown_id")
 
     async def feedback(self, **body):
+        self.attempted_keys.append(body.get("idempotency_key"))
         self._maybe_error("feedback")
         self.feedback_calls.append(body)
         return {"status": "success", "updated": len(body["msg_ids"])}
@@ -71,6 +73,8 @@ def test_commit_names_exactly_the_delivered_ids_in_chunks():
         return stats, ex
 
     stats, ex = asyncio.run(main())
+    keys = [c.pop("idempotency_key") for c in ex.feedback_calls]
+    assert len(set(keys)) == 3 and all(len(k) == 32 for k in keys)  # one key per feedback
     assert ex.feedback_calls[0] == {"msg_ids": [f"chatcmpl-{i}" for i in range(COMMIT_CHUNK + 10)], "reward": 1.0,
                                     "task_id": "t", "run_id": "0", "labels": ["gold"], "comment": None,
                                     "source": "runner_sdk", "expected": None, "hint": None}
@@ -151,3 +155,23 @@ def test_client_answers_an_empty_commit_itself():
             await client.aclose()
 
     assert asyncio.run(main()) == {"status": "success", "committed": 0}
+
+
+def test_a_retried_feedback_goes_under_its_first_key():
+    """A retry after a failed attempt (which the Explorer may have applied: a timeout after it took it)
+    resends the same idempotency key, so the Explorer applies the feedback once."""
+    async def main():
+        q, stats = _queue()
+        ex = FakeExplorer()
+        ex.fail["feedback"] = 2
+        q.start(ex, commit_interval=0)
+        q.put(_fb("chatcmpl-a"))
+        q.put(_fb("chatcmpl-b"))
+        assert await q.flush(5)
+        await q.close(1)
+        return stats, ex
+
+    stats, ex = asyncio.run(main())
+    first, second = ex.feedback_calls[0]["idempotency_key"], ex.feedback_calls[1]["idempotency_key"]
+    assert ex.attempted_keys == [first, first, first, second] and first != second
+    assert (stats.feedback_sent, stats.feedback_failed_attempts) == (2, 2)
