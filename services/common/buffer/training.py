@@ -160,6 +160,7 @@ def consume_batch(
     state_ref: str | None,
     metrics: dict[str, Any] | None = None,
     late_outcomes: dict[int, str] | None = None,
+    unhinted: Sequence[str] = (),
 ) -> None:
     """In one transaction: mark the batch consumed (trained_in=version), the rejected rows
     discarded, and record the step with the trainer state it produced.
@@ -171,6 +172,9 @@ def consume_batch(
     ``late_outcomes``: {reward_ledger id: what this step did with that late reward} (retrained in
     this version, or why not), set on ledger rows still pending only, in the same transaction: a step
     redone after a crash finds them pending again, and none is ever handled twice.
+
+    ``unhinted``: of ``consumed``, those trained without a hint by an objective that learns from
+    hints; one that got a hint meanwhile raises BatchChanged too (the step is redone with it).
     """
     ids = list(consumed) + list(discarded)
     with write_transaction(engine) as conn:
@@ -182,6 +186,13 @@ def consume_batch(
         ]
         if changed:
             raise BatchChanged(f"{len(changed)} experience(s) changed since they were read: {', '.join(changed[:5])}")
+        # read back, not tested in SQL: a row written without a hint may hold JSON null
+        hinted = [i for chunk in iter_chunks(sorted(unhinted), 500) for i, hint in conn.execute(
+            select(experiences.c.experience_id, experiences.c.hint).where(experiences.c.experience_id.in_(chunk)))
+            if hint is not None]
+        if hinted:
+            raise BatchChanged(f"a hint arrived for {len(hinted)} experience(s) while this step trained them without it: "
+                               f"{', '.join(hinted[:5])}")
         now = utcnow()
         for chunk in iter_chunks(list(consumed), 500):
             conn.execute(

@@ -95,6 +95,7 @@ class Recipe(Protocol):
     uses_ratio: ClassVar[bool]  # clipped importance ratio against the sampling logprobs (and the KL penalty)
     team_rewards: ClassVar[bool]  # its group statistics count the team's episodes: select gets their rewards
     retrains_late: ClassVar[bool]  # implements late_items (late_rewards: retrain)
+    reads_hints: bool  # its loss learns from hints: a hint that arrives while a step trains its call redoes the step
     config: RecipeConfig
     objective: ObjectiveSection
 
@@ -141,6 +142,7 @@ class BaseRecipe:
     uses_ratio: ClassVar[bool] = False
     team_rewards: ClassVar[bool] = False
     retrains_late: ClassVar[bool] = False
+    reads_hints: bool = False
 
     def __init__(self, config: RecipeConfig, objective: ObjectiveSection):
         self.config = config

@@ -112,6 +112,10 @@ class GRPO(BaseRecipe):
                 items.append(it)
         return items, skipped
 
+    @property
+    def reads_hints(self) -> bool:
+        return self.config.hint_coef > 0
+
     def extra_inputs(self, items: list[TrainItem], scorer: Scorer) -> dict[str, torch.Tensor]:
         return teacher_inputs(items, scorer, self.config.teacher, self.config.top_k) if self.config.hint_coef > 0 else {}
 

@@ -35,6 +35,8 @@ class OPD(BaseRecipe):
     uses_ratio = True
     config: OPDConfig
 
+    reads_hints = True
+
     def refuses(self, row: CommittedExperience) -> str | None:
         if row.hint and row.hint.get("prompt_token_ids"):
             return None

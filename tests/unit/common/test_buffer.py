@@ -226,6 +226,21 @@ def test_a_late_reward_waits_in_the_ledger_until_a_step_handles_it_once(db):
                                                               (0.5, "retrained in v2")]
 
 
+def test_a_hint_that_arrives_while_a_step_trains_its_call_redoes_the_step(db):
+    """An objective that learns from hints trained c1-0 without one; a hint sent meanwhile would be lost
+    (the call is consumed), so the step is refused like a changed reward, and redone with the hint."""
+    buffer.apply_feedback(engine=db, msg_ids=["c1", "c2"], reward=1.0, feedback={})
+    buffer.commit_experiences(engine=db)
+    step = dict(engine=db, agent="a", consumed={"c1-0": 1.0, "c1-1": 1.0}, discarded=[], state_ref="s1")
+    buffer.apply_feedback(engine=db, msg_ids=["c1-0"], reward=None, feedback={},
+                          hints={"c1-0": {"text": "use the tool", "prompt_token_ids": [1, 2]}})
+    with pytest.raises(buffer.BatchChanged, match="a hint arrived"):
+        buffer.consume_batch(step=1, version=1, unhinted=["c1-0", "c1-1"], **step)
+    assert buffer.count_by_status(engine=db) == {"committed": 3}
+    # read with its hint this time (or by an objective that ignores hints): consumed
+    buffer.consume_batch(step=1, version=1, unhinted=["c1-1"], **step)
+    assert buffer.count_by_status(engine=db) == {"consumed": 2, "committed": 1}
+
 def _key(key: str = "k1", body: str = "body-1", actor: str = "alice", ttl_s: float = 86_400.0) -> buffer.IdempotencyKey:
     return buffer.IdempotencyKey(actor=actor, key=key, request_hash=body, ttl_s=ttl_s)
 
