@@ -11,15 +11,17 @@ smollm2-135m-instruct`, built into .cache/smollm2-135m-instruct if missing):
    a copy's read + write is printed beside it). They are measured again at the start of every round,
    so their spread shows the machine's drift too. From them, SmolLM2's limits: batched decode =
    FLOP/s / (2 x params), training = FLOP/s / (6 x params) (prompt + response tokens), decode at
-   concurrency 1 = read bandwidth / weight bytes. Attention over short contexts is left out, so these
-   are slightly optimistic.
+   concurrency 1 = read bandwidth / weight bytes, and decode at concurrency c = the roofline, the smaller
+   of c x (read bandwidth / weight bytes) (every step reads the weights once for the whole batch) and
+   the batched-decode compute limit. Attention over short contexts is left out, so these are slightly
+   optimistic.
 2. HFEngine vs VLLMEngine (both in-process, as the Explorer runs them; no HTTP, no recording), the
    same chat prompts, per-request seeds and max_tokens, at concurrency 1, 8 and 32, in float32 and
    bfloat16 (KAIZEN_BENCH_SMOLLM2_ENGINE_DTYPES). vLLM: enforce_eager, a 1 GiB KV cache, max_model_len
    1024, its OpenMP threads bound to every CPU this process may use (KAIZEN_BENCH_VLLM_BIND; "auto"
    leaves vLLM's own choice, which on a 2-core box reserves one core for its scheduler). Each engine
    starts once; rounds rotate the engines' order. Completion tokens/s, and as a share of the machine's
-   limit: concurrency 1 against the bandwidth limit, 8 and 32 against the batched-decode limit.
+   limit: the roofline at that concurrency.
 3. One GRPO step of ours (LearnerWorker.train_step) vs TRL's GRPOTrainer update, with the classes of
    tests/bench/trainer.py (same LoRA, optimizer settings, starting adapter) on a SmolLM2 batch:
    KAIZEN_BENCH_SMOLLM2_TRAIN_SEQS sequences (groups of 4) of about KAIZEN_BENCH_SMOLLM2_PROMPT_TOKENS
@@ -218,7 +220,9 @@ class ModelLimits:
         return self.flops[dtype] / (6 * self.params)
 
     def decode(self, dtype: str, concurrency: int) -> float:
-        return self.decode_c1(dtype) if concurrency == 1 else self.decode_batched(dtype)
+        """The roofline at this concurrency: each decode step reads the weights once for the whole
+        batch (bandwidth-bound at small batches) and computes 2 x params per token (compute-bound)."""
+        return min(concurrency * self.decode_c1(dtype), self.decode_batched(dtype))
 
 
 # ---------------------------------------------------------------------- engines
@@ -385,7 +389,7 @@ def engines_report(results: dict, targets: list[EngineTarget], info: dict, ml: M
         out += "\nvllm/hf tokens/s, paired by round: " + "; ".join(pairs)
     starts = ", ".join(f"{t.name} {t.start_s:.0f}s" for t in ok)
     out += (
-        f"\n(limit: concurrency 1 against read bandwidth / weight bytes, 8 and 32 against GEMM FLOP/s / (2 x params); "
+        f"\n(limit: the roofline, min(concurrency x read bandwidth / weight bytes, GEMM FLOP/s / (2 x params)); "
         f"requests per run {cfg['totals']}; tok/compl = completion tokens per request (EOS may end one early); "
         f"same prompt ids in every engine: {info.get('same_prompt_ids')}; prompts {min(info.get('prompt_tokens') or [0])}-"
         f"{max(info.get('prompt_tokens') or [0])} tokens; vllm: enforce_eager, kv cache {KV_GIB} GiB, max_model_len "
