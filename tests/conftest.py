@@ -13,6 +13,14 @@ os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _shared_adapters(tmp_path_factory) -> None:
+    """Test adapters (tests/integration/adapters.py) are trained once per run, for every test worker."""
+    from tests.helpers import ADAPTER_CACHE_ENV, run_folder
+
+    os.environ[ADAPTER_CACHE_ENV] = str(run_folder(tmp_path_factory) / "adapters")
+
+
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory) -> Path:
     from services.common.tiny_model import build_tiny_model

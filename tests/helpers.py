@@ -11,11 +11,13 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import Iterator
+from typing import Callable, Iterator
 
 import httpx
 
 REPO = Path(__file__).resolve().parents[1]
+# test adapters (tests/integration/adapters.py) are kept here, shared by the test workers (tests/conftest.py)
+ADAPTER_CACHE_ENV = "KAIZEN_TEST_ADAPTERS"
 
 
 def free_port() -> int:
@@ -113,3 +115,39 @@ def write_locked(url: str) -> Iterator[None]:
 
 def run(coro):
     return asyncio.run(coro)
+
+
+def run_folder(tmp_path_factory) -> Path:
+    """The folder of this test run that all its test workers share (pytest-N; a worker's own
+    temporary folders are inside it)."""
+    base = tmp_path_factory.getbasetemp()
+    return base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
+
+
+def built_once(tmp_path_factory, name: str, build: Callable[[Path], None]) -> Path:
+    """The folder ``name``, built by ``build(folder)`` once for the whole test run: the test workers
+    of one ``pytest -n`` run share it (the first to ask builds it, under a file lock, while the others
+    wait), whichever files they were given. A build that failed fails every later ask with its error,
+    without building again. Only for what tests read and never change."""
+    import fcntl
+    import traceback
+
+    root = run_folder(tmp_path_factory)
+    out, failed = root / "built" / name, root / "built" / f"{name}.failed"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with open(root / "built" / f"{name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            if failed.exists():
+                raise RuntimeError(f"building {name} failed in another test worker:\n{failed.read_text()}")
+            if not (out / ".built").exists():
+                out.mkdir(exist_ok=True)
+                try:
+                    build(out)
+                except BaseException:
+                    failed.write_text(traceback.format_exc())
+                    raise
+                (out / ".built").touch()
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+    return out

@@ -139,7 +139,7 @@ class AgentTrainer:
         them), or, with ``settle_s``, until the backlog has not moved for that long (what is left is
         less than a batch)."""
         deadline = time.monotonic() + self.cfg.train.backlog_wait_s
-        seen, since = None, time.monotonic()
+        seen, since, pause = None, time.monotonic(), 0.05
         while True:
             backlog = [self._backlog(explorer, a, max(until, 1000) + 1) for a in self.cfg.agents]
             if all(n <= until for n in backlog):
@@ -153,7 +153,8 @@ class AgentTrainer:
             if time.monotonic() > deadline:
                 raise TimeoutError(f"the Trainer left more than {until} committed experiences waiting for "
                                    f"{self.cfg.train.backlog_wait_s:.0f} s; is it running?")
-            time.sleep(0.5)
+            time.sleep(pause)  # soon at first (a step often takes a second or two), then every half second
+            pause = min(pause * 2, 0.5)
 
     # ------------------------------------------------------------------ the loop
 

@@ -2,15 +2,51 @@
 
 from __future__ import annotations
 
+import fcntl
+import hashlib
+import json
+import os
 from pathlib import Path
 
 import torch
 
 from services.common.checkpoints import publish_version
+from tests.helpers import ADAPTER_CACHE_ENV
+
+
 
 
 def train_adapter(model_path: Path, prompt_ids: list[int], target_ids: list[int], *, steps: int = 200, seed: int = 0):
-    """A peft model whose adapter makes ``target_ids`` the greedy continuation of ``prompt_ids``."""
+    """A peft model whose adapter makes ``target_ids`` the greedy continuation of ``prompt_ids``.
+
+    Trained once per test run for the same model files and arguments: the first test to ask trains it
+    and saves it under $KAIZEN_TEST_ADAPTERS, and every later one (on any test worker) loads it."""
+    cache = os.environ.get(ADAPTER_CACHE_ENV)
+    if not cache:
+        return _train(model_path, prompt_ids, target_ids, steps=steps, seed=seed)
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    key = hashlib.sha256(json.dumps([_model_digest(model_path), prompt_ids, target_ids, steps, seed]).encode()).hexdigest()[:24]
+    folder = Path(cache) / key
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    with open(folder.with_suffix(".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not (folder / "adapter_config.json").exists():
+            _train(model_path, prompt_ids, target_ids, steps=steps, seed=seed).save_pretrained(folder)
+    base = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
+    return PeftModel.from_pretrained(base, folder).eval()
+
+
+def _model_digest(model_path: Path) -> str:
+    """The model's identity by content (each test worker builds its own copy of the tiny model)."""
+    h = hashlib.sha256()
+    for f in sorted(Path(model_path).glob("*.json")) + sorted(Path(model_path).glob("*.safetensors")):
+        h.update(f.name.encode() + f.read_bytes())
+    return h.hexdigest()
+
+
+def _train(model_path: Path, prompt_ids: list[int], target_ids: list[int], *, steps: int, seed: int):
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 

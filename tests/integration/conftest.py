@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable, Iterator
 
 import httpx
 import openai
@@ -34,14 +35,16 @@ class RunningExplorer:
         return self.state.engine.tokenizer
 
 
-@pytest.fixture
-def make_explorer(tiny_model, tmp_path):
+@contextlib.contextmanager
+def _explorers(tiny_model: Path, folder: Path) -> Iterator[Callable[..., RunningExplorer]]:
+    """Starts real Explorers (threads of this process) on the tiny model, each with its own buffer
+    and checkpoints under ``folder``; all stopped on exit."""
     stack = contextlib.ExitStack()
     counter = iter(range(100))
 
     def _make(*overrides: str, api_key: str = "unused", engine=None) -> RunningExplorer:
         n = next(counter)
-        root = tmp_path / f"explorer{n}"
+        root = folder / f"explorer{n}"
         config = load_config(
             ExplorerConfig,
             None,
@@ -62,8 +65,21 @@ def make_explorer(tiny_model, tmp_path):
         client = openai.OpenAI(base_url=f"{server.url}/v1", api_key=api_key, max_retries=0, timeout=120)
         return RunningExplorer(url=server.url, state=state, client=client, http=http, root=root, server=server)
 
-    yield _make
-    stack.close()
+    with stack:
+        yield _make
+
+
+@pytest.fixture
+def make_explorer(tiny_model, tmp_path):
+    with _explorers(tiny_model, tmp_path) as make:
+        yield make
+
+
+@pytest.fixture(scope="module")
+def make_module_explorer(tiny_model, tmp_path_factory):
+    """make_explorer for an Explorer that a module's tests share (each reads only what it recorded)."""
+    with _explorers(tiny_model, tmp_path_factory.mktemp("explorers")) as make:
+        yield make
 
 
 @pytest.fixture

@@ -78,7 +78,9 @@ def test_two_agents_validation_reward_rises(tiny_model, ray_address, tmp_path: P
                 "explorer": {"config": {"engine": {"torch_threads": 1}}},
                 "trainer": {"config": {"ray": {"address": ray_address}, "algorithm": {"name": "grpo"},
                                        "lora": {"r": 8, "alpha": 16}, "optim": {"lr": 5e-3}, "train_batch_size": 16,
-                                       "staleness": {"max_staleness": 100}, "trainer": {"torch_threads": 1}}}})
+                                       "staleness": {"max_staleness": 100},
+                                       # polls for the next round's rows every 0.2 s: the rounds go in lock step with it
+                                       "trainer": {"torch_threads": 1, "poll_interval_s": 0.2}}}})
     report = trainer.train()
     first, last = report.evals[0], report.evals[-1]
     assert first["versions"] == {"proposer": 0, "verifier": 0} and min(last["versions"].values()) >= 66

@@ -31,7 +31,9 @@ pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.timeout(180
 
 AGENT = "calculator"
 COLD_START_STEPS = 8  # enough for most episodes to call the calculator (4, the demo's, gets about half)
-GATE_TASKS = 16  # of the gate suite's 32 (each a SmolLM2 episode on both versions, about 1.5 s alone on 2 cores)
+# the demonstrations-only arm's plateau search, small: one measurement after the cold start's
+PLATEAU_STEPS = 2
+GATE_TASKS = 8  # of the gate suite's 32 (each a SmolLM2 episode on both versions, about 1.5 s alone on 2 cores)
 
 
 @pytest.fixture(scope="module")
@@ -45,7 +47,7 @@ def demo_run(smollm2_model, ray_address, tmp_path_factory) -> Path:
         f"trainer.algorithm.cold_start_steps={COLD_START_STEPS}", f"trainer.ray.address={ray_address}",
         f"explorer.release.gate.suite.max_tasks={GATE_TASKS}",
         # the demonstrations-only arm on to its plateau, small: measured every 2 steps on 4 validation problems
-        "tools.plateau.max_steps=4", "tools.plateau.every=2", "tools.plateau.validation=4", "tools.plateau.patience=1",
+        f"tools.plateau.max_steps={PLATEAU_STEPS}", "tools.plateau.every=2", "tools.plateau.validation=4", "tools.plateau.patience=1",
     ]
     out = base / "demo.out"
     with open(out, "wb") as f:
@@ -90,15 +92,15 @@ def test_three_held_out_measurements_and_the_report(demo_run):
 
 def test_the_demonstrations_only_arm_was_followed_to_its_plateau_and_its_best_measured(demo_run):
     """The arm's curve on the validation problems starts at the cold start, is measured every 2 steps
-    until one measurement brings no higher score (patience 1) or 4 steps; the version it picks, the
+    until one measurement brings no higher score (patience 1) or PLATEAU_STEPS; the version it picks, the
     earliest with the highest score, is the one measured on the held-out problems."""
     summary = json.loads((demo_run / "summary.json").read_text())
     curve = summary["curves"]["demonstrations only (validation)"]
     steps = [p["steps"] for p in curve]
-    assert steps[0] == 0 and steps == list(range(0, 2 * len(steps), 2)) and steps[-1] <= 4, curve
+    assert steps[0] == 0 and steps == list(range(0, 2 * len(steps), 2)) and steps[-1] <= PLATEAU_STEPS, curve
     scores = [p["validation"] for p in curve]
     best = scores.index(max(scores))
-    assert len(curve) - 1 - best <= 1 and (steps[-1] == 4 or len(curve) - 1 - best == 1), curve  # why it stopped
+    assert len(curve) - 1 - best <= 1 and (steps[-1] == PLATEAU_STEPS or len(curve) - 1 - best == 1), curve  # why it stopped
     assert all(p["version"] == COLD_START_STEPS + p["steps"] for p in curve)
     assert [p["train_seconds"] for p in curve] == sorted(p["train_seconds"] for p in curve) and curve[0]["train_seconds"] == 0
     measured = summary["evals"][4]

@@ -36,9 +36,10 @@ pytestmark = pytest.mark.integration
 agents = pytest.importorskip("agents", reason="the OpenAI Agents SDK (openai-agents) is a test dependency")
 
 
-@pytest.fixture
-def ex(make_explorer, smollm2_model):
-    return make_explorer(f"model.path={smollm2_model}", "engine.max_model_len=2048")
+@pytest.fixture(scope="module")
+def ex(make_module_explorer, smollm2_model):
+    """One SmolLM2 Explorer for the module: each framework's test reads only its own task_id's records."""
+    return make_module_explorer(f"model.path={smollm2_model}", "engine.max_model_len=2048")
 
 
 def _recorded(ex, task_id: str) -> list[dict]:

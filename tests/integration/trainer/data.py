@@ -79,6 +79,17 @@ def fill_buffer(url: str, model_path: Path, *, agent: str = "default", n: int = 
     return records
 
 
+def response_logprobs(model, prompt: list[int], responses: list[tuple[int, ...]]) -> list[torch.Tensor]:
+    """log P(response | prompt) of each response, in one forward over them all (right-padded: a
+    causal model's logits at the real positions do not see the padding)."""
+    width = max(len(r) for r in responses)
+    ids = torch.tensor([list(prompt) + list(r) + [0] * (width - len(r)) for r in responses])
+    mask = torch.tensor([[1] * (len(prompt) + len(r)) + [0] * (width - len(r)) for r in responses])
+    logits = model(input_ids=ids, attention_mask=mask).logits[:, len(prompt) - 1: -1].float()
+    logp = torch.log_softmax(logits, -1)
+    return [logp[k, : len(r)].gather(-1, torch.tensor(r).unsqueeze(-1)).sum() for k, r in enumerate(responses)]
+
+
 def rewarded_share(model, experiences) -> float:
     """How much of its probability the model gives to the rewarded responses among the responses
     sampled for the same prompt: per prompt, sum of P(rewarded) / sum of P(all), averaged over the
@@ -94,13 +105,14 @@ def rewarded_share(model, experiences) -> float:
         for prompt, responses in groups.items():
             if len(set(responses.values())) < 2:
                 continue
-            logps = {}
-            for resp in responses:
-                ids = list(prompt) + list(resp)
-                logits = model(torch.tensor([ids])).logits[0, len(prompt) - 1: -1].float()
-                logps[resp] = torch.log_softmax(logits, -1).gather(-1, torch.tensor(resp).unsqueeze(-1)).sum()
+            logps = dict(zip(responses, response_logprobs(model, list(prompt), list(responses))))
             all_lp = torch.stack(list(logps.values()))
             rewarded = torch.stack([lp for r, lp in logps.items() if responses[r] == 1.0])
             shares.append(torch.exp(torch.logsumexp(rewarded, 0) - torch.logsumexp(all_lp, 0)).item())
     assert shares, "the trained batches must hold prompts with rewarded and unrewarded responses"
     return sum(shares) / len(shares)
+
+
+# The Trainer fault tests' buffer (tests/integration/trainer/conftest.py faults_db): prompts, sampled
+# responses to each, and how many rows lack a reward (the Trainer discards those)
+FAULT_PROMPTS, FAULT_RESPONSES, FAULT_UNREWARDED = 30, 2, 4

@@ -13,7 +13,7 @@ from pytest import approx
 
 from services.common import buffer, checkpoints
 from tests.integration.trainer.test_new_objective import PREFIX
-from tests.integration.trainer.test_trainer_service import _train, sampled_db  # noqa: F401 (fixture)
+from tests.integration.trainer.test_trainer_service import _train
 
 pytestmark = pytest.mark.integration
 
@@ -43,7 +43,7 @@ def _reverse_kl(model, rows, *, adapter: bool) -> float:
 
 
 @pytest.mark.parametrize("top_k", [16])  # 0 (the sampled tokens alone): 0.20 -> 0.15, measured once
-def test_opd_moves_the_agent_towards_the_teacher_that_read_the_hint(top_k, tiny_model, sampled_db, ray_address, tmp_path):  # noqa: F811
+def test_opd_moves_the_agent_towards_the_teacher_that_read_the_hint(top_k, tiny_model, sampled_db, ray_address, tmp_path):
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 

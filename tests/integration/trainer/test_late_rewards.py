@@ -10,13 +10,7 @@ import json
 import pytest
 
 from services.common import buffer, checkpoints
-from tests.integration.trainer.test_trainer_faults import (  # noqa: F401 (fixture)
-    AGENT,
-    Trainers,
-    _copy_db,
-    _killed_at_failpoint,
-    faults_db,
-)
+from tests.integration.trainer.test_trainer_faults import AGENT, Trainers, _copy_db, _killed_at_failpoint
 
 pytestmark = pytest.mark.integration
 
@@ -32,7 +26,7 @@ def _records(trainers: Trainers) -> list[dict]:
     return [json.loads(line) for line in (trainers.run / "run" / "metrics.jsonl").read_text().splitlines()]
 
 
-def test_a_late_reward_is_retrained_once_across_a_kill(tiny_model, faults_db, ray_address, tmp_path):  # noqa: F811
+def test_a_late_reward_is_retrained_once_across_a_kill(tiny_model, faults_db, ray_address, tmp_path):
     trainers = Trainers(tiny_model, tmp_path / "late", ray_address)
     try:
         url = _copy_db(faults_db, trainers.run)

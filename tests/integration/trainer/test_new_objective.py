@@ -23,7 +23,7 @@ from pytest import approx
 from services.common import buffer, checkpoints
 from services.trainer.algorithms.masking import aggregate
 from services.trainer.recipes import BaseRecipe, MicroBatch, RecipeConfig
-from tests.integration.trainer.test_trainer_service import _train, sampled_db  # noqa: F401 (fixture)
+from tests.integration.trainer.test_trainer_service import _train
 
 pytestmark = pytest.mark.integration
 
@@ -90,7 +90,7 @@ def _gap(model, rows, *, adapter: bool) -> float:
     return total / sum(len(r.response_token_ids) for r in rows)
 
 
-def test_an_objective_from_this_module_trains_end_to_end(tiny_model, sampled_db, ray_address, tmp_path):  # noqa: F811
+def test_an_objective_from_this_module_trains_end_to_end(tiny_model, sampled_db, ray_address, tmp_path):
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 

@@ -13,7 +13,7 @@ from services.common import buffer, checkpoints
 from services.common.release import decide
 from tests.helpers import REPO
 from tests.integration.trainer.data import PROMPTS, fill_buffer
-from tests.integration.trainer.test_trainer_service import _adapter, _args, _copy_db, _train, sampled_db  # noqa: F401
+from tests.integration.trainer.test_trainer_service import _adapter, _args, _copy_db, _train
 
 pytestmark = pytest.mark.integration
 

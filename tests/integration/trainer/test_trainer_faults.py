@@ -27,34 +27,34 @@ from typing import Iterator
 
 import pytest
 import torch
-from sqlalchemy import update
 
 from services.common import buffer, checkpoints
 from tests.helpers import REPO
-from tests.integration.trainer.data import PROMPTS, fill_buffer
+from tests.integration.trainer.data import FAULT_PROMPTS, FAULT_RESPONSES, FAULT_UNREWARDED
 
 pytestmark = pytest.mark.integration
 
 AGENT = "default"
 BATCH, INTERVAL = 4, 2
-PROMPT_COUNT, RESPONSES, UNREWARDED = 30, 2, 4
+PROMPT_COUNT, RESPONSES, UNREWARDED = FAULT_PROMPTS, FAULT_RESPONSES, FAULT_UNREWARDED  # conftest.py faults_db
 TOTAL = (PROMPT_COUNT * RESPONSES - UNREWARDED) // BATCH  # 14 steps, 7 versions
 RANDOM_KILLS, SEED = 4, 1234
 WAIT_S = 240.0
 
 
 @pytest.fixture(scope="module")
-def faults_db(tiny_model, tmp_path_factory) -> Path:
-    """60 committed experiences, 4 of them without a reward (the Trainer discards those)."""
-    path = tmp_path_factory.mktemp("faults") / "buffer.db"
-    url = f"sqlite:///{path}"
-    records = fill_buffer(url, tiny_model, n=RESPONSES, prompts=PROMPTS[:PROMPT_COUNT], seed=3)
-    unrewarded = [r.experience_id for r in records[5 : 5 + 4 * UNREWARDED : 4]]
-    db = buffer.create_buffer_engine(url)
-    with db.begin() as conn:
-        conn.execute(update(buffer.experiences).where(buffer.experiences.c.experience_id.in_(unrewarded)).values(reward=None))
-    db.dispose()
-    return path
+def straight(tiny_model, faults_db, ray_address, tmp_path_factory) -> Path:
+    """The run nobody killed, on the same buffer (one for every database the kill tests use: the
+    adapters depend on the rows, not on where they are kept)."""
+    run = tmp_path_factory.mktemp("straight")
+    _copy_db(faults_db, run)
+    plain = Trainers(tiny_model, run, ray_address)
+    try:
+        proc = plain.start("straight", "--max-steps", str(TOTAL))
+        assert proc.wait(WAIT_S) == 0, plain.log(proc)[-4000:]
+    finally:
+        plain.close()
+    return run
 
 
 class Trainers:
@@ -194,7 +194,7 @@ def _temporaries(root: Path) -> list[str]:
     return [p.name for d in dirs for p in d.iterdir() if p.name.startswith(".") and p.name not in (".serving", checkpoints.PUBLISH_LOCK)]
 
 
-def test_killed_anywhere_the_trainer_restarts_and_repairs(tiny_model, faults_db, ray_address, trainers, tmp_path):
+def test_killed_anywhere_the_trainer_restarts_and_repairs(tiny_model, faults_db, ray_address, trainers, straight):
     run = trainers.run
     url = _copy_db(faults_db, run, trainers.url)
     root = run / "ck"
@@ -268,14 +268,6 @@ def test_killed_anywhere_the_trainer_restarts_and_repairs(tiny_model, faults_db,
     assert checkpoints.list_states(root, AGENT)[-1] == TOTAL
 
     # Weights: the same adapters as a run nobody killed, so no batch was trained twice or skipped.
-    straight = tmp_path / "straight"
-    _copy_db(faults_db, straight)
-    plain = Trainers(trainers.tiny_model, straight, ray_address)
-    try:
-        proc = plain.start("straight", "--max-steps", str(TOTAL))
-        assert proc.wait(WAIT_S) == 0, plain.log(proc)[-4000:]
-    finally:
-        plain.close()
     for ver in versions:
         a, b = _adapter(straight / "ck", ver), _adapter(root, ver)
         assert a.keys() == b.keys()

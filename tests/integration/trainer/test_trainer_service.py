@@ -16,7 +16,7 @@ import torch
 
 from services.common import buffer, checkpoints
 from tests.helpers import REPO
-from tests.integration.trainer.data import fill_buffer, rewarded_share
+from tests.integration.trainer.data import rewarded_share
 
 pytestmark = pytest.mark.integration
 
@@ -27,14 +27,6 @@ def base_model(tiny_model):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     return AutoModelForCausalLM.from_pretrained(tiny_model), AutoTokenizer.from_pretrained(tiny_model)
-
-
-@pytest.fixture(scope="module")
-def sampled_db(tiny_model, tmp_path_factory) -> Path:
-    """One sampled, rewarded, committed buffer; each test works on its own copy."""
-    path = tmp_path_factory.mktemp("sampled") / "buffer.db"
-    fill_buffer(f"sqlite:///{path}", tiny_model)
-    return path
 
 
 def _args(tiny_model, run: Path, ray_address: str, *extra: str) -> list[str]:
