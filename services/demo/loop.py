@@ -61,13 +61,12 @@ class OnlineLoop:
     Trainer has a backlog, with a progress line every ``progress_every_s``."""
 
     def __init__(self, cfg: DemoConfig, stack: Stack, *, start_version: int, max_backlog: int,
-                 one_round: Callable[[], Awaitable[Round]], baseline_committed: int = 0):
+                 one_round: Callable[[], Awaitable[Round]]):
         self.cfg = cfg
         self.stack = stack
         self.start_version = start_version
         self.max_backlog = max_backlog
         self.one_round = one_round
-        self.baseline_committed = baseline_committed  # committed rows that never leave (demonstrations)
         self.rounds: list[Round] = []
         self.t0 = time.monotonic()
         self._extended = False
@@ -82,8 +81,7 @@ class OnlineLoop:
         try:
             while not self.done(db):
                 self.stack.check_alive()  # a dead Trainer would leave the traffic paused forever
-                committed = buffer.count_by_status(engine=db, agent=self.stack.agent).get("committed", 0)
-                if committed - self.baseline_committed >= self.max_backlog:  # the trainer is behind: no stale pile-up
+                if self.backlog_full(db):  # the trainer is behind: no stale pile-up
                     await asyncio.sleep(0.2)
                 else:
                     r = await self.one_round()
@@ -94,6 +92,12 @@ class OnlineLoop:
                     self.progress(db)
         finally:
             db.dispose()
+
+    def backlog_full(self, db) -> bool:
+        """``max_backlog`` rollouts wait for the Trainer. Demonstrations, a correction's included, stay
+        committed for good: counted, they would pause the traffic for ever once enough corrections came."""
+        waiting = buffer.committed_backlog(engine=db, agents=[self.stack.agent], cap=self.max_backlog)
+        return waiting[self.stack.agent] >= self.max_backlog
 
     def done(self, db) -> bool:
         """duration_s is up and, if min_new_versions asks for it, traffic has seen that many new versions

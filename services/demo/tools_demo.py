@@ -246,7 +246,7 @@ class ToolsDemo:
         client = self.openai_client()
         explorer = ExplorerClient(self.stack.url, timeout=120)
         loop = OnlineLoop(self.cfg, self.stack, start_version=start_version, max_backlog=self.t.traffic.max_backlog,
-                          one_round=lambda: self.one_round(client, explorer), baseline_committed=len(self.demos))
+                          one_round=lambda: self.one_round(client, explorer))
         try:
             await loop.run()
         finally:
