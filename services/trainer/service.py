@@ -514,7 +514,7 @@ class TrainerService:
                 consumed={i.experience_id: i.reward for i in items}, discarded=list(selection.discarded),
                 state_ref=str(state.relative_to(self.root)), metrics=record,
                 late_outcomes={lid: why or f"retrained in v{version}" for lid, why in selection.late_outcomes.items()},
-                unhinted=[i.experience_id for i in items if not i.teacher_prompt_ids] if self.recipe.reads_hints else (),
+                unhinted=[i.experience_id for i in items if not i.teacher_prompt_ids] if getattr(self.recipe, "reads_hints", False) else (),
             )
         except BatchChanged as e:
             log.warning("agent %s: %s; rolling the step back and retrying with fresh data", agent, e)

@@ -196,7 +196,9 @@ def replayed_feedback(*, engine: Engine, idempotency: IdempotencyKey) -> Feedbac
 def _keyed(conn_or_engine: Connection | Engine, idempotency: IdempotencyKey) -> FeedbackResult | None:
     """What an earlier feedback under this key did (``replayed``), or None if there was none."""
     k = feedback_keys.c
-    q = select(k.request_hash, k.result).where(k.actor == idempotency.actor, k.key == idempotency.key)
+    q = select(k.request_hash, k.result).where(  # an expired key is forgotten, pruned or not yet
+        k.actor == idempotency.actor, k.key == idempotency.key,
+        k.created_at >= utcnow() - timedelta(seconds=idempotency.ttl_s))
     if isinstance(conn_or_engine, Connection):
         row = conn_or_engine.execute(q).first()
     else:
@@ -215,6 +217,8 @@ def _apply_feedback(engine: Engine, *, msg_ids: Sequence[str], reward: float | N
                     idempotency: IdempotencyKey | None) -> FeedbackResult:
     with write_transaction(engine) as conn:
         found = _resolve(conn, msg_ids, lock=True)
+        if idempotency is not None and (done := _keyed(conn, idempotency)) is not None:
+            return done  # sent again while the first held these rows' locks: its answer, whatever changed since
         unknown = [i for i, rows in found.items() if not rows]
         if unknown:
             raise UnknownIds(unknown)
@@ -223,8 +227,6 @@ def _apply_feedback(engine: Engine, *, msg_ids: Sequence[str], reward: float | N
         frozen = sorted({e for rows in found.values() for e, s in rows if s in TERMINAL})
         if frozen and hints is not None and reward is None:
             raise AlreadyConsumed(frozen)  # words alone, for what was trained already: nothing to keep
-        if idempotency is not None and (done := _keyed(conn, idempotency)) is not None:
-            return done  # sent again while the first was waiting for these rows' locks
         if reward is None and hints is None and not corrections:
             raise ValueError("apply_feedback needs a reward, hints or corrections")
         if hints is not None and (missing := sorted(set(targets) - set(hints))):
@@ -268,6 +270,7 @@ def _apply_feedback(engine: Engine, *, msg_ids: Sequence[str], reward: float | N
                                 demonstration_ids=[c.experience_id for c in corrections])
         if idempotency is not None:
             at = values["updated_at"]
+            # expired keys go, and this one replaces its own expired row if it had one
             conn.execute(delete(feedback_keys).where(feedback_keys.c.created_at < at - timedelta(seconds=idempotency.ttl_s)))
             result_row = {k: v for k, v in asdict(result).items() if k != "replayed"}
             conn.execute(insert(feedback_keys).values(actor=idempotency.actor, key=idempotency.key,

@@ -189,7 +189,7 @@ def consume_batch(
         # read back, not tested in SQL: a row written without a hint may hold JSON null
         hinted = [i for chunk in iter_chunks(sorted(unhinted), 500) for i, hint in conn.execute(
             select(experiences.c.experience_id, experiences.c.hint).where(experiences.c.experience_id.in_(chunk)))
-            if hint is not None]
+            if hint and hint.get("prompt_token_ids")]  # a hint as the Trainer reads it (batches.to_item)
         if hinted:
             raise BatchChanged(f"a hint arrived for {len(hinted)} experience(s) while this step trained them without it: "
                                f"{', '.join(hinted[:5])}")

@@ -269,6 +269,7 @@ def test_a_refused_feedback_keeps_no_key_and_old_keys_expire(db):
     buffer.apply_feedback(engine=db, msg_ids=["c2-0"], reward=1.0, feedback={}, idempotency=_key("old"))
     with buffer.write_transaction(db) as conn:  # make "old" two days old
         conn.execute(update(buffer.feedback_keys).values(created_at=buffer.utcnow() - timedelta(days=2)))
+    assert buffer.replayed_feedback(engine=db, idempotency=_key("old")) is None  # expired, even before it is pruned
     buffer.apply_feedback(engine=db, msg_ids=["c1-0"], reward=1.0, feedback={}, idempotency=_key("new"))
     assert buffer.replayed_feedback(engine=db, idempotency=_key("old")) is None  # pruned past its ttl
     assert buffer.replayed_feedback(engine=db, idempotency=_key("new")) is not None
