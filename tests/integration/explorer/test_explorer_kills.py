@@ -85,6 +85,10 @@ def test_kill_9_under_traffic_loses_nothing_acknowledged(tiny_model, tmp_path, b
                     t.start()
                 started = True
             time.sleep(rng.uniform(2.0, 4.0))
+            # and until this life acknowledged its share of the traffic (a loaded machine restarts slowly)
+            deadline = time.monotonic() + 30
+            while len(traffic.commits) <= 25 * (life + 1) and time.monotonic() < deadline:
+                time.sleep(0.1)
             if life < KILLS:
                 os.kill(proc.pid, signal.SIGKILL)
                 proc.wait(30)
