@@ -16,7 +16,8 @@ Trainer steps) instead of the demo's 7 minutes, so slow and fast hosts compare t
 Settings are the demo overrides below: `base` is plain GRPO with the demonstrations replayed every
 step, `levers` turns on the Trainer's levers (services/demo/tools_demo.py LEVERS), and each
 `no-*` setting is `levers` with one lever off (the ablation); `hints` and `corrections` are `base` with the simulated
-users' words after a wrong answer (`tools.words`), to compare with `base` (rewards alone).
+users' words after a wrong answer (`tools.words`), to compare with `base` (rewards alone), and
+`hints-centred` is `hints` with the distillation advantage centred per call (`hint_baseline=call`).
 """
 
 from __future__ import annotations
@@ -43,6 +44,8 @@ SETTINGS: dict[str, list[str]] = {
     "no-importance": ["tools.levers=true", "trainer.algorithm.grpo.importance=off"],
     # feedback in words on wrong answers, beside the rewards (issue 30): against `base`, rewards alone
     "hints": ["tools.levers=false", "tools.words=hints"],
+    # hints with the distillation advantage centred per call (algorithm.grpo.hint_baseline=call)
+    "hints-centred": ["tools.levers=false", "tools.words=hints", "trainer.algorithm.grpo.hint_baseline=call"],
     "corrections": ["tools.levers=false", "tools.words=corrections"],
 }
 

@@ -24,6 +24,17 @@ def distillation_advantage(teacher_logprobs: torch.Tensor, sampled_logprobs: tor
     return ((teacher_logprobs - sampled_logprobs).clamp(-clip, clip) * mask).detach()
 
 
+def centred_per_row(advantage: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Each row's advantage less its mean over the row's masked tokens (0 where ``mask`` is 0): a
+    baseline per call. The plain advantage's mean is minus the reverse KL, never above 0, so a step
+    pushes down most sampled tokens and spreads their mass over the rest (the tools demo's entropy
+    rose from 0.005-0.035 to 0.10-0.23 under it); centred, a call's tokens the teacher agrees with
+    more than the call's average go up, the others down, and a constant shift no longer moves them."""
+    n = mask.sum(-1, keepdim=True)
+    mean = (advantage * mask).sum(-1, keepdim=True) / n.clamp(min=1)
+    return ((advantage - mean) * mask).detach()
+
+
 def top_k_distillation(student_logprobs: torch.Tensor, teacher_top_logprobs: torch.Tensor, mask: torch.Tensor
                        ) -> torch.Tensor:
     """Per position, KL(teacher || student) over the teacher's k likeliest tokens and one bucket for all

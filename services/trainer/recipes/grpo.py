@@ -23,6 +23,7 @@ from services.trainer.recipes.hints import (
     hint_statistics,
     hint_top_k_loss,
     teacher_inputs,
+    trained_hint_advantage,
 )
 from services.trainer.sections import ObjectiveSection
 
@@ -209,7 +210,8 @@ class GRPO(BaseRecipe):
         advantages, stats = mb.advantages, {}
         if a.hint_coef > 0:  # the reward's advantage on every token, plus the teacher's on a hinted call's
             hinted, hint_mask = hint_advantage(mb, clip=a.hint_clip)
-            advantages = advantages.unsqueeze(-1).expand_as(mb.mask) + a.hint_coef * hinted
+            trained = trained_hint_advantage(hinted, hint_mask, a.hint_baseline)
+            advantages = advantages.unsqueeze(-1).expand_as(mb.mask) + a.hint_coef * trained
             stats = hint_statistics(mb, hinted, hint_mask)
         inputs, normalizer = ratio_inputs(mb, advantages)
         late = torch.tensor([1.0 if it.late else 0.0 for it in mb.items], device=mb.mask.device).unsqueeze(-1)

@@ -6,11 +6,12 @@ Shared by ``opd`` (hints alone) and ``grpo`` (``hint_coef``: added to the reward
 from __future__ import annotations
 
 import time
+from typing import Literal
 
 import torch
 from pydantic import Field
 
-from services.trainer.algorithms.distill import distillation_advantage, top_k_distillation
+from services.trainer.algorithms.distill import centred_per_row, distillation_advantage, top_k_distillation
 from services.trainer.batches import TrainItem
 from services.trainer.recipes.base import GATHER_IDS, MicroBatch, RecipeConfig, Scorer
 
@@ -21,6 +22,11 @@ class HintSettings(RecipeConfig):
         "base (the base model without the adapter), or the path of another model that shares the agent's tokenizer "
         "(loaded once by each learner).")
     hint_clip: float = Field(default=5.0, gt=0, description="The largest |teacher - sampled| logprob gap a token counts.")
+    hint_baseline: Literal["none", "call"] = Field(
+        default="none",
+        description="none: each hinted token's advantage is its teacher - sampled logprob as it is (its mean, minus the "
+        "reverse KL, is never above 0: most sampled tokens are pushed down); call: less that gap's mean over the "
+        "call's tokens (a baseline per call: the tokens the teacher agrees with more than the call's average go up).")
     top_k: int = Field(
         default=16, ge=0, le=256,
         description="Also pull the student, at each position of a hinted call, towards the teacher's k likeliest tokens "
@@ -74,6 +80,12 @@ def hint_advantage(mb: MicroBatch, *, clip: float) -> tuple[torch.Tensor, torch.
         teacher = torch.nn.functional.pad(teacher, (0, width - teacher.shape[1]))
     mask = mb.mask * hinted.unsqueeze(-1)
     return distillation_advantage(teacher[:, :width], mb.old_logprobs, mask, clip=clip), mask
+
+
+def trained_hint_advantage(adv: torch.Tensor, mask: torch.Tensor, baseline: str) -> torch.Tensor:
+    """What the step trains on (``HintSettings.hint_baseline``): ``hint_advantage``'s as it is, or
+    centred per call. The step's figures keep the uncentred one (its mean is minus the reverse KL)."""
+    return centred_per_row(adv, mask) if baseline == "call" else adv
 
 
 def hint_top_k_loss(mb: MicroBatch, coef: float) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:

@@ -21,6 +21,7 @@ from services.trainer.recipes.hints import (
     hint_statistics,
     hint_top_k_loss,
     teacher_inputs,
+    trained_hint_advantage,
 )
 
 
@@ -47,8 +48,9 @@ class OPD(BaseRecipe):
 
     def loss(self, mb: MicroBatch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         adv, mask = hint_advantage(mb, clip=self.config.hint_clip)
+        trained = trained_hint_advantage(adv, mask, self.config.hint_baseline)
         # each token is an action here, whatever algorithm.level says: the teacher grades every token
-        loss, stats = grpo_loss(logprobs=mb.logprobs, old_logprobs=mb.old_logprobs, advantages=adv * self.config.coef,
+        loss, stats = grpo_loss(logprobs=mb.logprobs, old_logprobs=mb.old_logprobs, advantages=trained * self.config.coef,
                                 mask=mask, weights=mb.weights.unsqueeze(-1), normalizer=mb.norms.tokens,
                                 **clip_args(mb.objective))
         stats = {**stats, **hint_statistics(mb, adv, mask)}

@@ -63,9 +63,11 @@ class TwoAgentEnv:
 async def two_agents(client, n: int) -> tuple[str, str]:
     # The task's number stays out of the prompts: the random tiny model does not generalize across
     # number tokens it was not trained on, so validation tasks differ from training ones only in
-    # their ids and their fresh samples (the verifier's prompt still varies with the proposal).
+    # their ids and their fresh samples. The verifier reads the proposal's first character: its prompt
+    # varies with the proposal, over few enough prompts for it to learn in the steps it gets (with
+    # the whole proposal, its gain over 72 versions ranged from 0.01 to 0.23).
     proposal = await client.complete("Propose something.", max_tokens=2)
-    check = await client.as_agent("verifier").complete(f"Check {proposal!r}.", max_tokens=2)
+    check = await client.as_agent("verifier").complete(f"Check {proposal[:1]!r}.", max_tokens=2)
     return proposal, check
 
 

@@ -324,6 +324,12 @@ def test_guard_raises_an_alarm_and_rolls_back_a_worse_version_in_immediate_mode(
     assert kinds == ["alarm", "rolled_back"]
     assert checkpoints.read_latest(root, "guide") == 1
     assert 'kaizen_release_decisions_total{agent="guide",decision="alarm"} 1.0' in ex.http.get("/metrics").text
+    # The decision is recorded before this replica has loaded v1 again (immediate mode retired it when v2
+    # came): /v1/models says what it serves, and from then on every new task gets v1.
+    deadline = time.monotonic() + 30
+    while ex.http.get("/v1/models/guide").json()["version"] != 1:
+        assert time.monotonic() < deadline, "v1 was not loaded again within 30 s of the rollback"
+        time.sleep(0.05)
     assert {_ask(ex, f"after-{i}")[1] for i in range(5)} == {RIGHT}
 
 

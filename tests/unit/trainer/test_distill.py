@@ -6,7 +6,7 @@ import math
 
 import torch
 
-from services.trainer.algorithms.distill import distillation_advantage
+from services.trainer.algorithms.distill import centred_per_row, distillation_advantage
 
 
 def test_each_token_gets_the_teachers_logprob_minus_the_samplers_clamped_and_masked():
@@ -28,6 +28,15 @@ def test_its_mean_over_the_students_own_samples_is_minus_the_reverse_kl():
     adv = distillation_advantage(teacher.log().unsqueeze(0), student.log().unsqueeze(0), torch.ones(1, 3), clip=50.0)
     kl = (student * (student / teacher).log()).sum()
     assert abs((student * adv[0]).sum().item() + kl.item()) < 1e-6
+
+
+def test_centred_per_row_each_calls_mean_is_taken_off_its_own_tokens_only():
+    adv = torch.tensor([[0.4, -1.0, 9.0], [-0.2, -0.2, -0.2]])
+    mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 1.0, 1.0]])
+    out = centred_per_row(adv, mask)
+    # row 1: mean of (0.4, -1.0) is -0.3 -> (0.7, -0.7), padding stays 0; row 2: a constant gap moves nothing
+    assert torch.allclose(out, torch.tensor([[0.7, -0.7, 0.0], [0.0, 0.0, 0.0]]), atol=1e-6)
+    assert centred_per_row(torch.zeros(1, 2), torch.zeros(1, 2)).tolist() == [[0.0, 0.0]]  # no token: no division by 0
 
 
 def test_it_carries_no_gradient():

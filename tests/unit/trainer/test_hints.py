@@ -104,6 +104,20 @@ def test_opd_pushes_up_the_tokens_the_teacher_prefers_and_down_the_others():
     assert figures["teacher_s"] == approx(0.25)
 
 
+def test_a_baseline_per_call_centres_what_is_trained_and_the_figures_keep_the_reverse_kl():
+    c = cfg("algorithm.name=opd", "train_batch_size=1", "algorithm.opd.top_k=0", "algorithm.opd.hint_baseline=call")
+    recipe = c.algorithm.recipe()
+    sel = select_batch([row(1)], recipe=recipe, cfg=c, current_version=0, now=NOW)
+    lp = torch.full((1, 2), -0.5, requires_grad=True)
+    mb = _micro(recipe, sel.items, lp, torch.tensor([[-0.1, -1.5]]))  # gaps +0.4, -1.0: mean -0.3
+    loss, stats = recipe.loss(mb)
+    loss.backward()
+    assert lp.grad.tolist() == [[approx(-0.35), approx(0.35)]]  # A = (+0.7, -0.7), over 2 tokens
+    assert hint_figures({k: float(v) for k, v in stats.items()})["distill_advantage"] == approx(-0.3)
+    with pytest.raises(ConfigError, match="hint_baseline"):
+        cfg("algorithm.name=opd", "algorithm.opd.hint_baseline=batch")
+
+
 def test_grpo_adds_the_hints_advantage_to_the_rewards_on_hinted_calls_only():
     c = cfg("algorithm.name=grpo", "train_batch_size=1", "algorithm.grpo.hint_coef=0.5", "algorithm.level=token",
             "algorithm.grpo.min_group_size=1", "algorithm.grpo.top_k=0")
