@@ -28,6 +28,7 @@ from torch import nn
 
 from services.common import grammar as grammars
 from services.common.models import load_base_model, resolve_device, resolve_dtype, shared_prefix_len, stop_token_ids
+from services.trainer.token_stats import token_stats
 
 log = logging.getLogger(__name__)
 
@@ -236,20 +237,10 @@ class Policy:
         with contextlib.nullcontext() if adapter or self.model is None else self.model.disable_adapter():
             out = net(**self._inputs(batch), output_hidden_states=need_hidden,
                       logits_to_keep=R + 1)  # positions P-1 .. P+R-1; the last one predicts nothing we need
-        logits = out.logits[:, :-1, :].float() / batch.temperatures.to(self.device).view(-1, 1, 1)  # (B, R, V)
-        if allowed is not None:
-            allowed = allowed.to(self.device)
-            logits = logits.masked_fill(~allowed, float("-inf"))
-        logp_all = torch.log_softmax(logits, dim=-1)
-        logprobs = logp_all.gather(-1, batch.response_ids.to(self.device).unsqueeze(-1)).squeeze(-1)
-        with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
-            # Disallowed tokens have p = 0 and logp = -inf: their term is 0 (and so are its gradients).
-            logp_finite = logp_all if allowed is None else logp_all.masked_fill(~allowed, 0.0)
-            entropy = -(logp_all.exp() * logp_finite).sum(-1)
+        # each statistic chunk by chunk from the logits' first R positions (services/trainer/token_stats.py): no
+        # (B, R, V) float32 copy per statistic is kept for the backward pass
+        stats = token_stats(out.logits, batch.temperatures, batch.response_ids, allowed=allowed,
+                            gather=gather, top_k=top_k, entropy_grad=entropy_grad and torch.is_grad_enabled())
+        logprobs, entropy, gathered, top = stats.logprobs, stats.entropy, stats.gathered, stats.top
         hidden = out.hidden_states[-1][:, P - 1 : P - 1 + R, :] if need_hidden else None
-        gathered = None if gather is None else logp_all.gather(-1, gather.to(self.device))
-        top = None
-        if top_k > 0:
-            values, ids = logp_all.detach().topk(min(top_k, logp_all.shape[-1]), dim=-1)
-            top = (values, ids)
         return ForwardOut(logprobs=logprobs, entropy=entropy, hidden=hidden, gathered=gathered, top=top)

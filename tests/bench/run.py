@@ -9,9 +9,10 @@ from services.common.logging import setup_logging
 
 def main() -> int:
     setup_logging("warning")
-    from tests.bench import canary, explorer, learning, recording, reload, scale, smollm2, soak, trainer, vllm
+    from tests.bench import canary, explorer, learning, logits, recording, reload, scale, smollm2, soak, trainer, vllm
 
-    sections = [("explorer", explorer.main), ("recording", recording.main), ("trainer", trainer.main), ("reload", reload.main),
+    sections = [("explorer", explorer.main), ("recording", recording.main), ("trainer", trainer.main), ("logits", logits.main),
+                ("reload", reload.main),
                 ("canary", canary.main), ("soak", soak.main), ("scale", scale.main), ("vllm", vllm.main),
                 ("smollm2", smollm2.main),
                 # last: one real demo per seed and setting, about 15 minutes each on 2 cores (an hour and a half)
