@@ -53,7 +53,6 @@ from services.common.buffer.schema import (
     AlreadyConsumed,
     BatchChanged,
     BufferError,
-    ForbiddenAgents,
     IdempotencyKeyReused,
     UnknownIds,
     audit_log,
@@ -85,7 +84,7 @@ from services.common.buffer.training import (
 __all__ = [
     # schema
     "metadata", "experiences", "trainer_steps", "release_decisions", "reward_ledger", "feedback_keys", "audit_log", "tombstones", "TERMINAL",
-    "LATE_PENDING", "BufferError", "UnknownIds", "ForbiddenAgents", "AlreadyConsumed", "IdempotencyKeyReused", "BatchChanged",
+    "LATE_PENDING", "BufferError", "UnknownIds", "AlreadyConsumed", "IdempotencyKeyReused", "BatchChanged",
     # engine
     "create_buffer_engine", "write_transaction", "iter_chunks", "utcnow",
     # recording

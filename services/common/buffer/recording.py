@@ -16,7 +16,6 @@ from services.common.buffer.schema import (
     LATE_PENDING,
     TERMINAL,
     AlreadyConsumed,
-    ForbiddenAgents,
     IdempotencyKeyReused,
     UnknownIds,
     _row_to_experience,
@@ -70,10 +69,13 @@ def insert_missing_experiences(*, engine: Engine, records: Sequence[Experience])
     return len(missing)
 
 
-def _resolve(conn: Connection, msg_ids: Sequence[str], *, lock: bool) -> dict[str, list[tuple[str, str]]]:
+def _resolve(conn: Connection, msg_ids: Sequence[str], *, lock: bool, agents: Sequence[str] | None = None
+             ) -> dict[str, list[tuple[str, str]]]:
     """Map each msg id (completion id or experience id) to its [(experience_id, status)].
 
-    With ``lock``, the rows are locked (``_lock_rows``) and the statuses are the locked ones.
+    With ``lock``, the rows are locked (``_lock_rows``) and the statuses are the locked ones. With
+    ``agents`` (an API key's), another agent's rows are not found: its ids are unknown to the caller,
+    who learns nothing of them (not even that they exist).
     """
     ids = list(dict.fromkeys(msg_ids))
     found: dict[str, list[tuple[str, str]]] = {i: [] for i in ids}
@@ -81,6 +83,8 @@ def _resolve(conn: Connection, msg_ids: Sequence[str], *, lock: bool) -> dict[st
         q = select(
             experiences.c.experience_id, experiences.c.completion_id, experiences.c.status
         ).where(or_(experiences.c.experience_id.in_(chunk), experiences.c.completion_id.in_(chunk)))
+        if agents is not None:
+            q = q.where(experiences.c.agent.in_(list(agents)))
         for exp_id, comp_id, status in conn.execute(q):
             if exp_id in found:
                 found[exp_id].append((exp_id, status))
@@ -130,11 +134,12 @@ class IdempotencyKey:
     ttl_s: float = 86_400.0
 
 
-def feedback_rows(*, engine: Engine, msg_ids: Sequence[str]) -> list[Experience]:
+def feedback_rows(*, engine: Engine, msg_ids: Sequence[str], agents: Sequence[str] | None = None) -> list[Experience]:
     """The experiences the ids name (completion or experience ids), in arrival order; UnknownIds if
-    any names nothing. What feedback in words is rendered from (their conversations)."""
+    any names nothing (or, with ``agents``, another agent's). What feedback in words is rendered from
+    (their conversations)."""
     with engine.connect() as conn:
-        found = _resolve(conn, msg_ids, lock=False)
+        found = _resolve(conn, msg_ids, lock=False, agents=agents)
         if unknown := [i for i, rows in found.items() if not rows]:
             raise UnknownIds(unknown)
         ids = sorted({e for rows in found.values() for e, _ in rows})
@@ -167,8 +172,8 @@ def apply_feedback(
     and the canary read), its status stays, and the ledger says it came late (``FeedbackResult.late``).
 
     A hint for an experience already trained on (or discarded) is not kept (``hint_not_kept``); words
-    alone for one raise AlreadyConsumed. Raises UnknownIds if any id names nothing, ForbiddenAgents if
-    ``agents`` is given and an experience belongs to another agent; in each case nothing changes. ``audit``: a row for ``audit_log`` (actor, action,
+    alone for one raise AlreadyConsumed. Raises UnknownIds if any id names nothing, or, with ``agents``,
+    another agent's experience (the caller's key learns nothing about it); in each case nothing changes. ``audit``: a row for ``audit_log`` (actor, action,
     target, details), written in the same transaction.
 
     ``corrections``: demonstrations to store with it (a correction of a named call), in the same
@@ -216,14 +221,13 @@ def _apply_feedback(engine: Engine, *, msg_ids: Sequence[str], reward: float | N
                     hints: dict[str, dict[str, Any]] | None, corrections: Sequence[Experience],
                     idempotency: IdempotencyKey | None) -> FeedbackResult:
     with write_transaction(engine) as conn:
-        found = _resolve(conn, msg_ids, lock=True)
+        found = _resolve(conn, msg_ids, lock=True, agents=agents)
         if idempotency is not None and (done := _keyed(conn, idempotency)) is not None:
             return done  # sent again while the first held these rows' locks: its answer, whatever changed since
         unknown = [i for i, rows in found.items() if not rows]
         if unknown:
             raise UnknownIds(unknown)
         targets = sorted({e for rows in found.values() for e, _ in rows})
-        _check_agents(conn, targets, agents)
         frozen = sorted({e for rows in found.values() for e, s in rows if s in TERMINAL})
         if frozen and hints is not None and reward is None:
             raise AlreadyConsumed(frozen)  # words alone, for what was trained already: nothing to keep
@@ -310,16 +314,6 @@ def reward_history(*, engine: Engine, experience_id: str) -> list[dict[str, Any]
         return [dict(row._mapping) for row in conn.execute(q)]
 
 
-def _check_agents(conn: Connection, experience_ids: Sequence[str], agents: Sequence[str] | None) -> None:
-    if agents is None:
-        return
-    found: set[str] = set()
-    for chunk in iter_chunks(list(experience_ids), 500):
-        found.update(conn.scalars(select(experiences.c.agent).where(experiences.c.experience_id.in_(chunk)).distinct()))
-    if others := found - set(agents):
-        raise ForbiddenAgents(others)
-
-
 def commit_experiences(
     *, engine: Engine, task_id: str | None = None, msg_ids: Sequence[str] | None = None,
     agents: Sequence[str] | None = None, audit: dict[str, Any] | None = None,
@@ -329,7 +323,7 @@ def commit_experiences(
     With ``msg_ids``, only the experiences they name (unknown ids raise UnknownIds and change
     nothing); with ``task_id``, only that task's; with neither, every rewarded experience. An
     empty ``msg_ids`` names nothing and commits nothing. ``agents``: only these agents' rows
-    (ids of another agent's raise ForbiddenAgents). ``audit``: as in ``apply_feedback``.
+    (another agent's ids are unknown ids). ``audit``: as in ``apply_feedback``.
     """
     if msg_ids is not None and not msg_ids:
         return 0
@@ -341,12 +335,11 @@ def commit_experiences(
             conds.append(experiences.c.agent.in_(list(agents)))
         untrainable = experiences.c.trainable.is_(False)
         if msg_ids:
-            found = _resolve(conn, msg_ids, lock=False)
+            found = _resolve(conn, msg_ids, lock=False, agents=agents)
             unknown = [i for i, rows in found.items() if not rows]
             if unknown:
                 raise UnknownIds(unknown)
             targets = {e for rows in found.values() for e, _ in rows}
-            _check_agents(conn, sorted(targets), agents)
         else:
             targets = set(conn.scalars(select(experiences.c.experience_id).where(and_(*conds))))
         # Lock first, in the common order, then update only what is still rewarded once locked.

@@ -186,14 +186,6 @@ class UnknownIds(BufferError):
         super().__init__(f"unknown id(s): {', '.join(self.ids)}")
 
 
-class ForbiddenAgents(BufferError):
-    """The request names experiences of agents its API key may not use."""
-
-    def __init__(self, agents: Sequence[str]):
-        self.agents = sorted(agents)
-        super().__init__(f"this API key may not use agent(s) {', '.join(map(repr, self.agents))}")
-
-
 class AlreadyConsumed(BufferError):
     """Words for experiences already trained on (or discarded): a hint teaches only what is still to
     be trained. (A reward is never refused so: it is recorded late, see ``reward_ledger``.)"""

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from fastapi import FastAPI, Request
 
-from services.common.buffer import AlreadyConsumed, ForbiddenAgents, IdempotencyKeyReused, UnknownIds
+from services.common.buffer import AlreadyConsumed, IdempotencyKeyReused, UnknownIds
 from services.common.http.errors import error_response, install_error_handlers, logged_error
 from services.explorer.recording.recorder import RecordsNotWritten, RecordsSetAside
 from services.explorer.serving.engines.base import EngineError, EngineOverloaded
@@ -18,10 +18,6 @@ def install_explorer_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(UnknownIds)
     async def _unknown(_: Request, exc: UnknownIds):
         return error_response(404, str(exc), param="msg_ids", code="unknown_id")
-
-    @app.exception_handler(ForbiddenAgents)
-    async def _forbidden(_: Request, exc: ForbiddenAgents):
-        return error_response(403, f"{exc}; nothing was changed", param="msg_ids", code="agent_not_allowed")
 
     @app.exception_handler(AlreadyConsumed)
     async def _consumed(_: Request, exc: AlreadyConsumed):

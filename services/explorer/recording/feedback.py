@@ -128,9 +128,7 @@ class FeedbackService:
         if self._demos is None:
             raise APIError(501, "this Explorer takes no feedback in words (no chat template to render it)",
                            param="hint" if req.hint is not None else "correction")
-        rows = await asyncio.to_thread(buffer.feedback_rows, engine=self._db, msg_ids=ids)
-        if principal.agent_list is not None and (others := {r.agent for r in rows} - set(principal.agent_list)):
-            raise buffer.ForbiddenAgents(others)
+        rows = await asyncio.to_thread(buffer.feedback_rows, engine=self._db, msg_ids=ids, agents=principal.agent_list)
         field = "hint" if req.hint is not None else "correction"
         for r in rows:
             if r.completion_id.startswith(DEMONSTRATION_KIND + "-"):

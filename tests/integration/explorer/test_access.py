@@ -58,10 +58,15 @@ def test_scopes_agents_and_the_audit_log(make_explorer):
         assert "'app'" in err["message"] and "'other'" in err["message"]
     _error(app.post("/v1/messages", json={"model": "other", "messages": HI, "max_tokens": 2}), 403, "agent_not_allowed")
 
-    # feedback and commit: another agent's experiences are refused, all or nothing
-    _error(other.post("/feedback", json={"msg_ids": [eid], "reward": 1.0}), 403, "agent_not_allowed")
+    # feedback and commit: another agent's experiences are unknown ids to this key (404, as an id that names
+    # nothing: the answer does not tell that it exists), all or nothing
+    nowhere = _error(other.post("/feedback", json={"msg_ids": ["chatcmpl-nowhere"], "reward": 1.0}), 404, "unknown_id")
+    for body in ({"msg_ids": [eid], "reward": 1.0}, {"msg_ids": [eid], "hint": "say hello"},
+                 {"msg_ids": [eid], "correction": {"role": "assistant", "content": "hello"}}):
+        err = _error(other.post("/feedback", json=body), 404, "unknown_id")
+        assert err["message"] == nowhere["message"].replace("chatcmpl-nowhere", eid), err
     assert app.post("/feedback", json={"msg_ids": [eid], "reward": 1.0}).status_code == 200
-    _error(other.post("/commit", json={"msg_ids": [eid]}), 403, "agent_not_allowed")
+    _error(other.post("/commit", json={"msg_ids": [eid]}), 404, "unknown_id")
     assert other.post("/commit", json={}).json()["committed"] == 0  # commit-all reaches only its own agents
     assert app.post("/commit", json={"msg_ids": [eid]}).json()["committed"] == 1
 
