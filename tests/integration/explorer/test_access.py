@@ -115,6 +115,13 @@ def test_a_key_limited_to_agents_reads_only_theirs(make_explorer):
     _error(reader.get("/experiences", params={"agent": "default"}), 403, "agent_not_allowed")
     assert reader.get("/experiences", params={"agent": "other"}).json()["data"] == []
     assert reader.get(f"/experiences/{eid}").status_code == 404  # another agent's: as if it did not exist
+    # its models: the base model and its own agents; another agent is a model that does not exist
+    listed = [m["id"] for m in reader.get("/v1/models").json()["data"]]
+    assert listed == [ex.state.registry.base_name, "other"], listed
+    _error(reader.get("/v1/models/default"), 404, "model_not_found")
+    assert reader.get("/v1/models/other").json()["version"] == 0
+    everything = [m["id"] for m in _client(ex, "ops").get("/v1/models").json()["data"]]
+    assert sorted(everything[1:]) == ["default", "other"]
 
 
 def test_quotas_answer_429_with_retry_after(make_explorer):
