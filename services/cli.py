@@ -124,8 +124,10 @@ def _rollback(args: argparse.Namespace) -> int:
     setup_logging("warning")
     db = create_buffer_engine(args.buffer_url)
     try:
-        d = rollback(root=args.checkpoints_root, db=db, agent=args.agent, to=args.to, actor="cli",
-                     reason=args.reason or "kaizen rollback")
+        reason = args.reason or "kaizen rollback"
+        d = rollback(root=args.checkpoints_root, db=db, agent=args.agent, to=args.to, actor="cli", reason=reason,
+                     audit={"actor": "cli", "action": "rollback", "target": {"agent": args.agent, "to": args.to},
+                            "details": {"reason": reason}})
     except ValueError as e:
         print(f"kaizen rollback: {e}", file=sys.stderr)
         return 2

@@ -271,14 +271,16 @@ TERMINAL_DECISIONS = ("promoted", "rejected", "rolled_back")
 
 
 def decide(*, root: str | Path, db: "Engine", agent: str, version: int, decision: str, serving: int | None,
-           actor: str, reason: str | None = None, figures: dict[str, Any] | None = None) -> "ReleaseDecision":
+           actor: str, reason: str | None = None, figures: dict[str, Any] | None = None,
+           audit: dict[str, Any] | None = None) -> "ReleaseDecision":
     """Record ``decision`` about ``version`` and carry it out. ``promoted``: ``serving`` (= version)
     serves; ``rejected``: the candidate never serves; ``rolled_back``: ``serving`` (older) serves
-    again. What the refused versions produced is the Trainer's to handle (``refused_versions``)."""
+    again. What the refused versions produced is the Trainer's to handle (``refused_versions``).
+    ``audit``: the audit log's row, written in the decision's transaction."""
     from services.common import buffer
 
     record = buffer.record_decision(engine=db, agent=agent, version=version, decision=decision, serving=serving,
-                                    actor=actor, reason=reason, figures=figures)
+                                    actor=actor, reason=reason, figures=figures, audit=audit)
     carry_out(root, agent, record)
     return record
 
@@ -326,7 +328,7 @@ def rollback_target(root: str | Path, agent: str, serving: int) -> int:
 
 
 def rollback(*, root: str | Path, db: "Engine", agent: str, to: int | None, actor: str,
-             reason: str | None) -> "ReleaseDecision":
+             reason: str | None, audit: dict[str, Any] | None = None) -> "ReleaseDecision":
     """Move serving to ``to`` (default: ``rollback_target``), at once: LATEST is replaced, running
     Explorers hot-load it within their poll interval. Raises ValueError for a version that cannot serve."""
     from services.common import checkpoints
@@ -348,6 +350,7 @@ def rollback(*, root: str | Path, db: "Engine", agent: str, to: int | None, acto
         if target < serving:  # every version above the target that served or waited is refused
             refused = [v for v in checkpoints.list_versions(root, agent) if target < v <= serving]
             return decide(root=root, db=db, agent=agent, version=serving, decision="rolled_back", serving=target,
-                          actor=actor, reason=reason, figures={"from": serving, "to": target, "refused": refused})
+                          actor=actor, reason=reason, figures={"from": serving, "to": target, "refused": refused},
+                          audit=audit)
         return decide(root=root, db=db, agent=agent, version=target, decision="promoted", serving=target, actor=actor,
-                      reason=reason, figures={"from": serving, "to": target})
+                      reason=reason, figures={"from": serving, "to": target}, audit=audit)

@@ -17,7 +17,7 @@ modules are its rooms:
 from sqlalchemy import select  # callers build ad-hoc queries on the tables as buffer.select(...)
 
 from services.common.buffer.engine import create_buffer_engine, iter_chunks, utcnow, write_transaction
-from services.common.buffer.governance import delete_user_data, list_audit, purge_text, record_audit
+from services.common.buffer.governance import delete_user_data, list_audit, purge_text
 from services.common.buffer.recording import (
     FeedbackResult,
     IdempotencyKey,
@@ -91,7 +91,7 @@ __all__ = [
     "insert_experiences", "insert_missing_experiences", "find_unknown_ids", "episode_experience_ids",
     "FeedbackResult", "IdempotencyKey", "apply_feedback", "feedback_rows", "replayed_feedback", "reward_history", "commit_experiences",
     # governance
-    "record_audit", "list_audit", "purge_text", "delete_user_data",
+    "list_audit", "purge_text", "delete_user_data",
     # reports
     "get_experience", "list_experiences", "RewardPoint", "rewarded_history", "count_versions_served",
     "count_by_status", "committed_backlog",

@@ -20,12 +20,6 @@ def _audit(conn: Connection, audit: dict[str, Any] | None, **details: Any) -> No
             details={**(audit.get("details") or {}), **details}, created_at=utcnow()))
 
 
-def record_audit(*, engine: Engine, actor: str, action: str, target: Any = None, details: dict[str, Any] | None = None) -> None:
-    """One row of the audit log (admin actions; feedback and commits write theirs in their own transaction)."""
-    with write_transaction(engine) as conn:
-        _audit(conn, {"actor": actor, "action": action, "target": target, "details": details})
-
-
 def list_audit(*, engine: Engine, limit: int = 100, actor: str | None = None, action: str | None = None) -> list[dict[str, Any]]:
     """The newest ``limit`` audit rows, newest first."""
     q = select(audit_log).order_by(audit_log.c.id.desc()).limit(limit)

@@ -31,8 +31,9 @@ def _now_row(**values: Any) -> dict:
     return values
 
 
-def insert_experiences(*, engine: Engine, records: Sequence[Experience]) -> None:
-    """Insert a batch of new experiences in one transaction (never one deleted on request)."""
+def insert_experiences(*, engine: Engine, records: Sequence[Experience], audit: dict[str, Any] | None = None) -> None:
+    """Insert a batch of new experiences in one transaction (never one deleted on request), with
+    ``audit``'s row (actor, action, target, details) in the same transaction."""
     if not records:
         return
     with engine.connect() as conn:
@@ -44,6 +45,7 @@ def insert_experiences(*, engine: Engine, records: Sequence[Experience]) -> None
     rows = [_row(r, now) for r in records]
     with write_transaction(engine) as conn:
         conn.execute(insert(experiences), rows)
+        _audit(conn, audit)
 
 
 def _row(record: Experience, now: Any) -> dict[str, Any]:

@@ -9,21 +9,24 @@ from sqlalchemy import func, insert, or_, select
 from sqlalchemy.engine import Engine
 
 from services.common.buffer.engine import utcnow, write_transaction
+from services.common.buffer.governance import _audit
 from services.common.buffer.schema import _DEMONSTRATION, _row_to_experience, experiences, release_decisions
 from services.common.records import EVAL_TASK_PREFIX, Experience, ReleaseDecision
 
 
 def record_decision(
     *, engine: Engine, agent: str, version: int, decision: str, serving: int | None, actor: str,
-    reason: str | None = None, figures: dict[str, Any] | None = None,
+    reason: str | None = None, figures: dict[str, Any] | None = None, audit: dict[str, Any] | None = None,
 ) -> ReleaseDecision:
-    """Record a release decision (who decided what about which version, with the figures)."""
+    """Record a release decision (who decided what about which version, with the figures), and
+    ``audit``'s row (a decision by hand: the key that took it) in the same transaction."""
     now = utcnow()
     with write_transaction(engine) as conn:
         row_id = conn.execute(insert(release_decisions).values(
             agent=agent, version=version, decision=decision, serving=serving, actor=actor,
             reason=None if reason is None else reason[:2000], figures=figures, created_at=now,
         )).inserted_primary_key[0]
+        _audit(conn, audit)
     return ReleaseDecision(id=int(row_id), agent=agent, version=version, decision=decision, serving=serving,
                            actor=actor, reason=reason, figures=figures, created_at=now)
 

@@ -26,21 +26,21 @@ async def versions(releases: ReleasesDep, principal: Reader, agent: str = Query(
 
 
 @router.post("/admin/rollback")
-async def rollback(body: RollbackRequest, releases: ReleasesDep, k: StateDep, principal: Admin):
+async def rollback(body: RollbackRequest, releases: ReleasesDep, principal: Admin):
     check_agent(principal, body.agent, "agent")
-    out = await releases.rollback(body.agent, to=body.to, reason=body.reason, actor=f"admin:{principal.name}")
-    await _audit(k, audit_entry(principal, "rollback", {"agent": body.agent, "to": body.to}, reason=body.reason))
-    return out
+    # the audit row is written in the decision's transaction: no decision without it, nor the reverse
+    return await releases.rollback(body.agent, to=body.to, reason=body.reason, actor=f"admin:{principal.name}",
+                                   audit=audit_entry(principal, "rollback", {"agent": body.agent, "to": body.to},
+                                                     reason=body.reason))
 
 
 @router.post("/admin/release")
-async def decide(body: ReleaseDecisionRequest, releases: ReleasesDep, k: StateDep, principal: Admin):
+async def decide(body: ReleaseDecisionRequest, releases: ReleasesDep, principal: Admin):
     check_agent(principal, body.agent, "agent")
-    out = await releases.decide_by_hand(body.agent, body.version, body.decision, reason=body.reason,
-                                        actor=f"admin:{principal.name}")
-    await _audit(k, audit_entry(principal, f"release_{body.decision}", {"agent": body.agent, "version": body.version},
-                                reason=body.reason))
-    return out
+    return await releases.decide_by_hand(
+        body.agent, body.version, body.decision, reason=body.reason, actor=f"admin:{principal.name}",
+        audit=audit_entry(principal, f"release_{body.decision}", {"agent": body.agent, "version": body.version},
+                          reason=body.reason))
 
 
 @router.get("/admin/audit")
@@ -49,8 +49,3 @@ async def audit(k: StateDep, _: Admin, limit: int = Query(default=100, ge=1, le=
     check_storable({"actor": actor, "action": action}, "query")
     rows = await asyncio.to_thread(buffer.list_audit, engine=k.db, limit=limit, actor=actor, action=action)
     return {"object": "list", "data": rows}
-
-
-async def _audit(k, entry: dict) -> None:
-    await asyncio.to_thread(buffer.record_audit, engine=k.db, actor=entry["actor"], action=entry["action"],
-                            target=entry["target"], details=entry["details"])

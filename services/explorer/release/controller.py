@@ -174,15 +174,15 @@ class ReleaseController:
         agent's release lock now (the others skip the decision this time)."""
         return self._Leader(self, agent)
 
-    def _decide(self, agent: str, version: int, decision: str, *, serving: int | None, actor: str, reason: str, figures: dict[str, Any] | None = None, locked: bool = False) -> None:
+    def _decide(self, agent: str, version: int, decision: str, *, serving: int | None, actor: str, reason: str, figures: dict[str, Any] | None = None, locked: bool = False, audit: dict[str, Any] | None = None) -> None:
         if not locked:
             with self._leader(agent) as leader:
                 if leader and self._terminal(agent, version) is None:
                     self._decide(agent, version, decision, serving=serving, actor=actor, reason=reason,
-                                 figures=figures, locked=True)
+                                 figures=figures, locked=True, audit=audit)
             return
         d = decide(root=self.root, db=self.db, agent=agent, version=version, decision=decision, serving=serving,
-                   actor=actor, reason=reason, figures=figures)
+                   actor=actor, reason=reason, figures=figures, audit=audit)
         self._after(agent, d)
         log.warning("agent %s: v%d %s by %s: %s", agent, version, decision.replace("_", " "), actor, reason)
 
@@ -395,14 +395,16 @@ class ReleaseController:
         if agent not in self.registry.agents:
             raise APIError(404, f"the agent {agent!r} does not exist", param="agent", code="agent_not_found")
 
-    async def rollback(self, agent: str, *, to: int | None, reason: str | None, actor: str) -> dict[str, Any]:
+    async def rollback(self, agent: str, *, to: int | None, reason: str | None, actor: str,
+                       audit: dict[str, Any] | None = None) -> dict[str, Any]:
         """Serve ``to`` (default: what the serving version was trained from) now: the decision is
-        recorded, LATEST moved, and this replica serves it before answering (the others within their
-        poll interval). Requests already running finish on their version."""
+        recorded (with ``audit``'s row, in its transaction), LATEST moved, and this replica serves it
+        before answering (the others within their poll interval). Requests already running finish on
+        their version."""
         self._known(agent)
         try:
             d = await asyncio.to_thread(rollback, root=self.root, db=self.db, agent=agent, to=to, actor=actor,
-                                        reason=reason or "by hand")
+                                        reason=reason or "by hand", audit=audit)
         except ValueError as e:
             status = 409 if "already serves" in str(e) else 404
             raise APIError(status, str(e), param="to", code="version_not_servable") from None
@@ -417,8 +419,8 @@ class ReleaseController:
         return {"agent": agent, "serving": self.registry.agents[agent].current.version, "decision": d.as_entry()}
 
     async def decide_by_hand(self, agent: str, version: int, decision: str, *, reason: str | None,
-                             actor: str) -> dict[str, Any]:
-        """Promote or reject the pending candidate ``version``."""
+                             actor: str, audit: dict[str, Any] | None = None) -> dict[str, Any]:
+        """Promote or reject the pending candidate ``version`` (``audit``'s row in the decision's transaction)."""
         self._known(agent)
         candidate = checkpoints.read_candidate(self.root, agent)
         if candidate != version:
@@ -433,7 +435,7 @@ class ReleaseController:
             if self._terminal(agent, version) is not None:
                 raise APIError(409, f"v{version} was already decided", param="version", code="already_decided")
             self._decide(agent, version, "promoted" if promote else "rejected", serving=version if promote else serving,
-                         actor=actor, reason=reason or "by hand", locked=True)
+                         actor=actor, reason=reason or "by hand", locked=True, audit=audit)
         gate = self._gates.get(agent)
         if gate is not None and gate.candidate == version:
             gate.task.cancel()

@@ -121,7 +121,8 @@ class DemonstrationService:
             created_at=exp.created_at,  # the user's conversation, as old as the call: retention purges both at once
         )
 
-    async def add(self, req: DemonstrationRequest) -> Demonstration:
+    async def add(self, req: DemonstrationRequest, audit: dict[str, Any] | None = None) -> Demonstration:
+        """Store the demonstration (and ``audit``'s row, with the key's name, in the same transaction)."""
         try:
             agent, _, pinned = self.registry.resolve(req.model)
         except UnknownModel:
@@ -139,6 +140,8 @@ class DemonstrationService:
                       "at": datetime.now(timezone.utc).isoformat()},
             status=ExperienceStatus.COMMITTED,
         )
-        await asyncio.to_thread(buffer.insert_experiences, engine=self.db, records=[record])
+        if audit is not None:
+            audit = {**audit, "target": {**(audit.get("target") or {}), "experience_id": record.experience_id}}
+        await asyncio.to_thread(buffer.insert_experiences, engine=self.db, records=[record], audit=audit)
         return Demonstration(experience_id=record.experience_id, agent=agent, prompt_tokens=len(prompt_ids),
                              response_tokens=len(reply_ids))

@@ -69,6 +69,9 @@ def test_scopes_agents_and_the_audit_log(make_explorer):
     _error(other.post("/commit", json={"msg_ids": [eid]}), 404, "unknown_id")
     assert other.post("/commit", json={}).json()["committed"] == 0  # commit-all reaches only its own agents
     assert app.post("/commit", json={"msg_ids": [eid]}).json()["committed"] == 1
+    demo = app.post("/demonstrations", json={"model": "default", "messages": HI,
+                                             "response": {"role": "assistant", "content": "hello"}})
+    assert demo.status_code == 200, demo.text
 
     # a stored conversation of another agent cannot be continued (nor read) through the Responses API
     r = app.post("/v1/responses", json={"model": "default", "input": "remember 42", "max_output_tokens": 2})
@@ -98,10 +101,12 @@ def test_scopes_agents_and_the_audit_log(make_explorer):
     seen = [(a["actor"], a["action"]) for a in reversed(audit)]
     _error(ops.get("/admin/audit", params={"actor": "a\x00b"}), 400, "invalid_string")
     # refused actions changed nothing and are not there; the empty commit-all is
-    assert seen == [("app", "feedback"), ("other", "commit"), ("app", "commit"), ("ops", "rollback")], seen
+    assert seen == [("app", "feedback"), ("other", "commit"), ("app", "commit"), ("app", "demonstration"),
+                    ("ops", "rollback")], seen
+    assert audit[1]["target"] == {"model": "default", "experience_id": demo.json()["experience_id"]}
     assert audit[-1]["target"] == {"msg_ids": [eid], "count": 1} and audit[-1]["details"]["count"] == 1
     assert audit[-1]["details"]["reward"] == 1.0 and audit[-2]["details"]["committed"] == 0
-    assert audit[1]["details"]["committed"] == 1 and audit[0]["details"]["reason"] == "test"
+    assert audit[2]["details"]["committed"] == 1 and audit[0]["details"]["reason"] == "test"
     _error(reader.get("/admin/audit"), 403, "insufficient_scope")
 
 

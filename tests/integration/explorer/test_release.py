@@ -278,6 +278,8 @@ def test_kaizen_rollback_command(tmp_path, adapters):
     db = buffer.create_buffer_engine(url)
     [d] = buffer.list_decisions(engine=db, agent="guide")
     assert (d.decision, d.version, d.serving, d.actor) == ("rolled_back", 2, 1, "cli")
+    [a] = buffer.list_audit(engine=db)  # the refused --to v9 left none
+    assert (a["actor"], a["action"], a["target"]) == ("cli", "rollback", {"agent": "guide", "to": None})
     assert checkpoints.validate_version(root, "guide", 2).manifest()["release"][0]["decision"] == "rolled_back"
     assert main([*args, "--to", "0"]) == 0 and checkpoints.read_latest(root, "guide") == 0
 

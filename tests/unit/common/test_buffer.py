@@ -6,6 +6,7 @@ from datetime import timedelta
 
 import pytest
 from sqlalchemy import update
+from sqlalchemy.exc import IntegrityError
 
 from services.common import buffer
 from services.common.buffer import AlreadyConsumed, UnknownIds
@@ -284,3 +285,21 @@ def test_a_correction_is_stored_with_its_feedback_or_not_at_all(db):
     assert res.experience_ids == [] and res.demonstration_ids == ["demo-fix-0"]
     assert _status(db, "demo-fix-0") == "committed"
     assert _status(db, "c2-0") == "recorded"  # a correction alone leaves the call it corrects as it was
+
+
+def test_an_audit_row_is_written_with_what_it_records_or_neither_is(db):
+    bad = {"actor": "ops", "action": None, "target": {"agent": "a"}, "details": {}}  # action NOT NULL: the write fails
+    with pytest.raises(IntegrityError):
+        buffer.record_decision(engine=db, agent="a", version=2, decision="rejected", serving=1, actor="admin:ops",
+                               reason="by hand", audit=bad)
+    assert buffer.list_decisions(engine=db, agent="a") == [] and buffer.list_audit(engine=db) == []
+    with pytest.raises(IntegrityError):
+        buffer.insert_experiences(engine=db, records=[_exp("demo-x", 0)], audit=bad)
+    assert buffer.get_experience(engine=db, experience_id="demo-x-0") is None
+    good = {**bad, "action": "release_reject"}
+    d = buffer.record_decision(engine=db, agent="a", version=2, decision="rejected", serving=1, actor="admin:ops",
+                               reason="by hand", audit=good)
+    buffer.insert_experiences(engine=db, records=[_exp("demo-x", 0)], audit={**good, "action": "demonstration"})
+    assert [x.id for x in buffer.list_decisions(engine=db, agent="a")] == [d.id]
+    assert [(r["actor"], r["action"]) for r in buffer.list_audit(engine=db)] == [("ops", "demonstration"),
+                                                                                ("ops", "release_reject")]
