@@ -120,8 +120,11 @@ class _Bucket:
 
 class Quotas:
     """Requests and tokens a minute per key. A request is admitted while its key's token bucket is
-    not empty; its tokens are charged once known (so one large answer may take it below zero, and
-    the next requests wait until it refills)."""
+    not empty; once its prompt is rendered, its tokens are reserved up front (the prompt and the
+    most it may generate, ``reserve_tokens``) and settled with what it used once it ends
+    (``settle_tokens``), so a burst of concurrent requests cannot overshoot the quota by more than one
+    request's worth. A request larger than the whole quota is admitted on a full bucket and takes it
+    below zero (the next requests wait until it refills)."""
 
     def __init__(self) -> None:
         self._requests: dict[str, _Bucket] = {}
@@ -152,13 +155,30 @@ class Quotas:
                 requests.level -= 1
         return None
 
-    def charge_tokens(self, p: Principal, n: int) -> None:
+    def reserve_tokens(self, p: Principal, n: int) -> float | None:
+        """Take ``n`` tokens (an estimate: the prompt and the most the answer may use) from ``p``'s
+        quota now: None when they were taken, else the seconds until they (or the whole quota, for a
+        request larger than it) are there. Nothing is taken for a key without ``tokens_per_min``."""
         if p.tokens_per_min is None or n <= 0:
+            return None
+        with self._lock:
+            b = self._bucket(self._tokens, p.name, p.tokens_per_min)
+            b.refill(time.monotonic())
+            need = min(float(n), b.capacity)
+            if b.level < need:
+                return b.wait_s(need)
+            b.level -= n
+        return None
+
+    def settle_tokens(self, p: Principal, reserved: int, used: int) -> None:
+        """A request that reserved ``reserved`` tokens used ``used``: the difference goes back (or, if
+        it used more, is charged)."""
+        if p.tokens_per_min is None or reserved == used:
             return
         with self._lock:
             b = self._bucket(self._tokens, p.name, p.tokens_per_min)
             b.refill(time.monotonic())
-            b.level -= n
+            b.level = min(b.capacity, b.level + reserved - used)
 
 
 class Access:

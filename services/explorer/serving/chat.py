@@ -11,6 +11,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import math
 import time
 from datetime import datetime, timezone
 from dataclasses import dataclass, field
@@ -105,7 +106,26 @@ class ChatService:
     # ------------------------------------------------------------------ preparation (serving/prepare.py)
 
     def admit(self, p: PreparedChat, principal: Principal) -> PreparedChat:
-        return self.preparer.admit(p, principal)
+        """The caller may use the agent (403), and its key's token quota holds this request's
+        prompt and the most it may generate (429 otherwise): reserved now, settled when it ends."""
+        p = self.preparer.admit(p, principal)
+        if self.quotas is not None and principal.tokens_per_min is not None:
+            estimate = len(p.prompt_ids) + p.n * p.params.max_tokens
+            wait = self.quotas.reserve_tokens(principal, estimate)
+            if wait is not None:
+                self.metrics.quota_refusals.labels(principal.name).inc()
+                raise APIError(429, f"the token quota of API key {principal.name!r} cannot hold this request's "
+                               f"{estimate} tokens (its prompt and max_tokens) now; retry in {math.ceil(wait)} s",
+                               code="rate_limit_exceeded", headers={"Retry-After": str(max(1, math.ceil(wait)))})
+            p.reserved_tokens = estimate
+        return p
+
+    def _settle(self, p: PreparedChat, choices: list[_Choice]) -> None:
+        """Give back what a request reserved of its key's token quota and did not use (once)."""
+        if p.reserved_tokens and p.principal is not None and self.quotas is not None:
+            used = len(p.prompt_ids) + sum(len(c.token_ids) for c in choices)
+            self.quotas.settle_tokens(p.principal, p.reserved_tokens, used)
+        p.reserved_tokens = 0
 
     def prepare(self, req: ChatCompletionRequest, headers: Mapping[str, str]) -> PreparedChat:
         return self.preparer.prepare(req, headers)
@@ -219,8 +239,6 @@ class ChatService:
         m.prompt_tokens.labels(handle.agent).inc(len(p.prompt_ids))
         completion = sum(len(c.token_ids) for c in choices)
         m.completion_tokens.labels(handle.agent).inc(completion)
-        if p.principal is not None and self.quotas is not None:
-            self.quotas.charge_tokens(p.principal, len(p.prompt_ids) + completion)
         m.latency.labels("true" if stream else "false").observe(time.perf_counter() - t0)
 
     def _engine_request(self, p: PreparedChat, handle: AdapterHandle, completion_id: str, stream: bool) -> GenerateRequest:
@@ -233,9 +251,13 @@ class ChatService:
         """The whole answer at once. With ``receive`` (the ASGI channel), a client that goes away
         aborts its generation in the engine instead of leaving it to run to the end."""
         t0 = time.perf_counter()
-        handle = await self._acquire(p)
-        answer = _Answer.start(p, handle)
         choices = [_Choice(i) for i in range(p.n)]
+        try:
+            handle = await self._acquire(p)
+        except BaseException:
+            self._settle(p, choices)
+            raise
+        answer = _Answer.start(p, handle)
         try:
             async with self._abort_on_disconnect(answer.completion_id, receive):
                 async for updates in self.engine.generate(self._engine_request(p, handle, answer.completion_id, stream=False)):
@@ -243,6 +265,7 @@ class ChatService:
                         choices[u.index].add(u)
         finally:
             self.registry.release(handle)
+            self._settle(p, choices)
         if any(c.finish_reason == "abort" for c in choices):
             raise APIError(499, "the client closed the request", code="client_closed")  # nobody to answer
 
@@ -293,7 +316,11 @@ class ChatService:
 
     async def chunks(self, p: PreparedChat) -> AsyncIterator[ChatCompletionChunk]:
         """The streamed answer as chunk objects (other APIs' streams are built from them)."""
-        handle = await self._acquire(p)
+        try:
+            handle = await self._acquire(p)
+        except BaseException:
+            self._settle(p, [])
+            raise
         return self._chunks(p, handle)
 
     async def sse(self, chunks, render: Callable[[ChatCompletionChunk], str | None] = _chunk_json) -> AsyncIterator[bytes]:
@@ -359,6 +386,7 @@ class ChatService:
                     yield chunk(out)
         finally:
             self.registry.release(handle)
+            self._settle(p, choices)
         if any(c.finish_reason == "abort" for c in choices):
             return  # aborted in the engine: nobody got a whole answer, nothing to record
         messages_out = [self._message(p, c)[0] for c in choices]

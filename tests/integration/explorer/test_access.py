@@ -6,6 +6,7 @@ the audit log under the key's name."""
 from __future__ import annotations
 
 import json
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
@@ -22,6 +23,7 @@ KEYS = {
     "ops": dict(scopes=["admin", "read"]),
     "slow": dict(scopes=["chat"], requests_per_min=2),
     "small": dict(scopes=["chat"], tokens_per_min=40),
+    "burst": dict(scopes=["chat"], tokens_per_min=300),
 }
 SECRET = {name: f"kz-test-{name}-0123456789abcdef" for name in KEYS}
 HI = [{"role": "user", "content": "hi"}]
@@ -145,6 +147,18 @@ def test_quotas_answer_429_with_retry_after(make_explorer):
     _error(small.post("/v1/chat/completions", json=body), 429, "rate_limit_exceeded")
     assert _client(ex, "app").post("/v1/chat/completions", json=body).status_code == 200  # other keys unaffected
     assert 'kaizen_quota_refusals_total{key="slow"} 1.0' in _client(ex, "ops").get("/metrics").text
+
+    # a burst of 8 at once, each reserving its prompt and max_tokens up front: what they use stays within the
+    # quota plus one request's worth (charged after the answer, all 8 were admitted on a full bucket)
+    burst = _client(ex, "burst")
+    asked = {**body, "max_tokens": 40, "temperature": 0}
+    with ThreadPoolExecutor(8) as pool:
+        answers = list(pool.map(lambda _: burst.post("/v1/chat/completions", json=asked), range(8)))
+    done = [r.json()["usage"] for r in answers if r.status_code == 200]
+    refused = [_error(r, 429, "rate_limit_exceeded") for r in answers if r.status_code != 200]
+    assert done and refused and "max_tokens" in refused[0]["message"], refused[:1]
+    one = done[0]["prompt_tokens"] + 40
+    assert sum(u["total_tokens"] for u in done) <= 300 + one + 10, done  # 10: what refills in the burst's 2 s
 
 
 def test_bad_key_config_is_refused(tmp_path):
