@@ -16,7 +16,7 @@ modules are its rooms:
 
 from sqlalchemy import select  # callers build ad-hoc queries on the tables as buffer.select(...)
 
-from services.common.buffer.engine import create_buffer_engine, iter_chunks, utcnow, write_transaction
+from services.common.buffer.engine import create_buffer_engine, iter_chunks, probe_write, utcnow, write_transaction
 from services.common.buffer.governance import delete_user_data, list_audit, purge_text
 from services.common.buffer.recording import (
     FeedbackResult,
@@ -88,7 +88,7 @@ __all__ = [
     # engine
     "create_buffer_engine", "write_transaction", "iter_chunks", "utcnow",
     # recording
-    "insert_experiences", "insert_missing_experiences", "find_unknown_ids", "episode_experience_ids",
+    "insert_experiences", "insert_missing_experiences", "probe_write", "find_unknown_ids", "episode_experience_ids",
     "FeedbackResult", "IdempotencyKey", "apply_feedback", "feedback_rows", "replayed_feedback", "reward_history", "commit_experiences",
     # governance
     "list_audit", "purge_text", "delete_user_data",

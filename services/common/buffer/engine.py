@@ -14,14 +14,14 @@ import contextlib
 import logging
 import sqlite3
 import time
-from datetime import datetime, timezone
+from datetime import datetime, timedelta, timezone
 from pathlib import Path
 from typing import Any, Iterable, Iterator, Sequence
 
-from sqlalchemy import create_engine, event, func, inspect, select, text
+from sqlalchemy import create_engine, delete, event, func, insert, inspect, or_, select, text
 from sqlalchemy.engine import Connection, Engine, make_url
 
-from services.common.buffer.schema import experiences, metadata
+from services.common.buffer.schema import experiences, metadata, write_probes
 
 log = logging.getLogger("services.common.buffer")
 
@@ -141,6 +141,16 @@ def write_transaction(engine: Engine) -> Iterator[Connection]:
         conn.execution_options(kaizen_write=True)
         with conn.begin():
             yield conn
+
+
+def probe_write(*, engine: Engine, writer: str) -> None:
+    """One small write transaction (``writer``'s row of ``write_probes`` rewritten, rows of writers
+    gone a day dropped): raises what the database raises when it takes no writes at all."""
+    now = utcnow()
+    with write_transaction(engine) as conn:
+        conn.execute(delete(write_probes).where(or_(write_probes.c.writer == writer,
+                                                    write_probes.c.at < now - timedelta(days=1))))
+        conn.execute(insert(write_probes).values(writer=writer, at=now))
 
 
 def iter_chunks(items: Sequence[Any], size: int) -> Iterable[Sequence[Any]]:

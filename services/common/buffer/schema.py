@@ -143,6 +143,15 @@ feedback_keys = Table(
     Column("created_at", DateTime(timezone=True), nullable=False, index=True),
 )
 
+# One row per recorder process, rewritten by its probe: does the database take writes at all? (An
+# error that says "unavailable" while the probe goes through is the data's fault, not the database's.)
+write_probes = Table(
+    "write_probes",
+    metadata,
+    Column("writer", String(128), primary_key=True),
+    Column("at", DateTime(timezone=True), nullable=False, index=True),
+)
+
 # Who did what through the admin and feedback endpoints.
 audit_log = Table(
     "audit_log",

@@ -12,6 +12,11 @@ Two kinds of failure, two answers:
 - a record the database refuses (a string it cannot store, a value too wide): the batch is split in
   halves until the refused record stands alone; it is set aside in the dead-letter file with the
   reason and counted, and everyone else's records are written. One bad record never stops the rest.
+Some refusals look like the first kind (PostgreSQL's program limits, a driver's I/O error on one
+row are OperationalErrors): after ``_PROBE_AFTER`` failures in a row, each "unavailable" error is
+checked by a probe write (``buffer.probe_write``). If the probe goes through, the database is up
+and the batch is split as for a refusal (a lone record is tried once more, then set aside); if not,
+it is down, and the batch waits.
 
 Feedback naming an id still in flight waits for its batch instead of failing with "unknown id".
 """
@@ -20,6 +25,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
+import socket
 import time
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -30,13 +37,14 @@ from sqlalchemy.engine import Engine
 from sqlalchemy.exc import DBAPIError, DisconnectionError, IntegrityError, InterfaceError, OperationalError
 from sqlalchemy.exc import TimeoutError as PoolTimeout
 
-from services.common.buffer import insert_experiences, insert_missing_experiences
+from services.common.buffer import insert_experiences, insert_missing_experiences, probe_write
 from services.common.records import Experience
 from services.explorer.recording.journal import Journal, append_dead_letter
 
 log = logging.getLogger(__name__)
 
 _REMEMBER_SET_ASIDE = 10_000  # ids of set-aside records kept to answer feedback about them
+_PROBE_AFTER = 3  # failed writes of one batch in a row before each "unavailable" error is checked by a probe
 
 
 class RecorderFull(RuntimeError):
@@ -132,6 +140,8 @@ class Recorder:
         self._last_set_aside: float | None = None
         self.written = 0
         self.failures = 0
+        self._failing = 0  # failed writes of the current batch in a row
+        self._writer = f"{socket.gethostname()}:{os.getpid()}:{id(self):x}"[:128]
         self.set_aside_count = 0
 
     @property
@@ -252,15 +262,18 @@ class Recorder:
             try:
                 if self._journal is not None:
                     await asyncio.to_thread(self._journal.sync)
-                set_aside = await asyncio.to_thread(self._write, [q.record for q in batch])
+                set_aside = await asyncio.to_thread(self._write, [q.record for q in batch],
+                                                    self._failing >= _PROBE_AFTER)
             except Exception as e:
                 self.failures += 1
+                self._failing += 1
                 self._last_error = f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"
                 log.error("recorder: writing %d records failed (%s); retrying in %.1fs", len(batch), self._last_error, backoff)
                 await asyncio.sleep(backoff)
                 backoff = min(backoff * 2, 5.0)
                 continue
             backoff = 0.1
+            self._failing = 0
             self._last_error = None
             self._done(batch, set_aside, time.perf_counter() - t0)
             async with self._flushed:
@@ -301,16 +314,25 @@ class Recorder:
 
     # ------------------------------------------------------------------ in a worker thread
 
-    def _write(self, batch: list[Experience]) -> dict[str, str]:
+    def _write(self, batch: list[Experience], probing: bool = False) -> dict[str, str]:
         """Write ``batch``, isolating records the database refuses: returns {experience_id: reason}
         of those set aside. Raises when the database is unavailable (nothing is lost: the rows
-        written so far are skipped on the retry)."""
+        written so far are skipped on the retry). ``probing``: an "unavailable" error counts as a
+        refusal while a probe write goes through."""
         try:
             self._insert(batch)
             return {}
         except Exception as e:
-            if is_unavailable(e):
+            if is_unavailable(e) and not (probing and self._takes_writes()):
                 raise
+            if len(batch) == 1 and is_unavailable(e):  # up, yet not this row: once more before setting it aside
+                try:
+                    self._insert(batch)
+                    return {}
+                except Exception as again:
+                    if is_unavailable(again) and not self._takes_writes():
+                        raise
+                    e = again
             if len(batch) == 1:
                 reason = f"{type(e).__name__}: {str(e).splitlines()[0][:500] if str(e) else ''}"
                 path = append_dead_letter(self.dead_letters, batch[0], reason)
@@ -318,7 +340,16 @@ class Recorder:
                           batch[0].experience_id, reason, path)
                 return {batch[0].experience_id: reason}
         mid = len(batch) // 2
-        return {**self._write(batch[:mid]), **self._write(batch[mid:])}
+        return {**self._write(batch[:mid], probing), **self._write(batch[mid:], probing)}
+
+    def _takes_writes(self) -> bool:
+        """The probe: does the database take a small write now?"""
+        try:
+            probe_write(engine=self._db, writer=self._writer)
+            return True
+        except Exception as e:
+            log.warning("recorder: the database takes no writes (%s: %s)", type(e).__name__, str(e).splitlines()[0][:200] if str(e) else "")
+            return False
 
     def _insert(self, batch: list[Experience]) -> None:
         try:

@@ -81,6 +81,37 @@ def test_a_refused_record_is_set_aside_and_everyone_elses_are_written(db, tmp_pa
     assert not list((tmp_path / "journal").glob("segment-*.jsonl"))  # nothing left to replay
 
 
+def test_a_record_whose_error_says_unavailable_is_set_aside_once_a_probe_shows_the_database_takes_writes(db, tmp_path):
+    """A driver error of the "unavailable" kind (an OperationalError, as PostgreSQL's program limits
+    are) raised for one record only: the recorder no longer retries it forever."""
+    from sqlalchemy import event
+
+    dbapi = db.dialect.loaded_dbapi  # the driver's own error class, as its program limits raise
+
+    def refuse(conn, cursor, statement, parameters, context, executemany):
+        if statement.lstrip().upper().startswith("INSERT INTO EXPERIENCES") and "'too-big'" in repr(parameters):
+            raise dbapi.OperationalError("program limit exceeded")  # the kind that usually means "down"
+
+    event.listen(db, "before_cursor_execute", refuse)
+    aside: list[str] = []
+
+    async def scenario():
+        rec = _recorder(db, tmp_path, max_batch=64, on_set_aside=lambda r, why: aside.append(why))
+        await rec.start()
+        rec.record([_exp(i) for i in range(10)] + [_exp(10, task="too-big")] + [_exp(i) for i in range(11, 20)])
+        await rec.wait_written([f"c{i}-0" for i in range(20) if i != 10], timeout=20)
+        with pytest.raises(RecordsSetAside, match="c10 could not be recorded"):
+            await rec.wait_written(["c10"], timeout=10)
+        failures = rec.failures
+        await rec.stop()
+        return failures
+
+    failures = asyncio.run(scenario())
+    event.remove(db, "before_cursor_execute", refuse)
+    assert _stored(db) == {f"c{i}-0" for i in range(20) if i != 10}
+    assert failures == 3 and len(aside) == 1 and "program limit exceeded" in aside[0]  # 3 tries, then the probe
+
+
 def test_an_unavailable_database_loses_nothing_and_feedback_is_told_to_retry(db, tmp_path, buffer_url):
     async def scenario():
         rec = _recorder(db, tmp_path)
@@ -92,8 +123,13 @@ def test_an_unavailable_database_loses_nothing_and_feedback_is_told_to_retry(db,
             await asyncio.sleep(0.3)
             problems = rec.health().problems(degraded_after_s=0.2, set_aside_window_s=600)
             assert problems and "waited" in problems[0]
+            # locked long enough for the probe to be asked (after 3 failures), and to fail (PostgreSQL's lock makes
+            # the write wait instead of fail)
+            while rec.failures < 5 and db.dialect.name == "sqlite":
+                await asyncio.sleep(0.1)
         await rec.wait_written(["c9-0"], timeout=20)  # the lock is gone: written on the next retry
         assert rec.health().problems(degraded_after_s=0.2, set_aside_window_s=600) == []
+        assert rec.set_aside_count == 0  # probed while locked: down, nothing set aside
         await rec.stop()
 
     asyncio.run(scenario())
