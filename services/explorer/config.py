@@ -156,6 +156,11 @@ class RecorderSection(ConfigModel):
         description="Journal and dead-letter directory (keep it on a persistent disk; replicas may share it). "
         "Default: <database file>.journal beside a SQLite buffer, else ./kaizen-journal.",
     )
+    journal_max_age_s: float = Field(
+        default=60.0, gt=0,
+        description="The journal's open segment is sealed once its first record is this old (and deleted once all its "
+        "records are written): the longest a written record's text stays on this replica's disk, a deleted user's "
+        "included.")
     feedback_wait_s: float = Field(
         default=5.0, gt=0,
         description="Feedback or commit naming a record not yet written waits this long, then gets 503 with Retry-After.",

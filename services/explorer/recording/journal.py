@@ -5,7 +5,9 @@ chat is answered; if the database is slow or down, for much longer. To make "ans
 "recorded" even when the Explorer is then killed, every record is appended to a journal segment
 file before the answer leaves (one ``write`` per request: it survives a kill -9 of the process at
 once, and power loss after the recorder's next group fsync). A segment is deleted once every
-record in it is in the database (or set aside as a dead letter).
+record in it is in the database (or set aside as a dead letter). The open segment is sealed when it
+reaches ``segment_bytes`` or when its first record is ``max_age_s`` old (``seal_if_old``), and at
+once on ``rotate`` (a user's data deleted): the text of written records never waits on disk longer.
 
 Several Explorers may share a journal directory: each holds an exclusive ``flock`` on its own open
 segment, and a starting Explorer adopts every segment no live process holds (the leftovers of a
@@ -49,6 +51,7 @@ class _Segment:
     outstanding: int = 0  # records appended (or replayed) and not yet written to the database
     sealed: bool = False  # no more appends: delete once outstanding reaches 0
     dirty: bool = False  # appended to since the last fsync
+    first_at: float | None = None  # monotonic time of its first append
 
 
 def encode_record(record: Experience) -> bytes:
@@ -68,11 +71,43 @@ def append_dead_letter(path: Path, record: Experience, reason: str) -> Path:
                       ensure_ascii=True, separators=(",", ":")).encode() + b"\n"
     fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
     try:
+        fcntl.flock(fd, fcntl.LOCK_EX)  # against a scrub (drop_dead_letters) rewriting it meanwhile
         os.write(fd, line)
         os.fsync(fd)
     finally:
         os.close(fd)
     return path
+
+
+def drop_dead_letters(path: Path, user_id: str, agents: Sequence[str] | None = None) -> int:
+    """Rewrite the dead-letter file without ``user_id``'s records (of ``agents``, when given): a
+    user's data deleted leaves none of their text here either. Returns how many lines went."""
+    if not path.exists():
+        return 0
+    fd = os.open(path, os.O_RDWR)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)  # appends wait; another replica's scrub too
+        with open(path, "rb") as f:
+            lines = f.readlines()
+        keep = []
+        for line in lines:
+            try:
+                exp = json.loads(line).get("experience") or {}
+            except ValueError:
+                keep.append(line)
+                continue
+            if exp.get("user_id") == user_id and (agents is None or exp.get("agent") in agents):
+                continue
+            keep.append(line)
+        dropped = len(lines) - len(keep)
+        if dropped:
+            os.ftruncate(fd, 0)
+            os.lseek(fd, 0, os.SEEK_SET)
+            os.write(fd, b"".join(keep))
+            os.fsync(fd)
+        return dropped
+    finally:
+        os.close(fd)
 
 
 @dataclass
@@ -162,6 +197,8 @@ class Journal:
                 raise JournalError("the journal is closed")
             seg = self._segments[key]
             os.write(seg.fd, data)
+            if seg.first_at is None:
+                seg.first_at = time.monotonic()
             seg.size += len(data)
             seg.outstanding += len(records)
             seg.dirty = True
@@ -192,6 +229,24 @@ class Journal:
             seg.outstanding -= n
             if seg.outstanding <= 0 and seg.sealed:
                 self._drop(key)
+
+    def rotate(self) -> bool:
+        """Seal the open segment now if it holds anything (it goes as soon as its records are all
+        written) and open a new one; True if it was sealed."""
+        with self._lock:
+            if self._current is None or self._segments[self._current].size == 0:
+                return False
+            self._rotate()
+            return True
+
+    def seal_if_old(self, max_age_s: float) -> bool:
+        """``rotate`` when the open segment's first record is at least ``max_age_s`` old."""
+        with self._lock:
+            seg = None if self._current is None else self._segments[self._current]
+            if seg is None or seg.first_at is None or time.monotonic() - seg.first_at < max_age_s:
+                return False
+            self._rotate()
+            return True
 
     # ------------------------------------------------------------------ segments
 

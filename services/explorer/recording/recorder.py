@@ -31,7 +31,7 @@ import time
 from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterable, Sequence
+from typing import Any, Callable, Iterable, Sequence
 
 from sqlalchemy.engine import Engine
 from sqlalchemy.exc import DBAPIError, DisconnectionError, IntegrityError, InterfaceError, OperationalError
@@ -39,7 +39,7 @@ from sqlalchemy.exc import TimeoutError as PoolTimeout
 
 from services.common.buffer import insert_experiences, insert_missing_experiences, probe_write
 from services.common.records import Experience
-from services.explorer.recording.journal import Journal, append_dead_letter
+from services.explorer.recording.journal import Journal, append_dead_letter, drop_dead_letters
 
 log = logging.getLogger(__name__)
 
@@ -120,6 +120,7 @@ class Recorder:
         max_pending: int = 100_000,
         on_flush: Callable[[int, float], None] | None = None,
         on_set_aside: Callable[[Experience, str], None] | None = None,
+        journal_max_age_s: float = 60.0,
     ):
         self._db = db
         self._journal = journal
@@ -129,6 +130,7 @@ class Recorder:
         self._max_pending = max_pending
         self._on_flush = on_flush
         self._on_set_aside = on_set_aside
+        self._journal_max_age_s = journal_max_age_s
         self._pending: list[_Queued] = []
         self._keys: dict[str, int] = {}  # completion and experience ids not yet written
         self._set_aside: OrderedDict[str, str] = OrderedDict()  # id -> reason
@@ -224,6 +226,14 @@ class Recorder:
         if self._set_aside and (aside := self.set_aside_reason(ids)):
             raise RecordsSetAside(aside)
 
+    def forget_user(self, user_id: str, agents: Sequence[str] | None = None) -> dict[str, Any]:
+        """A user's data was deleted: seal the journal's open segment (it goes once its records are
+        written; their rows were just deleted, and a replay skips them by their tombstones) and drop
+        the user's dead letters. What it did, for the deletion's report."""
+        rotated = self._journal.rotate() if self._journal is not None else False
+        dropped = drop_dead_letters(self.dead_letters, user_id, agents)
+        return {"journal_sealed": rotated, "dead_letters_dropped": dropped, "journal_max_age_s": self._journal_max_age_s}
+
     async def flush(self, timeout: float = 30.0) -> None:
         """Return once everything recorded before this call is written (read-your-writes)."""
         await self._wait_for([q.record.experience_id for q in self._pending], timeout)
@@ -247,11 +257,16 @@ class Recorder:
     async def _run(self) -> None:
         backoff = 0.1
         while True:
+            if self._journal is not None:  # the text of written records never waits in the journal past its age
+                self._journal.seal_if_old(self._journal_max_age_s)
             if not self._pending:
                 if self._stopping:
                     return
                 self._wakeup.clear()
-                await self._wakeup.wait()
+                try:
+                    await asyncio.wait_for(self._wakeup.wait(), self._journal_max_age_s / 2)
+                except asyncio.TimeoutError:
+                    continue
                 # Let a few more records join the batch, unless it is full already.
                 if len(self._pending) < self._max_batch and not self._stopping:
                     await asyncio.sleep(self._interval)

@@ -98,10 +98,15 @@ def test_deleting_a_users_data_reports_what_was_trained(make_explorer):
     # The Trainer's step 1 trained v1 on one of them (the buffer call it makes).
     buffer.consume_batch(engine=ex.state.db, agent="default", step=1, version=1, consumed={ids["consumed"]: 1.0},
                          discarded=[], state_ref="s1")
+    journal = ex.root / "journal"
+    assert "hello recorded" in "".join(p.read_text() for p in journal.glob("segment-*.jsonl"))  # its text, on disk
     r = ex.http.delete("/experiences", params={"user_id": "u-9"})
     assert r.status_code == 200, r.text
     assert r.json() == {"user_id": "u-9", "deleted": 3, "by_status": {"recorded": 1, "committed": 1, "consumed": 1},
-                        "in_published_versions": [{"agent": "default", "version": 1, "experiences": 1}]}
+                        "in_published_versions": [{"agent": "default", "version": 1, "experiences": 1}],
+                        "journal": {"journal_sealed": True, "dead_letters_dropped": 0, "journal_max_age_s": 60.0}}
+    # the journal's segment that held their text is gone (every record in it was written: nothing waits in it)
+    assert "hello" not in "".join(p.read_text() for p in journal.glob("segment-*.jsonl"))
     for eid in ids.values():
         assert ex.http.get(f"/experiences/{eid}").status_code == 404
     assert ex.http.get(f"/experiences/{other}").status_code == 200

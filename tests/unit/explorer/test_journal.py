@@ -81,3 +81,44 @@ def test_a_torn_last_line_is_skipped(tmp_path):
     _crash(j)
     replayed = Journal(tmp_path).open()
     assert [r.experience_id for r in replayed.records] == ["c0-0"] and replayed.torn == 1
+
+
+def _text(d) -> str:
+    return "".join(p.read_text() for p in d.glob("segment-*.jsonl"))
+
+
+def test_the_open_segment_is_sealed_by_age_or_at_once_and_goes_when_its_records_are_written(tmp_path, monkeypatch):
+    import time
+
+    j = Journal(tmp_path)
+    j.open()
+    assert not j.rotate() and not j.seal_if_old(0.0)  # nothing in it yet: nothing to seal
+    key = j.append([_exp(0)])
+    assert "c0-0" in _text(tmp_path) and not j.seal_if_old(60.0)  # younger than a minute
+    j.release(key)
+    assert "c0-0" in _text(tmp_path)  # written, but still in the open segment
+    later = time.monotonic() + 61
+    monkeypatch.setattr(time, "monotonic", lambda: later)
+    assert j.seal_if_old(60.0) and "c0-0" not in _text(tmp_path)  # sealed with nothing outstanding: gone
+    key = j.append([_exp(1)])
+    assert j.rotate() and "c1-0" in _text(tmp_path)  # sealed, kept until its record is written
+    j.release(key)
+    assert _text(tmp_path) == "" and len(_segments(tmp_path)) == 1
+    j.close()
+
+
+def test_a_users_dead_letters_are_dropped_and_the_others_kept(tmp_path):
+    import json
+
+    from services.explorer.recording.journal import append_dead_letter, drop_dead_letters
+
+    path = tmp_path / "dead-letters.jsonl"
+    assert drop_dead_letters(path, "u1") == 0  # no file yet
+    for i, (user, agent) in enumerate([("u1", "a"), ("u2", "a"), ("u1", "b")]):
+        append_dead_letter(path, _exp(i).model_copy(update={"user_id": user, "agent": agent}), "refused")
+    assert drop_dead_letters(path, "u1", agents=["a"]) == 1  # a key limited to agent a: b's stays
+    left = [json.loads(line)["experience"] for line in path.read_text().splitlines()]
+    assert [(e["user_id"], e["agent"]) for e in left] == [("u2", "a"), ("u1", "b")]
+    assert drop_dead_letters(path, "u1") == 1 and drop_dead_letters(path, "u1") == 0
+    append_dead_letter(path, _exp(9), "refused")  # appends go on after a scrub
+    assert len(path.read_text().splitlines()) == 2
