@@ -158,9 +158,9 @@ class RecorderSection(ConfigModel):
     )
     journal_max_age_s: float = Field(
         default=60.0, gt=0,
-        description="The journal's open segment is sealed once its first record is this old (and deleted once all its "
-        "records are written): the longest a written record's text stays on this replica's disk, a deleted user's "
-        "included.")
+        description="The journal's open segment is sealed once its first record is this old (checked at least every half "
+        "of it) and deleted once all its records are written: a written record's text, a deleted user's included, "
+        "leaves this replica's disk within about 1.5 times this.")
     feedback_wait_s: float = Field(
         default=5.0, gt=0,
         description="Feedback or commit naming a record not yet written waits this long, then gets 503 with Retry-After.",

@@ -7,7 +7,8 @@ Written plainly (upcast, divide by the temperature, log-softmax, exp for the ent
 several (B, R, V) float32 tensors alive until the backward pass: with SmolLM2's 49,152-token vocabulary
 a long supervised batch of 8 x 2,000 response tokens makes each 3 GiB. Here the logits are walked in
 chunks of positions, forward and backward; the backward recomputes each chunk's softmax from the
-logits (which the model's own backward keeps anyway) and writes the gradient directly:
+logits (kept in the model's dtype: one (B, R, V) tensor, where the plain way kept several in
+float32) and writes the gradient directly:
 
     d logp(y) / d z = onehot(y) - p,     d H / d z = -p (log p + H),     z = logits / temperature,
 

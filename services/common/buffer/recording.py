@@ -98,21 +98,24 @@ def _resolve(conn: Connection, msg_ids: Sequence[str], *, lock: bool, agents: Se
     return found
 
 
-def episode_experience_ids(*, engine: Engine, task_id: str, run_id: str, agent: str | None = None) -> list[str]:
+def episode_experience_ids(*, engine: Engine, task_id: str, run_id: str, agent: str | None = None,
+                           agents: Sequence[str] | None = None) -> list[str]:
     """The experience ids of every call of an episode (task_id + run_id), or of ``agent``'s calls in
-    it, in arrival order."""
+    it (of ``agents``' only, an API key's), in arrival order."""
     e = experiences.c
     q = select(e.experience_id).where(e.task_id == task_id, e.run_id == run_id).order_by(e.seq)
     if agent is not None:
         q = q.where(e.agent == agent)
+    if agents is not None:
+        q = q.where(e.agent.in_(list(agents)))
     with engine.connect() as conn:
         return list(conn.scalars(q))
 
 
-def find_unknown_ids(*, engine: Engine, msg_ids: Sequence[str]) -> list[str]:
-    """The msg ids that name no recorded completion or experience."""
+def find_unknown_ids(*, engine: Engine, msg_ids: Sequence[str], agents: Sequence[str] | None = None) -> list[str]:
+    """The msg ids that name no recorded completion or experience (of ``agents``, when given)."""
     with engine.connect() as conn:
-        found = _resolve(conn, msg_ids, lock=False)
+        found = _resolve(conn, msg_ids, lock=False, agents=agents)
     return [i for i, rows in found.items() if not rows]
 
 

@@ -109,6 +109,7 @@ class _Bucket:
     capacity: float
     level: float
     stamp: float = field(default_factory=time.monotonic)
+    held: float = 0.0  # reserved by requests still running (tokens only): charged to level when they end
 
     def refill(self, now: float) -> None:
         self.level = min(self.capacity, self.level + (now - self.stamp) * self.capacity / 60.0)
@@ -120,11 +121,13 @@ class _Bucket:
 
 class Quotas:
     """Requests and tokens a minute per key. A request is admitted while its key's token bucket is
-    not empty; once its prompt is rendered, its tokens are reserved up front (the prompt and the
-    most it may generate, ``reserve_tokens``) and settled with what it used once it ends
-    (``settle_tokens``), so a burst of concurrent requests cannot overshoot the quota by more than one
-    request's worth. A request larger than the whole quota is admitted on a full bucket and takes it
-    below zero (the next requests wait until it refills)."""
+    not empty; once its prompt is rendered, a model request reserves its tokens up front (the prompt
+    and the most it may generate, ``reserve_tokens``): it waits while what the bucket holds, less
+    what running requests reserved, cannot cover them. When it ends, what it used is charged
+    (``settle_tokens``). So a burst of concurrent requests cannot overshoot the quota by more than
+    one request's worth, and a reservation never locks the key out of the other endpoints (their
+    check looks at what was charged). A request larger than the whole quota is admitted on a full,
+    unreserved bucket and takes it below zero (the next requests wait until it refills)."""
 
     def __init__(self) -> None:
         self._requests: dict[str, _Bucket] = {}
@@ -165,20 +168,21 @@ class Quotas:
             b = self._bucket(self._tokens, p.name, p.tokens_per_min)
             b.refill(time.monotonic())
             need = min(float(n), b.capacity)
-            if b.level < need:
-                return b.wait_s(need)
-            b.level -= n
+            if b.level - b.held < need:
+                return b.wait_s(need + b.held)  # a guess: running requests may give back much of what they hold
+            b.held += n
         return None
 
     def settle_tokens(self, p: Principal, reserved: int, used: int) -> None:
-        """A request that reserved ``reserved`` tokens used ``used``: the difference goes back (or, if
-        it used more, is charged)."""
-        if p.tokens_per_min is None or reserved == used:
+        """A request that reserved ``reserved`` tokens ended having used ``used``: its reservation
+        is let go and what it used is charged."""
+        if p.tokens_per_min is None:
             return
         with self._lock:
             b = self._bucket(self._tokens, p.name, p.tokens_per_min)
             b.refill(time.monotonic())
-            b.level = min(b.capacity, b.level + reserved - used)
+            b.held = max(0.0, b.held - reserved)
+            b.level -= used
 
 
 class Access:

@@ -6,10 +6,11 @@ from __future__ import annotations
 import inspect
 
 from fastapi import APIRouter, Request
-from starlette.responses import JSONResponse, StreamingResponse
+from starlette.responses import JSONResponse
 
 from services.common.http.access import Principal
 from services.explorer.api.deps import CompletionsDep, MessagesDep, PrincipalDep, ResponsesDep
+from services.explorer.api.streaming import EndingStream
 from services.explorer.protocol import CompletionRequest, MessagesRequest, ResponsesRequest
 from services.explorer.serving.prepare import off_loop, recorded_header
 
@@ -24,8 +25,7 @@ async def _answer(service, body, request: Request, principal: Principal):
         prepared = await off_loop(service.prepare, body, request.headers)
     service.chat.admit(prepared, principal)
     if body.stream:
-        return StreamingResponse(await service.stream(body, prepared), media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no", **recorded_header(prepared)})
+        return EndingStream(await service.stream(body, prepared), prepared, service.chat)
     return JSONResponse(await service.complete(body, prepared, receive=request.receive), headers=recorded_header(prepared))
 
 

@@ -45,7 +45,7 @@ class FeedbackService:
         self._hint_template, self._hint_role = hint_template, hint_role
         self._key_ttl_s = key_ttl_s
 
-    async def _settle(self, ids: list[str]) -> None:
+    async def _settle(self, ids: list[str], agents: list[str] | None = None) -> None:
         """Wait until every id is written, by us or (for a short while) by another replica.
 
         Raises RecordsNotWritten (503) when our own records cannot be written in time, and
@@ -54,7 +54,7 @@ class FeedbackService:
         deadline = time.monotonic() + self._grace
         delay = 0.02
         while True:
-            unknown = await asyncio.to_thread(buffer.find_unknown_ids, engine=self._db, msg_ids=ids)
+            unknown = await asyncio.to_thread(buffer.find_unknown_ids, engine=self._db, msg_ids=ids, agents=agents)
             young = [i for i in unknown if (age := id_age_seconds(i)) is not None and -5 < age < self._grace]
             if not unknown or len(young) < len(unknown) or time.monotonic() > deadline:
                 return  # apply_feedback will name whatever is still unknown
@@ -69,10 +69,10 @@ class FeedbackService:
             return self._body(done)  # a retry of a feedback already applied: nothing changes
         if req.episode:
             check_agent(principal, req.agent, "agent")
-            ids = await self._episode(req.task_id, str(req.run_id), req.agent)
+            ids = await self._episode(req.task_id, str(req.run_id), req.agent, principal.agent_list)
         else:
             ids = list(dict.fromkeys(req.msg_ids))
-            await self._settle(ids)
+            await self._settle(ids, principal.agent_list)
         note = {
             "labels": req.labels or [],
             "comment": req.comment,
@@ -157,11 +157,13 @@ class FeedbackService:
 
         return await asyncio.to_thread(render)
 
-    async def _episode(self, task_id: str, run_id: str, agent: str | None = None) -> list[str]:
-        """Every call of an episode (or of one agent in it), once this replica's records of it are written."""
+    async def _episode(self, task_id: str, run_id: str, agent: str | None = None,
+                       agents: list[str] | None = None) -> list[str]:
+        """Every call of an episode (or of one agent in it; of ``agents`` only, a key's), once this
+        replica's records of it are written."""
         await self._recorder.flush(self._wait_s)
         ids = await asyncio.to_thread(buffer.episode_experience_ids, engine=self._db, task_id=task_id, run_id=run_id,
-                                      agent=agent)
+                                      agent=agent, agents=agents)
         if not ids:
             raise UnknownIds([f"episode task_id={task_id!r} run_id={run_id!r}" + (f" agent={agent!r}" if agent else "")])
         return ids
@@ -170,7 +172,7 @@ class FeedbackService:
         # Without ids, nothing in flight can qualify: only rewarded rows commit, and a reward
         # is only ever set on a row that is already written.
         if req.msg_ids:
-            await self._settle(list(req.msg_ids))
+            await self._settle(list(req.msg_ids), principal.agent_list)
         target = ids_target(list(req.msg_ids)) if req.msg_ids else {"task_id": req.task_id}
         n = await asyncio.to_thread(buffer.commit_experiences, engine=self._db, task_id=req.task_id, msg_ids=req.msg_ids,
                                     agents=principal.agent_list, audit=audit_entry(principal, "commit", target))

@@ -69,24 +69,39 @@ def append_dead_letter(path: Path, record: Experience, reason: str) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     line = json.dumps({"at": time.time(), "reason": reason, "experience": record.model_dump(mode="json")},
                       ensure_ascii=True, separators=(",", ":")).encode() + b"\n"
-    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+    while True:
+        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)  # a scrub (drop_dead_letters) replaces the file under this lock
+            if os.fstat(fd).st_ino != _inode(path):
+                continue  # replaced while this one waited: append to the new file
+            os.write(fd, line)
+            os.fsync(fd)
+            return path
+        finally:
+            os.close(fd)
+
+
+def _inode(path: Path) -> int | None:
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX)  # against a scrub (drop_dead_letters) rewriting it meanwhile
-        os.write(fd, line)
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    return path
+        return os.stat(path).st_ino
+    except FileNotFoundError:
+        return None
 
 
 def drop_dead_letters(path: Path, user_id: str, agents: Sequence[str] | None = None) -> int:
     """Rewrite the dead-letter file without ``user_id``'s records (of ``agents``, when given): a
     user's data deleted leaves none of their text here either. Returns how many lines went."""
-    if not path.exists():
-        return 0
-    fd = os.open(path, os.O_RDWR)
-    try:
+    while True:
+        try:
+            fd = os.open(path, os.O_RDONLY)
+        except FileNotFoundError:
+            return 0
         fcntl.flock(fd, fcntl.LOCK_EX)  # appends wait; another replica's scrub too
+        if os.fstat(fd).st_ino == _inode(path):
+            break
+        os.close(fd)  # replaced by another scrub meanwhile: lock the new one
+    try:
         with open(path, "rb") as f:
             lines = f.readlines()
         keep = []
@@ -100,14 +115,23 @@ def drop_dead_letters(path: Path, user_id: str, agents: Sequence[str] | None = N
                 continue
             keep.append(line)
         dropped = len(lines) - len(keep)
-        if dropped:
-            os.ftruncate(fd, 0)
-            os.lseek(fd, 0, os.SEEK_SET)
-            os.write(fd, b"".join(keep))
-            os.fsync(fd)
+        if dropped:  # a new file renamed over the old one: a crash leaves one or the other, whole
+            tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+            out = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            try:
+                os.write(out, b"".join(keep))
+                os.fsync(out)
+            finally:
+                os.close(out)
+            os.replace(tmp, path)
+            dir_fd = os.open(path.parent, os.O_RDONLY)
+            try:
+                os.fsync(dir_fd)
+            finally:
+                os.close(dir_fd)
         return dropped
     finally:
-        os.close(fd)
+        os.close(fd)  # appenders waiting on the old file's lock see it replaced and reopen
 
 
 @dataclass

@@ -82,6 +82,22 @@ def is_unavailable(exc: BaseException) -> bool:
     return isinstance(exc, (OperationalError, InterfaceError, DisconnectionError, PoolTimeout, ConnectionError, TimeoutError))
 
 
+# Errors about other writers, never about the data: a probe that slips in between two of them proves
+# nothing, so they always mean "retry" (SQLite's lock and busy; PostgreSQL's deadlock, serialization
+# failure, lock and statement timeouts).
+_CONTENTION_SQLSTATES = {"40P01", "40001", "55P03", "57014"}
+_CONTENTION_WORDS = ("database is locked", "database table is locked", "database is busy")
+
+
+def is_contention(exc: BaseException) -> bool:
+    orig = getattr(exc, "orig", exc)
+    code = getattr(orig, "sqlstate", None) or getattr(orig, "pgcode", None)
+    if code in _CONTENTION_SQLSTATES:
+        return True
+    text = str(orig).lower()
+    return any(w in text for w in _CONTENTION_WORDS)
+
+
 @dataclass
 class _Queued:
     record: Experience
@@ -338,14 +354,14 @@ class Recorder:
             self._insert(batch)
             return {}
         except Exception as e:
-            if is_unavailable(e) and not (probing and self._takes_writes()):
+            if is_unavailable(e) and (is_contention(e) or not (probing and self._takes_writes())):
                 raise
             if len(batch) == 1 and is_unavailable(e):  # up, yet not this row: once more before setting it aside
                 try:
                     self._insert(batch)
                     return {}
                 except Exception as again:
-                    if is_unavailable(again) and not self._takes_writes():
+                    if is_unavailable(again) and (is_contention(again) or not self._takes_writes()):
                         raise
                     e = again
             if len(batch) == 1:

@@ -120,6 +120,15 @@ class ChatService:
             p.reserved_tokens = estimate
         return p
 
+    def end(self, p: PreparedChat, choices: list[_Choice] = ()) -> None:
+        """A stream's end, whatever its way: its adapter lease let go and its token reservation
+        settled, each once (the stream's own ``finally``, or its response's when the client went
+        away before the stream was ever started)."""
+        if p.lease is not None:
+            handle, p.lease = p.lease, None
+            self.registry.release(handle)
+        self._settle(p, list(choices))
+
     def _settle(self, p: PreparedChat, choices: list[_Choice]) -> None:
         """Give back what a request reserved of its key's token quota and did not use (once)."""
         if p.reserved_tokens and p.principal is not None and self.quotas is not None:
@@ -317,7 +326,7 @@ class ChatService:
     async def chunks(self, p: PreparedChat) -> AsyncIterator[ChatCompletionChunk]:
         """The streamed answer as chunk objects (other APIs' streams are built from them)."""
         try:
-            handle = await self._acquire(p)
+            p.lease = handle = await self._acquire(p)
         except BaseException:
             self._settle(p, [])
             raise
@@ -385,8 +394,7 @@ class ChatService:
                 if out:
                     yield chunk(out)
         finally:
-            self.registry.release(handle)
-            self._settle(p, choices)
+            self.end(p, choices)
         if any(c.finish_reason == "abort" for c in choices):
             return  # aborted in the engine: nobody got a whole answer, nothing to record
         messages_out = [self._message(p, c)[0] for c in choices]

@@ -67,6 +67,12 @@ def test_scopes_agents_and_the_audit_log(make_explorer):
                  {"msg_ids": [eid], "correction": {"role": "assistant", "content": "hello"}}):
         err = _error(other.post("/feedback", json=body), 404, "unknown_id")
         assert err["message"] == nowhere["message"].replace("chatcmpl-nowhere", eid), err
+    # an episode's feedback reaches only the key's own agents' calls: another agent's episode is unknown, unnamed
+    r = app.post("/v1/chat/completions", json={"model": "default", "messages": HI, "max_tokens": 2,
+                                                "metadata": {"task_id": "t-ep", "run_id": "r1"}})
+    episode_call = r.json()["choices"][0]["experience_id"]
+    err = _error(other.post("/feedback", json={"task_id": "t-ep", "run_id": "r1", "reward": 1.0}), 404, "unknown_id")
+    assert episode_call not in err["message"] and "t-ep" in err["message"], err
     assert app.post("/feedback", json={"msg_ids": [eid], "reward": 1.0}).status_code == 200
     _error(other.post("/commit", json={"msg_ids": [eid]}), 404, "unknown_id")
     assert other.post("/commit", json={}).json()["committed"] == 0  # commit-all reaches only its own agents

@@ -40,3 +40,12 @@ def test_a_request_larger_than_the_whole_quota_goes_through_a_full_bucket_and_th
     wait = q.reserve_tokens(k, 5)
     assert wait == pytest.approx(35 * 60 / 40, abs=0.5)
     assert q.admit(k) is not None  # and the request-level check refuses before any prompt is rendered
+
+
+def test_a_running_reservation_never_locks_the_key_out_of_its_other_endpoints():
+    q, k = Quotas(), key(1000)
+    assert q.reserve_tokens(k, 8000) is None  # no max_tokens: the rest of an 8k context, on a full bucket
+    assert q.admit(k) is None  # /feedback, /commit and the rest look at what was charged, not what is held
+    assert q.reserve_tokens(k, 10) is not None  # another model request waits for it
+    q.settle_tokens(k, 8000, 50)  # it used 50
+    assert q.admit(k) is None and q.reserve_tokens(k, 900) is None

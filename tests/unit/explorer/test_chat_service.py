@@ -129,3 +129,37 @@ def test_a_client_that_goes_away_aborts_its_generation_and_nothing_is_recorded(t
     assert err.code == "client_closed"
     assert engine.aborted == {engine.requests[0].request_id}
     assert recorder.records == []
+
+
+def test_a_stream_whose_client_left_before_its_first_byte_lets_go_of_its_lease_and_its_reserved_tokens(tmp_path):
+    from services.common.http.access import Principal, Quotas
+    from services.explorer.api.streaming import EndingStream
+
+    service, _ = _service(tmp_path, FakeEngine(replies=["abc"]))
+    service.quotas = Quotas()
+    key = Principal(name="k", scopes=frozenset({"chat"}), tokens_per_min=1000)
+
+    async def send(message):
+        raise OSError("the client went away")  # before http.response.start could be sent
+
+    async def receive():
+        await asyncio.sleep(3600)
+        return {"type": "http.disconnect"}
+
+    async def go():
+        await _started(service)
+        p = service.admit(service.prepare(_request(stream=True, max_tokens=10), {}), key)
+        held = service.quotas._tokens["k"].held
+        response = EndingStream(await service.stream(p), p, service)
+        handle = p.lease
+        assert handle.leases == 1 and held == len(p.prompt_ids) + 10
+        from starlette.requests import ClientDisconnect
+
+        with pytest.raises(ClientDisconnect):  # Starlette's answer to the OSError (ASGI 2.4)
+            await response({"type": "http", "asgi": {"spec_version": "2.4"}}, receive, send)
+        return handle, p
+
+    handle, p = asyncio.run(go())
+    assert handle.leases == 0 and p.lease is None and p.reserved_tokens == 0
+    bucket = service.quotas._tokens["k"]
+    assert bucket.held == 0 and bucket.level == 1000 - len(p.prompt_ids)  # the prompt was read; nothing generated

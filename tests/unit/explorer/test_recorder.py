@@ -175,3 +175,20 @@ def test_a_replayed_record_already_in_the_buffer_is_not_written_twice(db, tmp_pa
 
     asyncio.run(scenario())
     assert _stored(db) == {"c0-0", "c1-0"}
+
+
+def test_contention_is_never_taken_for_a_bad_record():
+    import sqlite3
+
+    from sqlalchemy.exc import OperationalError
+
+    from services.explorer.recording.recorder import is_contention
+
+    def wrapped(orig):
+        return OperationalError("INSERT ...", {}, orig)
+
+    assert is_contention(wrapped(sqlite3.OperationalError("database is locked")))
+    deadlock = Exception("deadlock detected")
+    deadlock.sqlstate = "40P01"  # as psycopg's errors carry it
+    assert is_contention(wrapped(deadlock))
+    assert not is_contention(wrapped(sqlite3.OperationalError("program limit exceeded")))
