@@ -80,27 +80,34 @@ class _Stats(torch.autograd.Function):
             return (None,) * 6
         grad = torch.zeros_like(logits) if logits.shape[1] > targets.shape[1] else torch.empty_like(logits)
         R = targets.shape[1]
+        scale = inv_temp.view(-1, 1)  # (B, 1): every term's 1 / temperature, folded into the small factors
         for s in range(0, R, ctx.chunk):
             e = min(R, s + ctx.chunk)
             ok = None if allowed is None else allowed[:, s:e]
-            logp = _log_softmax(logits[:, s:e], inv_temp, ok)
-            p = logp.exp()
-            g = torch.zeros_like(p)
-            weight = torch.zeros(p.shape[:-1], dtype=p.dtype, device=p.device)  # what multiplies -p
+            # what multiplies -p at each position: the sampled token's and the gathered ones' gradients
+            weight = torch.zeros((logits.shape[0], e - s), dtype=torch.float32, device=logits.device)
             if g_lp is not None:
-                g.scatter_add_(-1, targets[:, s:e].unsqueeze(-1), g_lp[:, s:e].unsqueeze(-1).float())
                 weight = weight + g_lp[:, s:e].float()
             if g_gathered is not None:
-                gg = g_gathered[:, s:e].float()
-                g.scatter_add_(-1, gather[:, s:e], gg)
-                weight = weight + gg.sum(-1)
-            g = g - p * weight.unsqueeze(-1)
-            if g_ent is not None:
-                plogp, _ = _plogp(logp, ok)
-                g = g - g_ent[:, s:e].float().unsqueeze(-1) * (plogp + p * ent[:, s:e].unsqueeze(-1))
+                weight = weight + g_gathered[:, s:e].float().sum(-1)
+            if g_ent is None:  # -p * weight, in place on the softmax
+                g = _log_softmax(logits[:, s:e], inv_temp, ok).exp_()
+                g.mul_((-weight * scale).unsqueeze(-1))
+            else:  # p * (-weight - g_ent (log p + H)): one buffer, in place
+                g = _log_softmax(logits[:, s:e], inv_temp, ok)
+                p = g.exp()
+                if ok is not None:
+                    g.masked_fill_(~ok, 0.0)
+                g.add_(ent[:, s:e].unsqueeze(-1)).mul_(-g_ent[:, s:e].float().unsqueeze(-1))
+                g.sub_(weight.unsqueeze(-1)).mul_(p).mul_(scale.unsqueeze(-1))
+                del p
+            if g_lp is not None:
+                g.scatter_add_(-1, targets[:, s:e].unsqueeze(-1), (g_lp[:, s:e].float() * scale).unsqueeze(-1))
+            if g_gathered is not None:
+                g.scatter_add_(-1, gather[:, s:e], g_gathered[:, s:e].float() * scale.unsqueeze(-1))
             if ok is not None:  # a disallowed token's logit never moved its probability (0): no gradient, as masked_fill
-                g = g.masked_fill(~ok, 0.0)
-            grad[:, s:e] = (g * inv_temp).to(grad.dtype)
+                g.masked_fill_(~ok, 0.0)
+            grad[:, s:e] = g  # (cast to the logits' dtype)
         return grad, None, None, None, None, None
 
 
