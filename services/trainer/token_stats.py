@@ -48,12 +48,13 @@ def _log_softmax(logits: torch.Tensor, inv_temp: torch.Tensor, allowed: torch.Te
 def _plogp(logp: torch.Tensor, allowed: torch.Tensor | None) -> torch.Tensor:
     """p log p, 0 for a disallowed token (p = 0, log p = -inf)."""
     finite = logp if allowed is None else logp.masked_fill(~allowed, 0.0)
-    return logp.exp() * finite, finite
+    return logp.exp() * finite
 
 
 class _Stats(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, logits, inv_temp, targets, allowed, gather, chunk: int):
+    def forward(ctx, logits, inv_temp, targets, allowed, gather, chunk: int, top=None):
+        # ``top``: (values, ids) buffers the k likeliest tokens are written to, from the same log-softmax
         B, R = targets.shape  # logits may have more positions: they get a zero gradient
         lp = torch.empty((B, R), dtype=torch.float32, device=logits.device)
         ent = torch.empty_like(lp)
@@ -63,9 +64,11 @@ class _Stats(torch.autograd.Function):
             ok = None if allowed is None else allowed[:, s:e]
             logp = _log_softmax(logits[:, s:e], inv_temp, ok)
             lp[:, s:e] = logp.gather(-1, targets[:, s:e].unsqueeze(-1)).squeeze(-1)
-            ent[:, s:e] = -_plogp(logp, ok)[0].sum(-1)
+            ent[:, s:e] = -_plogp(logp, ok).sum(-1)
             if gather is not None:
                 gathered[:, s:e] = logp.gather(-1, gather[:, s:e])
+            if top is not None:
+                top[0][:, s:e], top[1][:, s:e] = logp.topk(top[0].shape[-1], dim=-1)
         ctx.chunk, ctx.has_allowed, ctx.has_gather = chunk, allowed is not None, gather is not None
         ctx.save_for_backward(logits, inv_temp, targets, ent, *(t for t in (allowed, gather) if t is not None))
         ctx.set_materialize_grads(False)
@@ -77,7 +80,7 @@ class _Stats(torch.autograd.Function):
         allowed = rest.pop(0) if ctx.has_allowed else None
         gather = rest.pop(0) if ctx.has_gather else None
         if g_lp is None and g_ent is None and g_gathered is None:
-            return (None,) * 6
+            return (None,) * 7
         grad = torch.zeros_like(logits) if logits.shape[1] > targets.shape[1] else torch.empty_like(logits)
         R = targets.shape[1]
         scale = inv_temp.view(-1, 1)  # (B, 1): every term's 1 / temperature, folded into the small factors
@@ -108,7 +111,7 @@ class _Stats(torch.autograd.Function):
             if ok is not None:  # a disallowed token's logit never moved its probability (0): no gradient, as masked_fill
                 g.masked_fill_(~ok, 0.0)
             grad[:, s:e] = g  # (cast to the logits' dtype)
-        return grad, None, None, None, None, None
+        return grad, None, None, None, None, None, None
 
 
 def token_stats(logits: torch.Tensor, temperatures: torch.Tensor, targets: torch.Tensor, *,
@@ -128,18 +131,12 @@ def token_stats(logits: torch.Tensor, temperatures: torch.Tensor, targets: torch
     targets = targets.to(logits.device)
     allowed = None if allowed is None else allowed.to(logits.device)
     gather = None if gather is None else gather.to(logits.device)
-    out = _Stats.apply(logits, inv_temp, targets, allowed, gather, chunk)
+    top = None
+    if top_k > 0:  # filled by the forward's own chunks (no second log-softmax), never differentiated
+        k = min(top_k, V)
+        top = (torch.empty((B, R, k), dtype=torch.float32, device=logits.device),
+               torch.empty((B, R, k), dtype=torch.long, device=logits.device))
+    out = _Stats.apply(logits, inv_temp, targets, allowed, gather, chunk, top)
     lp, ent = out[0], out[1]
     gathered = out[2] if gather is not None else None
-    top = None
-    if top_k > 0:
-        k = min(top_k, V)
-        values = torch.empty((B, R, k), dtype=torch.float32, device=logits.device)
-        ids = torch.empty((B, R, k), dtype=torch.long, device=logits.device)
-        with torch.no_grad():
-            for s in range(0, R, chunk):
-                e = min(R, s + chunk)
-                logp = _log_softmax(logits[:, s:e].detach(), inv_temp, None if allowed is None else allowed[:, s:e])
-                values[:, s:e], ids[:, s:e] = logp.topk(k, dim=-1)
-        top = (values, ids)
     return TokenStats(logprobs=lp, entropy=ent if entropy_grad else ent.detach(), gathered=gathered, top=top)
