@@ -72,6 +72,25 @@ def episode_chunks(items: list[TrainItem], size: int) -> list[list[TrainItem]]:
     return [c for c in chunks if c]
 
 
+def length_chunks(items: list[TrainItem], size: int, tokens: int | None = None) -> list[list[TrainItem]]:
+    """Micro-batches of sequences of similar length (shortest first, so little of each forward is
+    padding): at most ``size`` rows each and, with ``tokens``, at most that many padded positions
+    (rows x (longest prompt + longest response), what the forward computes). A sequence longer than
+    ``tokens`` is a micro-batch alone. The step's losses are normalised by the whole batch's counts
+    (Norms), so how the batch is cut changes its memory and speed, not its gradient."""
+    chunks: list[list[TrainItem]] = []
+    prompt = response = 0
+    for it in sorted(items, key=lambda i: (len(i.prompt_ids) + len(i.response_ids), i.seq)):
+        p, r = max(prompt, len(it.prompt_ids)), max(response, len(it.response_ids))
+        if chunks and len(chunks[-1]) < size and (tokens is None or (len(chunks[-1]) + 1) * (p + r) <= tokens):
+            chunks[-1].append(it)
+            prompt, response = p, r
+        else:
+            chunks.append([it])
+            prompt, response = len(it.prompt_ids), len(it.response_ids)
+    return chunks
+
+
 @dataclass(frozen=True)
 class Norms:
     """Batch-wide denominators, so every shard's loss is its share of the batch's mean."""

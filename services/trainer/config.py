@@ -138,6 +138,13 @@ class TrainerLoopSection(ConfigModel):
     seed: int = Field(default=0, description="Seed of adapter init and data order.")
     agents: list[str] = Field(default_factory=list, description="Train only these agents (empty: every agent with data).")
     micro_batch_size: int = Field(default=8, ge=1, description="Sequences per forward/backward (gradient accumulation).")
+    micro_batch_tokens: int | None = Field(
+        default=None, ge=1,
+        description="Also keep each micro-batch within this many padded positions (rows x (longest prompt + longest "
+        "response)): many short sequences share a forward, long ones go few at a time, so memory follows tokens, not "
+        "rows. With a large micro_batch_size it sizes micro-batches by tokens alone (on a GPU: fewer, fuller "
+        "forwards). A sequence longer than this is a micro-batch alone. Absent: micro_batch_size alone. The gradient "
+        "is the same however the batch is cut. A critic's recipe cuts by episodes and micro_batch_size alone.")
     shared_prefix_min_tokens: int = Field(
         default=32, ge=0,
         description="A prompt prefix every sequence of a micro-batch shares (a system prompt, tool descriptions) is "

@@ -22,11 +22,10 @@ from typing import Any, Callable
 import torch
 
 from services.common import checkpoints
-from services.common.buffer import iter_chunks
 from services.trainer.algorithms.masking import aggregate, masked_sum
 from services.trainer.algorithms.surrogate import kl_k3, kl_penalty
 from services.trainer.algorithms.sft import sft_loss
-from services.trainer.batches import Norms, TrainItem, episode_chunks
+from services.trainer.batches import Norms, TrainItem, episode_chunks, length_chunks
 from services.trainer.config import TrainerConfig
 from services.trainer.policy import Policy, pack
 from services.trainer.recipes import GATHER_IDS, MicroBatch
@@ -70,10 +69,6 @@ def _widen(ids: torch.Tensor, width: int) -> torch.Tensor:
     if ids.shape[1] < width:
         return torch.nn.functional.pad(ids, (0, 0, 0, width - ids.shape[1]))
     return ids[:, :width]
-
-
-def _by_length(items: list[TrainItem]) -> list[TrainItem]:
-    return sorted(items, key=lambda i: (len(i.prompt_ids) + len(i.response_ids), i.seq))
 
 
 def _undo_ray_niceness() -> None:
@@ -240,7 +235,7 @@ class LearnerWorker:
                 stats.add(per_epoch, 1.0 / cfg.trainer.epochs)  # a step reports its epochs' mean
                 stats.add_objective(objective, 1.0 / cfg.trainer.epochs)
                 stats.add(first)
-            for micro in iter_chunks(_by_length([i for i in items if i.demonstration]), cfg.trainer.micro_batch_size):
+            for micro in self._length_chunks([i for i in items if i.demonstration]):
                 stats.add(self._demonstration_step(micro, norms), 1.0 / cfg.trainer.epochs)
             self._all_reduce(params + critic_params)
             grad_norm = float(torch.nn.utils.clip_grad_norm_(params, cfg.optim.grad_clip))
@@ -260,7 +255,7 @@ class LearnerWorker:
     def _nll(self, demos: list[TrainItem]) -> float:
         """Per-token NLL of ``demos`` under the active adapter (no gradients)."""
         total, tokens = 0.0, 0
-        for micro in iter_chunks(_by_length(demos), self.cfg.trainer.micro_batch_size):
+        for micro in self._length_chunks(demos):
             logprobs, mask = self._demonstration_logprobs(micro)
             total -= float(masked_sum(logprobs, mask))
             tokens += int(mask.sum())
@@ -349,8 +344,11 @@ class LearnerWorker:
     def _micro_batches(self, items: list[TrainItem]) -> list[list[TrainItem]]:
         """A recipe that credits an episode's calls together (a critic) sees whole episodes; the
         others get sequences of similar length together, so little of each forward is padding."""
-        size = self.cfg.trainer.micro_batch_size
-        return episode_chunks(items, size) if self.recipe.uses_critic else list(iter_chunks(_by_length(items), size))
+        return episode_chunks(items, self.cfg.trainer.micro_batch_size) if self.recipe.uses_critic else self._length_chunks(items)
+
+    def _length_chunks(self, items: list[TrainItem]) -> list[list[TrainItem]]:
+        t = self.cfg.trainer
+        return length_chunks(items, t.micro_batch_size, t.micro_batch_tokens)
 
     def _demonstration_step(self, micro: list[TrainItem], norms: Norms) -> dict[str, float]:
         """The supervised term: the token-mean NLL of the step's demonstrations and replayed

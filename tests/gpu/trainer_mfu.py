@@ -27,6 +27,8 @@ def main() -> dict:
     p.add_argument("--prompt", type=int, default=256)
     p.add_argument("--response", type=int, default=256)
     p.add_argument("--micro", type=int, default=16)
+    p.add_argument("--micro-tokens", type=int, default=None, help="trainer.micro_batch_tokens (absent: rows alone)")
+    p.add_argument("--vary", action="store_true", help="each sequence's prompt and response 1/4 to all of the given lengths")
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--device", default="cuda")
     p.add_argument("--layers", type=int, default=30)
@@ -47,17 +49,24 @@ def main() -> dict:
     for f in os.listdir(tiny):
         if "token" in f or f.endswith(".txt") or f == "special_tokens_map.json":
             shutil.copy(os.path.join(tiny, f), path)
-    w = LearnerWorker({"model": {"path": path, "dtype": "bfloat16"}, "trainer": {"device": a.device, "micro_batch_size": a.micro},
+    w = LearnerWorker({"model": {"path": path, "dtype": "bfloat16"}, "trainer": {"device": a.device, "micro_batch_size": a.micro,
+                                                                                  "micro_batch_tokens": a.micro_tokens},
                        "algorithm": {"name": "grpo"}, "lora": {"r": 16}, "optim": {"lr": 1e-4, "warmup_steps": 0},
                        "log_level": "warning"})
     w.setup()
     w.ensure_agent("a")
     rng = random.Random(0)
-    items = [TrainItem(experience_id=f"e{i}", task_id=f"t{i // 4}", run_id=str(i % 4), model_version=0,
-                       prompt_ids=[rng.randrange(100, 49000) for _ in range(a.prompt)],
-                       response_ids=[rng.randrange(100, 49000) for _ in range(a.response)],
-                       old_logprobs=[-10.8] * a.response, reward=float(i % 2), temperature=1.0,
-                       advantage=1.0 if i % 2 else -1.0) for i in range(a.sequences)]
+    def length(n: int) -> int:
+        return rng.randrange(max(1, n // 4), n + 1) if a.vary else n
+
+    items = []
+    for i in range(a.sequences):
+        prompt, response = length(a.prompt), length(a.response)
+        items.append(TrainItem(experience_id=f"e{i}", task_id=f"t{i // 4}", run_id=str(i % 4), model_version=0,
+                               prompt_ids=[rng.randrange(100, 49000) for _ in range(prompt)],
+                               response_ids=[rng.randrange(100, 49000) for _ in range(response)],
+                               old_logprobs=[-10.8] * response, reward=float(i % 2), temperature=1.0,
+                               advantage=1.0 if i % 2 else -1.0, seq=i))
     w.train_step("a", items, Norms.of(items), 0, 0)  # warm-up
     if a.device == "cuda":
         torch.cuda.synchronize()
@@ -69,10 +78,10 @@ def main() -> dict:
         if a.device == "cuda":
             torch.cuda.synchronize()
         times.append(time.perf_counter() - t0)
-    tokens = a.sequences * (a.prompt + a.response)
+    tokens = sum(len(i.prompt_ids) + len(i.response_ids) for i in items)
     best = min(times)
     out = {"device": torch.cuda.get_device_name(0) if a.device == "cuda" else "cpu", "params": params,
-           "sequences": a.sequences, "tokens_per_step": tokens, "step_s": times, "tokens_per_s": tokens / best,
+           "sequences": a.sequences, "micro": a.micro, "micro_tokens": a.micro_tokens, "vary": a.vary, "tokens_per_step": tokens, "step_s": times, "tokens_per_s": tokens / best,
            "mfu_6n": 6 * params * tokens / best / (a.peak_tflops * 1e12),
            "peak_memory_gib": torch.cuda.max_memory_allocated() / 2**30 if a.device == "cuda" else None}
     print(json.dumps(out), flush=True)

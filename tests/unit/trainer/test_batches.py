@@ -206,3 +206,21 @@ def test_a_catch_up_batch_is_taken_oldest_first():
     c = cfg("algorithm.name=ppo", "train_batch_size=40")
     sel = select([row(i) for i in range(100)], cfg=c, current_version=0, now=NOW)
     assert [i.experience_id for i in sel.items] == [f"e{i}" for i in range(40)]
+
+
+def test_length_chunks_cap_rows_and_padded_tokens():
+    from services.trainer.batches import TrainItem, length_chunks
+
+    def it(seq, prompt, response):
+        return TrainItem(experience_id=f"e{seq}", task_id=None, model_version=0, prompt_ids=[1] * prompt,
+                         response_ids=[2] * response, old_logprobs=[], reward=1.0, temperature=1.0, seq=seq)
+
+    # lengths (prompt + response): e0 2+8=10, e1 4+1=5, e2 3+3=6, e3 10+10=20, e4 1+2=3
+    items = [it(0, 2, 8), it(1, 4, 1), it(2, 3, 3), it(3, 10, 10), it(4, 1, 2)]
+    ids = lambda chunks: [[i.experience_id for i in c] for c in chunks]  # noqa: E731
+    assert ids(length_chunks(items, 2)) == [["e4", "e1"], ["e2", "e0"], ["e3"]]  # shortest first, 2 rows each
+    # padded positions = rows x (longest prompt + longest response): e4+e1 = 2 x (4 + 2) = 12; + e2 = 3 x (4 + 3)
+    # = 21 > 18; e2+e0 = 2 x (3 + 8) = 22 > 18; e0 alone 10; e3 (20) is longer than the budget: alone
+    assert ids(length_chunks(items, 8, tokens=18)) == [["e4", "e1"], ["e2"], ["e0"], ["e3"]]
+    assert ids(length_chunks(items, 8, tokens=21)) == [["e4", "e1", "e2"], ["e0"], ["e3"]]
+    assert length_chunks([], 4, tokens=10) == []
