@@ -23,7 +23,7 @@ from sqlalchemy.engine import Engine, make_url
 
 from services.common.buffer import create_buffer_engine
 from services.common.config import ConfigError
-from services.common.http.access import Access, Principal, check_agent
+from services.common.http.access import Access, Principal, check_agent, make_quotas
 from services.common.http.errors import APIError, check_storable, error_response, install_error_handlers, logged_error
 from services.dashboard import queries
 from services.dashboard.config import DashboardConfig
@@ -114,7 +114,7 @@ class DashboardState:
         self.config = config
         self.db = db
         self.root = config.checkpoints.root
-        self.access = Access(config.auth, internal_key=secrets.token_urlsafe(32))
+        self.access = Access(config.auth, internal_key=secrets.token_urlsafe(32), quotas=make_quotas(config.auth, db))
         self.tokens = Tokens(config.model.path)
 
 
@@ -125,7 +125,7 @@ async def reader(request: Request) -> Principal:
     if "read" not in principal.scopes:
         raise APIError(403, f"API key {principal.name!r} lacks the 'read' scope the dashboard needs",
                        code="insufficient_scope")
-    wait = state.access.quotas.admit(principal)
+    wait = await state.access.quotas.admit_async(principal)
     if wait is not None:
         raise APIError(429, f"the quota of API key {principal.name!r} is spent for now; retry in {math.ceil(wait)} s",
                        code="rate_limit_exceeded", headers={"Retry-After": str(max(1, math.ceil(wait)))})

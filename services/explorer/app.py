@@ -18,7 +18,7 @@ from fastapi import Depends, FastAPI
 from services.common import buffer
 from services.common.buffer import create_buffer_engine
 from services.common.config import dump_config
-from services.common.http.access import Access, Quotas
+from services.common.http.access import Access, make_quotas
 from services.explorer.api import (
     chat, demonstrations, experiences, feedback, health, models, privacy, releases, translated,
 )
@@ -95,7 +95,7 @@ def create_app(config: ExplorerConfig, *, engine: Engine | None = None) -> FastA
         on_reload=on_reload,
         held_versions=pins.held,
     )
-    quotas = Quotas()
+    quotas = make_quotas(config.auth, db)
     backpressure = Backpressure(config.backpressure, db=db, metrics=metrics, agents=lambda: sorted(registry.agents))
     chat_service = ChatService(config=config, engine=engine, registry=registry, recorder=recorder, metrics=metrics,
                                episodes=pins, quotas=quotas,
@@ -145,6 +145,7 @@ def create_app(config: ExplorerConfig, *, engine: Engine | None = None) -> FastA
             await recorder.stop()
             await engine.shutdown()
             registry.remove_serving_files()
+            await asyncio.to_thread(quotas.close)
             db.dispose()
 
     # /openapi.json is served by api/health.py, behind the key like every other route but /health.

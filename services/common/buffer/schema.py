@@ -173,6 +173,26 @@ tombstones = Table(
     Column("deleted_at", DateTime(timezone=True), nullable=False),
 )
 
+# API keys' quotas, shared by every replica on this database (services/common/buffer/quotas.py): one token
+# bucket per key and kind ("requests", "tokens"), refilled by wall-clock time, and the tokens that running
+# requests hold until they end (a hold of a replica that died expires at ``expires_at``).
+quota_buckets = Table(
+    "quota_buckets",
+    metadata,
+    Column("name", String(128), primary_key=True),
+    Column("kind", String(16), primary_key=True),
+    Column("level", Float, nullable=False),
+    Column("stamp", Float, nullable=False),  # seconds since the epoch of the level's last update
+)
+quota_holds = Table(
+    "quota_holds",
+    metadata,
+    Column("hold_id", String(96), primary_key=True),
+    Column("name", String(128), nullable=False, index=True),
+    Column("tokens", Float, nullable=False),
+    Column("expires_at", Float, nullable=False),
+)
+
 TERMINAL = (ExperienceStatus.CONSUMED.value, ExperienceStatus.DISCARDED.value)
 
 # Demonstrations (records posted to /demonstrations) stay committed: the Trainer replays them.

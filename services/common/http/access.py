@@ -5,13 +5,18 @@ key is hashed and compared with every configured digest in constant time, so nei
 nor the timing reveals a key. Each route needs a scope (``chat``, ``feedback``, ``read``,
 ``admin``); a key limited to some agents gets 403 for any other agent's model or experiences. Quotas
 are token buckets per key (requests and tokens a minute), refilled continuously; an empty bucket
-answers 429 with the seconds until it holds enough again in Retry-After.
+answers 429 with the seconds until it holds enough again in Retry-After. They are counted in the
+buffer's database (``SharedQuotas``, the default: one bucket per key for every replica on it) or in
+this process (``Quotas``).
 """
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
 import hashlib
 import hmac
+import logging
 import secrets
 import threading
 import time
@@ -19,10 +24,14 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from pydantic import Field, model_validator
+from sqlalchemy.exc import SQLAlchemyError
 
+from services.common import buffer
 from services.common.checkpoints import AGENT_NAME
 from services.common.config import ConfigModel
 from services.common.http.errors import APIError
+
+log = logging.getLogger(__name__)
 
 ANONYMOUS = "anonymous"  # the actor when no keys are configured
 SCOPES = ("chat", "feedback", "read", "admin")
@@ -53,6 +62,15 @@ class AuthSection(ConfigModel):
         description="Plain keys with every scope (older configs; prefer keys, which are stored hashed). Empty, with "
         "no keys either: no auth.",
     )
+    quotas: Literal["database", "process"] = Field(
+        default="database",
+        description="Where keys' quotas are counted. database: in the buffer's database, one bucket per key for "
+        "every replica and the dashboard on it (each admission one short write transaction; while the database is "
+        "unreachable each replica counts on its own). process: in each process (a key gets its quota per replica).")
+    quota_hold_s: float = Field(
+        default=900.0, gt=0,
+        description="A running request's hold on its key's token quota lapses after this long if it was never "
+        "settled (its replica died): longer than any request may run.")
 
     @model_validator(mode="after")
     def _unique(self) -> "AuthSection":
@@ -158,10 +176,22 @@ class Quotas:
                 requests.level -= 1
         return None
 
-    def reserve_tokens(self, p: Principal, n: int) -> float | None:
+    def close(self) -> None:
+        """Let go of what the quotas hold (nothing here)."""
+
+    async def admit_async(self, p: Principal) -> float | None:
+        """``admit`` from the event loop (it does no I/O here; SharedQuotas moves it to a thread)."""
+        return self.admit(p)
+
+    async def reserve_tokens_async(self, p: Principal, n: int, hold_id: str = "") -> float | None:
+        """``reserve_tokens`` from the event loop."""
+        return self.reserve_tokens(p, n, hold_id)
+
+    def reserve_tokens(self, p: Principal, n: int, hold_id: str = "") -> float | None:
         """Take ``n`` tokens (an estimate: the prompt and the most the answer may use) from ``p``'s
-        quota now: None when they were taken, else the seconds until they (or the whole quota, for a
-        request larger than it) are there. Nothing is taken for a key without ``tokens_per_min``."""
+        quota now, for the request ``hold_id``: None when they were taken, else the seconds until they
+        (or the whole quota, for a request larger than it) are there. Nothing is taken for a key
+        without ``tokens_per_min``."""
         if p.tokens_per_min is None or n <= 0:
             return None
         with self._lock:
@@ -173,9 +203,9 @@ class Quotas:
             b.held += n
         return None
 
-    def settle_tokens(self, p: Principal, reserved: int, used: int) -> None:
-        """A request that reserved ``reserved`` tokens ended having used ``used``: its reservation
-        is let go and what it used is charged."""
+    def settle_tokens(self, p: Principal, reserved: int, used: int, hold_id: str = "") -> None:
+        """A request that reserved ``reserved`` tokens (as ``hold_id``) ended having used ``used``: its
+        reservation is let go and what it used is charged."""
         if p.tokens_per_min is None:
             return
         with self._lock:
@@ -183,6 +213,94 @@ class Quotas:
             b.refill(time.monotonic())
             b.held = max(0.0, b.held - reserved)
             b.level -= used
+
+
+class SharedQuotas(Quotas):
+    """The same quotas kept in the database (``buffer.quotas``), so that every replica on it counts
+    against one bucket per key: a key allowed 600 requests a minute gets 600 in all, whichever replica
+    serves them. Each admission and reservation is one short write transaction (call them off the event
+    loop); a settlement runs on a background thread. A key without quotas never touches the database.
+
+    While the database cannot be reached, each replica falls back to its own buckets (the process
+    ``Quotas``): a key then gets up to its quota per replica until the database is back, rather than
+    no service at all. Holds taken so are settled in this process."""
+
+    def __init__(self, engine, *, hold_s: float = 900.0) -> None:
+        super().__init__()
+        self._engine = engine
+        self._hold_s = hold_s
+        self._local_holds: set[str] = set()
+        self._settler = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="quota-settle")
+
+    async def admit_async(self, p: Principal) -> float | None:
+        if p.tokens_per_min is None and p.requests_per_min is None:
+            return None
+        return await asyncio.to_thread(self.admit, p)
+
+    async def reserve_tokens_async(self, p: Principal, n: int, hold_id: str = "") -> float | None:
+        if p.tokens_per_min is None or n <= 0:
+            return None
+        return await asyncio.to_thread(self.reserve_tokens, p, n, hold_id)
+
+    def _fallback(self, what: str, exc: Exception) -> None:
+        log.warning("quotas: the database did not answer (%s: %s); counting in this process meanwhile",
+                    what, type(exc).__name__)
+
+    def admit(self, p: Principal) -> float | None:
+        if p.tokens_per_min is None and p.requests_per_min is None:
+            return None
+        try:
+            return buffer.quotas.admit(engine=self._engine, name=p.name, requests_per_min=p.requests_per_min,
+                                       tokens_per_min=p.tokens_per_min, now=time.time())
+        except SQLAlchemyError as e:
+            self._fallback("admit", e)
+            return super().admit(p)
+
+    def reserve_tokens(self, p: Principal, n: int, hold_id: str = "") -> float | None:
+        if p.tokens_per_min is None or n <= 0:
+            return None
+        if not hold_id:
+            raise ValueError("a shared token reservation needs the request's hold_id")
+        try:
+            return buffer.quotas.reserve(engine=self._engine, name=p.name, per_min=p.tokens_per_min, tokens=n,
+                                         hold_id=hold_id, hold_s=self._hold_s, now=time.time())
+        except SQLAlchemyError as e:
+            self._fallback("reserve", e)
+            wait = super().reserve_tokens(p, n, hold_id)
+            if wait is None:
+                with self._lock:
+                    self._local_holds.add(hold_id)
+            return wait
+
+    def settle_tokens(self, p: Principal, reserved: int, used: int, hold_id: str = "") -> None:
+        if p.tokens_per_min is None:
+            return
+        with self._lock:
+            local = hold_id in self._local_holds
+            self._local_holds.discard(hold_id)
+        if local:
+            super().settle_tokens(p, reserved, used, hold_id)
+            return
+        self._settler.submit(self._settle, p, used, hold_id)
+
+    def _settle(self, p: Principal, used: int, hold_id: str) -> None:
+        try:
+            buffer.quotas.settle(engine=self._engine, name=p.name, per_min=p.tokens_per_min, hold_id=hold_id,
+                                 used=used, now=time.time())
+        except SQLAlchemyError as e:  # the hold expires by itself; what it used goes uncharged
+            log.warning("quotas: could not settle %s of key %r (%s)", hold_id, p.name, type(e).__name__)
+
+    def drain(self, timeout: float = 10.0) -> None:
+        """Wait for the settlements already handed to the background thread (tests, shutdown)."""
+        self._settler.submit(lambda: None).result(timeout)
+
+    def close(self) -> None:
+        self._settler.shutdown(wait=True)
+
+
+def make_quotas(auth: AuthSection, db) -> Quotas:
+    """The quotas ``auth.quotas`` asks for: counted in the database ``db``, or in this process."""
+    return SharedQuotas(db, hold_s=auth.quota_hold_s) if auth.quotas == "database" else Quotas()
 
 
 class Access:

@@ -17,7 +17,7 @@ router = APIRouter()
 
 @router.post("/v1/chat/completions")
 async def chat_completions(body: ChatCompletionRequest, request: Request, chat: ChatDep, principal: PrincipalDep):
-    prepared = chat.admit(await off_loop(chat.prepare, body, request.headers), principal)
+    prepared = await chat.admit(await off_loop(chat.prepare, body, request.headers), principal)
     if body.stream:
         return EndingStream(await chat.stream(prepared), prepared, chat)
     answer = await chat.complete(prepared, receive=request.receive)

@@ -54,7 +54,7 @@ async def authenticate(request: Request) -> Principal:
     state = request.app.state.kaizen
     access: Access = state.access
     principal = access.authenticate(request.headers)
-    wait = access.quotas.admit(principal)
+    wait = await access.quotas.admit_async(principal)
     if wait is not None:
         state.metrics.quota_refusals.labels(principal.name).inc()
         raise APIError(429, f"the quota of API key {principal.name!r} is spent for now; retry in {math.ceil(wait)} s",

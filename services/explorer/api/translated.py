@@ -23,7 +23,7 @@ async def _answer(service, body, request: Request, principal: Principal):
         prepared = await service.prepare(body, request.headers, principal)  # it moves its own heavy part off the loop
     else:
         prepared = await off_loop(service.prepare, body, request.headers)
-    service.chat.admit(prepared, principal)
+    await service.chat.admit(prepared, principal)
     if body.stream:
         return EndingStream(await service.stream(body, prepared), prepared, service.chat)
     return JSONResponse(await service.complete(body, prepared, receive=request.receive), headers=recorded_header(prepared))

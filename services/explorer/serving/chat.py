@@ -13,6 +13,7 @@ import json
 import logging
 import math
 import time
+import uuid
 from datetime import datetime, timezone
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Callable, Mapping
@@ -105,19 +106,20 @@ class ChatService:
 
     # ------------------------------------------------------------------ preparation (serving/prepare.py)
 
-    def admit(self, p: PreparedChat, principal: Principal) -> PreparedChat:
+    async def admit(self, p: PreparedChat, principal: Principal) -> PreparedChat:
         """The caller may use the agent (403), and its key's token quota holds this request's
         prompt and the most it may generate (429 otherwise): reserved now, settled when it ends."""
         p = self.preparer.admit(p, principal)
         if self.quotas is not None and principal.tokens_per_min is not None:
             estimate = len(p.prompt_ids) + p.n * p.params.max_tokens
-            wait = self.quotas.reserve_tokens(principal, estimate)
+            hold = uuid.uuid4().hex
+            wait = await self.quotas.reserve_tokens_async(principal, estimate, hold)
             if wait is not None:
                 self.metrics.quota_refusals.labels(principal.name).inc()
                 raise APIError(429, f"the token quota of API key {principal.name!r} cannot hold this request's "
                                f"{estimate} tokens (its prompt and max_tokens) now; retry in {math.ceil(wait)} s",
                                code="rate_limit_exceeded", headers={"Retry-After": str(max(1, math.ceil(wait)))})
-            p.reserved_tokens = estimate
+            p.reserved_tokens, p.quota_hold = estimate, hold
         return p
 
     def end(self, p: PreparedChat, choices: list[_Choice] = ()) -> None:
@@ -133,7 +135,7 @@ class ChatService:
         """Give back what a request reserved of its key's token quota and did not use (once)."""
         if p.reserved_tokens and p.principal is not None and self.quotas is not None:
             used = len(p.prompt_ids) + sum(len(c.token_ids) for c in choices)
-            self.quotas.settle_tokens(p.principal, p.reserved_tokens, used)
+            self.quotas.settle_tokens(p.principal, p.reserved_tokens, used, p.quota_hold)
         p.reserved_tokens = 0
 
     def prepare(self, req: ChatCompletionRequest, headers: Mapping[str, str]) -> PreparedChat:

@@ -50,6 +50,7 @@ class PreparedChat:
     id_prefix: str = "chatcmpl"  # of the completion id (the Responses API's are resp_...)
     principal: Principal | None = None  # the caller's key (admit): its agents and token quota
     reserved_tokens: int = 0  # taken from the key's token quota at admission, settled when the answer ends
+    quota_hold: str = ""  # the reservation's id (the shared quotas' hold row)
     lease: Any = None  # a stream's adapter handle, leased before its first byte and let go once (ChatService.end)
     user_id: str | None = None  # metadata.user_id or the privacy.user_id_header header
     request_id: str | None = None  # the request's id (X-Request-Id, given or made up)

@@ -148,7 +148,7 @@ def test_a_stream_whose_client_left_before_its_first_byte_lets_go_of_its_lease_a
 
     async def go():
         await _started(service)
-        p = service.admit(service.prepare(_request(stream=True, max_tokens=10), {}), key)
+        p = await service.admit(service.prepare(_request(stream=True, max_tokens=10), {}), key)
         held = service.quotas._tokens["k"].held
         response = EndingStream(await service.stream(p), p, service)
         handle = p.lease
