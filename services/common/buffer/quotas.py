@@ -33,8 +33,12 @@ def _transaction(engine: Engine) -> Iterator[Connection]:
         yield conn
 
 
-def _level(conn: Connection, name: str, kind: str, per_min: float, now: float) -> float:
-    """The bucket's level refilled to ``now``, its row created full if missing and locked."""
+def _level(conn: Connection, name: str, kind: str, per_min: float, now: float) -> tuple[float, float]:
+    """(the bucket's level refilled to ``now``, the time to stamp it with), its row created full if
+    missing and locked. The stamp never moves back: replicas' clocks differ a little, and a stamp set
+    back by a lagging clock would let the next replica count the difference as refill time (each pair
+    of calls gaining the skew's worth). So a lagging replica refills nothing until its clock passes
+    the stamp, and the skew can only under-admit."""
     dialect = postgresql if conn.dialect.name == "postgresql" else sqlite if conn.dialect.name == "sqlite" else None
     if dialect is not None:
         conn.execute(dialect.insert(quota_buckets).values(name=name, kind=kind, level=per_min, stamp=now)
@@ -43,14 +47,13 @@ def _level(conn: Connection, name: str, kind: str, per_min: float, now: float) -
     row = conn.execute(select(b.level, b.stamp).where(b.name == name, b.kind == kind).with_for_update()).first()
     if row is None:  # another database: no portable insert-if-missing, and this transaction holds the write
         conn.execute(insert(quota_buckets).values(name=name, kind=kind, level=per_min, stamp=now))
-        return float(per_min)
-    # a replica whose clock lags never drains a bucket by refilling it backwards
-    return min(float(per_min), row.level + max(0.0, now - row.stamp) * per_min / 60.0)
+        return float(per_min), now
+    return min(float(per_min), row.level + max(0.0, now - row.stamp) * per_min / 60.0), max(now, row.stamp)
 
 
-def _store(conn: Connection, name: str, kind: str, level: float, now: float) -> None:
+def _store(conn: Connection, name: str, kind: str, level: float, stamp: float) -> None:
     b = quota_buckets.c
-    conn.execute(update(quota_buckets).where(b.name == name, b.kind == kind).values(level=level, stamp=now))
+    conn.execute(update(quota_buckets).where(b.name == name, b.kind == kind).values(level=level, stamp=stamp))
 
 
 def _wait_s(need: float, level: float, per_min: float) -> float:
@@ -62,14 +65,14 @@ def admit(*, engine: Engine, name: str, requests_per_min: int | None, tokens_per
     Refused while the key's token bucket is empty or its request bucket holds less than one."""
     with _transaction(engine) as conn:
         if tokens_per_min is not None:
-            level = _level(conn, name, TOKENS, tokens_per_min, now)
+            level, _ = _level(conn, name, TOKENS, tokens_per_min, now)
             if level <= 0:
                 return _wait_s(1.0, level, tokens_per_min)
         if requests_per_min is not None:
-            level = _level(conn, name, REQUESTS, requests_per_min, now)
+            level, stamp = _level(conn, name, REQUESTS, requests_per_min, now)
             if level < 1:
                 return _wait_s(1.0, level, requests_per_min)
-            _store(conn, name, REQUESTS, level - 1, now)
+            _store(conn, name, REQUESTS, level - 1, stamp)
     return None
 
 
@@ -79,14 +82,14 @@ def reserve(*, engine: Engine, name: str, per_min: int, tokens: int, hold_id: st
     quota, for a request larger than it). Expired holds are dropped on the way."""
     h = quota_holds.c
     with _transaction(engine) as conn:
-        level = _level(conn, name, TOKENS, per_min, now)
+        level, stamp = _level(conn, name, TOKENS, per_min, now)
         conn.execute(delete(quota_holds).where(h.name == name, h.expires_at <= now))
         held = float(conn.execute(select(func.coalesce(func.sum(h.tokens), 0.0)).where(h.name == name)).scalar())
         need = min(float(tokens), float(per_min))
         if level - held < need:
             return _wait_s(need + held, level, per_min)
         conn.execute(insert(quota_holds).values(hold_id=hold_id, name=name, tokens=float(tokens), expires_at=now + hold_s))
-        _store(conn, name, TOKENS, level, now)
+        _store(conn, name, TOKENS, level, stamp)
     return None
 
 
@@ -94,9 +97,9 @@ def settle(*, engine: Engine, name: str, per_min: int, hold_id: str, used: int, 
     """The request that held ``hold_id`` ended having used ``used`` tokens: its hold goes, what it
     used is charged (even when the hold had expired: the caller settles each request once)."""
     with _transaction(engine) as conn:
-        level = _level(conn, name, TOKENS, per_min, now)
+        level, stamp = _level(conn, name, TOKENS, per_min, now)
         conn.execute(delete(quota_holds).where(quota_holds.c.hold_id == hold_id))
-        _store(conn, name, TOKENS, level - used, now)
+        _store(conn, name, TOKENS, level - used, stamp)
 
 
 def reset(*, engine: Engine, name: str | None = None) -> None:

@@ -218,59 +218,74 @@ class Quotas:
 class SharedQuotas(Quotas):
     """The same quotas kept in the database (``buffer.quotas``), so that every replica on it counts
     against one bucket per key: a key allowed 600 requests a minute gets 600 in all, whichever replica
-    serves them. Each admission and reservation is one short write transaction (call them off the event
-    loop); a settlement runs on a background thread. A key without quotas never touches the database.
+    serves them. Each admission and reservation is one short write transaction, run on this object's
+    own threads (``*_async`` from the event loop); a settlement runs on a background thread. A key
+    without quotas never touches the database.
 
-    While the database cannot be reached, each replica falls back to its own buckets (the process
-    ``Quotas``): a key then gets up to its quota per replica until the database is back, rather than
-    no service at all. Holds taken so are settled in this process."""
+    While the database does not answer, each replica falls back to its own buckets (the process
+    ``Quotas``): a key then gets up to its quota per replica, rather than no service at all. After a
+    failure the database is left alone for ``retry_s`` (every call would wait out its timeouts
+    otherwise), and the fallback is logged once per outage. Holds taken so are settled in this process."""
 
-    def __init__(self, engine, *, hold_s: float = 900.0) -> None:
+    def __init__(self, engine, *, hold_s: float = 900.0, retry_s: float = 30.0) -> None:
         super().__init__()
         self._engine = engine
         self._hold_s = hold_s
+        self._retry_s = retry_s
+        self._local_until = 0.0  # monotonic: count in this process until then (the database failed)
         self._local_holds: set[str] = set()
+        self._closed = False
+        self._calls = concurrent.futures.ThreadPoolExecutor(max_workers=4, thread_name_prefix="quota")
         self._settler = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="quota-settle")
 
     async def admit_async(self, p: Principal) -> float | None:
         if p.tokens_per_min is None and p.requests_per_min is None:
             return None
-        return await asyncio.to_thread(self.admit, p)
+        return await asyncio.get_running_loop().run_in_executor(self._calls, self.admit, p)
 
     async def reserve_tokens_async(self, p: Principal, n: int, hold_id: str = "") -> float | None:
         if p.tokens_per_min is None or n <= 0:
             return None
-        return await asyncio.to_thread(self.reserve_tokens, p, n, hold_id)
+        return await asyncio.get_running_loop().run_in_executor(self._calls, self.reserve_tokens, p, n, hold_id)
+
+    def _shared(self) -> bool:
+        return time.monotonic() >= self._local_until
 
     def _fallback(self, what: str, exc: Exception) -> None:
-        log.warning("quotas: the database did not answer (%s: %s); counting in this process meanwhile",
-                    what, type(exc).__name__)
+        with self._lock:
+            first = self._shared()
+            self._local_until = time.monotonic() + self._retry_s
+        if first:
+            log.warning("quotas: the database did not answer (%s: %s); counting in this process for %.0f s",
+                        what, type(exc).__name__, self._retry_s)
 
     def admit(self, p: Principal) -> float | None:
         if p.tokens_per_min is None and p.requests_per_min is None:
             return None
-        try:
-            return buffer.quotas.admit(engine=self._engine, name=p.name, requests_per_min=p.requests_per_min,
-                                       tokens_per_min=p.tokens_per_min, now=time.time())
-        except SQLAlchemyError as e:
-            self._fallback("admit", e)
-            return super().admit(p)
+        if self._shared():
+            try:
+                return buffer.quotas.admit(engine=self._engine, name=p.name, requests_per_min=p.requests_per_min,
+                                           tokens_per_min=p.tokens_per_min, now=time.time())
+            except SQLAlchemyError as e:
+                self._fallback("admit", e)
+        return super().admit(p)
 
     def reserve_tokens(self, p: Principal, n: int, hold_id: str = "") -> float | None:
         if p.tokens_per_min is None or n <= 0:
             return None
         if not hold_id:
             raise ValueError("a shared token reservation needs the request's hold_id")
-        try:
-            return buffer.quotas.reserve(engine=self._engine, name=p.name, per_min=p.tokens_per_min, tokens=n,
-                                         hold_id=hold_id, hold_s=self._hold_s, now=time.time())
-        except SQLAlchemyError as e:
-            self._fallback("reserve", e)
-            wait = super().reserve_tokens(p, n, hold_id)
-            if wait is None:
-                with self._lock:
-                    self._local_holds.add(hold_id)
-            return wait
+        if self._shared():
+            try:
+                return buffer.quotas.reserve(engine=self._engine, name=p.name, per_min=p.tokens_per_min, tokens=n,
+                                             hold_id=hold_id, hold_s=self._hold_s, now=time.time())
+            except SQLAlchemyError as e:
+                self._fallback("reserve", e)
+        wait = super().reserve_tokens(p, n, hold_id)
+        if wait is None:
+            with self._lock:
+                self._local_holds.add(hold_id)
+        return wait
 
     def settle_tokens(self, p: Principal, reserved: int, used: int, hold_id: str = "") -> None:
         if p.tokens_per_min is None:
@@ -280,14 +295,16 @@ class SharedQuotas(Quotas):
             self._local_holds.discard(hold_id)
         if local:
             super().settle_tokens(p, reserved, used, hold_id)
-            return
-        self._settler.submit(self._settle, p, used, hold_id)
+        elif self._closed:  # shutting down: settle here rather than on a thread that is gone
+            self._settle(p, used, hold_id)
+        else:
+            self._settler.submit(self._settle, p, used, hold_id)
 
     def _settle(self, p: Principal, used: int, hold_id: str) -> None:
         try:
             buffer.quotas.settle(engine=self._engine, name=p.name, per_min=p.tokens_per_min, hold_id=hold_id,
                                  used=used, now=time.time())
-        except SQLAlchemyError as e:  # the hold expires by itself; what it used goes uncharged
+        except SQLAlchemyError as e:  # the hold lapses by itself; what it used goes uncharged
             log.warning("quotas: could not settle %s of key %r (%s)", hold_id, p.name, type(e).__name__)
 
     def drain(self, timeout: float = 10.0) -> None:
@@ -295,6 +312,8 @@ class SharedQuotas(Quotas):
         self._settler.submit(lambda: None).result(timeout)
 
     def close(self) -> None:
+        self._closed = True
+        self._calls.shutdown(wait=True)
         self._settler.shutdown(wait=True)
 
 

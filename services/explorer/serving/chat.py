@@ -113,7 +113,12 @@ class ChatService:
         if self.quotas is not None and principal.tokens_per_min is not None:
             estimate = len(p.prompt_ids) + p.n * p.params.max_tokens
             hold = uuid.uuid4().hex
-            wait = await self.quotas.reserve_tokens_async(principal, estimate, hold)
+            reserving = asyncio.ensure_future(self.quotas.reserve_tokens_async(principal, estimate, hold))
+            try:
+                wait = await asyncio.shield(reserving)
+            except asyncio.CancelledError:  # the request was cancelled while its tokens were being held
+                reserving.add_done_callback(lambda f: self._let_go(f, principal, estimate, hold))
+                raise
             if wait is not None:
                 self.metrics.quota_refusals.labels(principal.name).inc()
                 raise APIError(429, f"the token quota of API key {principal.name!r} cannot hold this request's "
@@ -121,6 +126,11 @@ class ChatService:
                                code="rate_limit_exceeded", headers={"Retry-After": str(max(1, math.ceil(wait)))})
             p.reserved_tokens, p.quota_hold = estimate, hold
         return p
+
+    def _let_go(self, reserving: asyncio.Future, principal: Principal, estimate: int, hold: str) -> None:
+        """A reservation whose request was cancelled while it was made: given back unused once made."""
+        if not reserving.cancelled() and reserving.exception() is None and reserving.result() is None:
+            self.quotas.settle_tokens(principal, estimate, 0, hold)
 
     def end(self, p: PreparedChat, choices: list[_Choice] = ()) -> None:
         """A stream's end, whatever its way: its adapter lease let go and its token reservation

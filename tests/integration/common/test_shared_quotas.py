@@ -133,3 +133,18 @@ def test_two_explorers_on_one_postgresql_give_a_key_its_quota_once(make_explorer
     assert 1 <= int(r.headers["Retry-After"]) <= 15
     for c in clients:
         c.close()
+
+
+def test_clock_skew_between_replicas_never_adds_refill(db_url):
+    """A replica 1 s behind the others serves a key between two of theirs: no refill is gained."""
+    engine = buffer.create_buffer_engine(db_url)
+    try:
+        admit = lambda now: buffer.quotas.admit(engine=engine, name="k", requests_per_min=60,  # noqa: E731
+                                                tokens_per_min=None, now=now)
+        assert all(admit(1000.0) is None for _ in range(59))  # one left at t=1000
+        assert admit(999.0) is None  # the lagging replica takes it: its stamp must stay 1000, not go to 999
+        # 0.5 s after 1000: half a request refilled, refused (from 999 it would count 1.5 s and admit)
+        assert admit(1000.5) == pytest.approx(0.5)
+        assert admit(1001.0) is None
+    finally:
+        engine.dispose()
