@@ -84,7 +84,8 @@ def create_app(config: ExplorerConfig, *, engine: Engine | None = None) -> FastA
         metrics.adapter_reloads.labels(agent).inc()
         metrics.adapter_reload_seconds.observe(seconds)
 
-    pins = EpisodePins(ttl_s=config.reload.episode_pin_s, max_episodes=config.reload.episode_pin_max)
+    pins = EpisodePins(ttl_s=config.reload.episode_pin_s, max_episodes=config.reload.episode_pin_max,
+                       db=db if config.reload.episode_pins == "database" else None)
     registry = AdapterRegistry(
         engine=engine,
         checkpoints_root=config.checkpoints.root,

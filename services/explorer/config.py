@@ -136,6 +136,11 @@ class ReloadSection(ConfigModel):
         "seconds after that first call (0: off; a request opts out with metadata.episode_pin false).",
     )
     episode_pin_max: int = Field(default=100_000, ge=1, description="Episodes remembered at once (the oldest go first).")
+    episode_pins: Literal["database", "process"] = Field(
+        default="database",
+        description="Where episodes' versions are kept. database: also in the buffer's database, so an episode's "
+        "next call gets its version whichever replica serves it (a lookup when a replica has not seen the episode, a "
+        "short write at its first call). process: in each replica alone.")
 
 
 class RecorderSection(ConfigModel):

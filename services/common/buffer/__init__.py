@@ -13,13 +13,14 @@ modules are its rooms:
     training    the Trainer's reads, consuming a batch with its step, steps and lineage
     releases    release decisions and the online rewards they rest on
     quotas      API keys' request and token buckets, shared by every replica on the database
+    pins        multi-call episodes' versions, shared by every replica on the database
 """
 
 from sqlalchemy import select  # callers build ad-hoc queries on the tables as buffer.select(...)
 
 from services.common.buffer.engine import create_buffer_engine, iter_chunks, probe_write, utcnow, write_transaction
 from services.common.buffer.governance import delete_user_data, list_audit, purge_text
-from services.common.buffer import quotas
+from services.common.buffer import pins, quotas
 from services.common.buffer.recording import (
     FeedbackResult,
     IdempotencyKey,
@@ -96,6 +97,8 @@ __all__ = [
     "list_audit", "purge_text", "delete_user_data",
     # quotas (the module: buffer.quotas.admit, .reserve, .settle, .reset)
     "quotas",
+    # pins (the module: buffer.pins.find, .claim, .move, .forget_version)
+    "pins",
     # reports
     "get_experience", "list_experiences", "RewardPoint", "rewarded_history", "count_versions_served",
     "count_by_status", "committed_backlog",

@@ -193,6 +193,19 @@ quota_holds = Table(
     Column("expires_at", Float, nullable=False),
 )
 
+# Multi-call episodes' versions, shared by every Explorer replica on this database (services/common/buffer/
+# pins.py): the version an episode's first call used, so that its later calls get it whichever replica
+# serves them. A row older than reload.episode_pin_s no longer pins.
+episode_pins = Table(
+    "episode_pins",
+    metadata,
+    Column("agent", String(128), primary_key=True),
+    Column("task_id", String(256), primary_key=True),
+    Column("run_id", String(128), primary_key=True),
+    Column("version", Integer, nullable=False),
+    Column("first_at", Float, nullable=False, index=True),  # seconds since the epoch of the first call
+)
+
 TERMINAL = (ExperienceStatus.CONSUMED.value, ExperienceStatus.DISCARDED.value)
 
 # Demonstrations (records posted to /demonstrations) stay committed: the Trainer replays them.

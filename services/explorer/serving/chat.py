@@ -165,13 +165,17 @@ class ChatService:
         agent = self.registry.agent_of(p.model)
         pinning = self.episodes.enabled and p.episode_pin and agent is not None and p.task_id is not None \
             and p.run_id is not None
+        gone = False
         if pinning:
             version = self.episodes.get(agent, p.task_id, p.run_id)
+            if version is None:  # another replica may have served the episode's first call
+                version = await self.episodes.shared_get(agent, p.task_id, p.run_id)
             if version is not None:
                 try:
                     handle = await self.registry.acquire(f"{agent}@v{version}")
                 except UnknownModel:  # the Trainer deleted it: the episode goes on with the current version
                     self.episodes.misses += 1
+                    gone = True
                     log.warning("episode %s/%s of %s: v%d is gone; serving the current version", p.task_id, p.run_id,
                                 agent, version)
                 else:
@@ -182,6 +186,18 @@ class ChatService:
         except UnknownModel as e:
             raise APIError(404, f"the model {str(e)!r} does not exist", param="model", code="model_not_found") from None
         if pinning:
+            if gone:
+                await self.episodes.moved(agent, p.task_id, p.run_id, handle.version)
+            else:
+                pinned = await self.episodes.claim(agent, p.task_id, p.run_id, handle.version)
+                if pinned != handle.version:  # another replica served a first call of it at the same moment
+                    try:
+                        other = await self.registry.acquire(f"{agent}@v{pinned}")
+                    except UnknownModel:
+                        pass
+                    else:
+                        self.registry.release(handle)
+                        handle = other
             self.episodes.remember(agent, p.task_id, p.run_id, handle.version)
         return handle
 

@@ -7,19 +7,35 @@ again if it was let go) even after a newer one became current. An episode is for
 ``reload.episode_pin_s`` after its first call (so a task_id + run_id that a client reuses forever
 still moves on to new versions), or when too many are remembered; while remembered, its version
 counts as in use in the serving files, so the Trainer keeps its folder.
+
+With the buffer's database (``reload.episode_pins: database``, the default) the first call's version is
+also recorded there (``buffer.pins``), so that the episode's next call gets it whichever replica serves
+it: a replica that has not seen the episode looks it up, and two replicas serving an episode's first
+calls at once agree on the first one recorded. While the database does not answer, each replica pins
+what it has seen itself.
 """
 
 from __future__ import annotations
 
+import asyncio
+import logging
 import time
 from collections import Counter, OrderedDict
 from typing import Callable
 
+from sqlalchemy.exc import SQLAlchemyError
+
+from services.common import buffer
+
+log = logging.getLogger(__name__)
+
 
 class EpisodePins:
     def __init__(self, *, ttl_s: float, max_episodes: int, on_change: Callable[[], None] | None = None,
-                 clock: Callable[[], float] = time.monotonic):
+                 clock: Callable[[], float] = time.monotonic, db=None):
         self.ttl_s = ttl_s
+        self._db = db  # the buffer's engine: pins shared with every replica on it (None: this process alone)
+        self._db_failing = False
         self.max_episodes = max_episodes
         self._on_change = on_change
         self._clock = clock
@@ -59,10 +75,17 @@ class EpisodePins:
 
     def forget_version(self, agent: str, version: int) -> int:
         """Forget every episode pinned to ``version`` (it was rejected or rolled back: safety comes
-        before keeping an episode on one version); returns how many."""
+        before keeping an episode on one version), here and in the database; returns how many this
+        replica had. (A short write, where the release controller records the decision.)"""
         doomed = [key for key, (v, _) in self._pins.items() if key[0] == agent and v == version]
         for key in doomed:
             self.forget(*key)
+        if self._db is not None:
+            try:
+                buffer.pins.forget_version(engine=self._db, agent=agent, version=version)
+            except SQLAlchemyError as e:  # every replica does this on the decision: another one may succeed
+                log.warning("episode pins: could not drop the database's pins to %s v%d (%s)", agent, version,
+                            type(e).__name__)
         return len(doomed)
 
     def held(self, agent: str) -> set[int]:
@@ -86,3 +109,35 @@ class EpisodePins:
                 return
             del self._pins[key]
             self._unhold(key[0], version)
+
+    # ------------------------------------------------------------------ shared with other replicas
+
+    async def _shared(self, what: str, fn, default, **kw):
+        if self._db is None:
+            return default
+        try:
+            out = await asyncio.to_thread(fn, engine=self._db, **kw)
+        except SQLAlchemyError as e:
+            if not self._db_failing:
+                log.warning("episode pins: the database did not answer (%s: %s); pinning in this replica alone",
+                            what, type(e).__name__)
+            self._db_failing = True
+            return default
+        self._db_failing = False
+        return out
+
+    async def shared_get(self, agent: str, task_id: str, run_id: str) -> int | None:
+        """The version another replica pinned the episode to (None: none, or no database)."""
+        return await self._shared("find", buffer.pins.find, None, agent=agent, task_id=task_id, run_id=run_id,
+                                  now=time.time(), ttl_s=self.ttl_s)
+
+    async def claim(self, agent: str, task_id: str, run_id: str, version: int) -> int:
+        """Record ``version`` as the episode's for every replica, unless one recorded another first:
+        the version the episode is pinned to."""
+        return await self._shared("claim", buffer.pins.claim, version, agent=agent, task_id=task_id, run_id=run_id,
+                                  version=version, now=time.time(), ttl_s=self.ttl_s)
+
+    async def moved(self, agent: str, task_id: str, run_id: str, version: int) -> None:
+        """The episode's version was gone: it goes on with ``version``, for every replica."""
+        await self._shared("move", buffer.pins.move, None, agent=agent, task_id=task_id, run_id=run_id,
+                           version=version, now=time.time())
