@@ -85,7 +85,7 @@ def create_app(config: ExplorerConfig, *, engine: Engine | None = None) -> FastA
         metrics.adapter_reload_seconds.observe(seconds)
 
     pins = EpisodePins(ttl_s=config.reload.episode_pin_s, max_episodes=config.reload.episode_pin_max,
-                       db=db if config.reload.episode_pins == "database" else None)
+                       db=db if config.reload.episode_pins == "database" and config.reload.episode_pin_s > 0 else None)
     registry = AdapterRegistry(
         engine=engine,
         checkpoints_root=config.checkpoints.root,
@@ -147,6 +147,7 @@ def create_app(config: ExplorerConfig, *, engine: Engine | None = None) -> FastA
             await engine.shutdown()
             registry.remove_serving_files()
             await asyncio.to_thread(quotas.close)
+            await asyncio.to_thread(pins.close)
             db.dispose()
 
     # /openapi.json is served by api/health.py, behind the key like every other route but /health.

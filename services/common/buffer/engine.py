@@ -135,11 +135,15 @@ def _configure_sqlite(engine: Engine) -> None:
 
 
 @contextlib.contextmanager
-def write_transaction(engine: Engine) -> Iterator[Connection]:
-    """A transaction that will write: committed on exit, rolled back on error."""
+def write_transaction(engine: Engine, *, durable: bool = True) -> Iterator[Connection]:
+    """A transaction that will write: committed on exit, rolled back on error. ``durable=False``
+    (PostgreSQL): committed without waiting for the WAL to reach the disk, for bookkeeping whose last
+    few changes a crash may lose (quotas, episode pins), never the database's consistency."""
     with engine.connect() as conn:
         conn.execution_options(kaizen_write=True)
         with conn.begin():
+            if not durable and conn.dialect.name == "postgresql":
+                conn.execute(text("SET LOCAL synchronous_commit TO OFF"))
             yield conn
 
 

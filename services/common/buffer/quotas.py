@@ -2,6 +2,8 @@
 counts against one bucket per key: requests and tokens a minute, token buckets refilled by wall-clock
 time. Each call is one short write transaction that locks the key's bucket row (PostgreSQL: FOR UPDATE;
 SQLite: BEGIN IMMEDIATE), so concurrent admissions on several replicas are serialised and none is lost.
+On PostgreSQL they commit without waiting for the WAL's fsync (``durable=False``): a crash can lose
+the last few counts (a key gets a little more), and an admission does not wait for a disk.
 
 Running model requests hold the tokens they may use (``reserve``) until they end (``settle``); a hold
 whose replica died before settling expires at its ``expires_at`` and stops counting.
@@ -9,10 +11,7 @@ whose replica died before settling expires at its ``expires_at`` and stops count
 
 from __future__ import annotations
 
-import contextlib
-from typing import Iterator
-
-from sqlalchemy import delete, func, insert, select, text, update
+from sqlalchemy import delete, func, insert, select, update
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.engine import Connection, Engine
 
@@ -20,17 +19,6 @@ from services.common.buffer.engine import write_transaction
 from services.common.buffer.schema import quota_buckets, quota_holds
 
 REQUESTS, TOKENS = "requests", "tokens"
-
-
-@contextlib.contextmanager
-def _transaction(engine: Engine) -> Iterator[Connection]:
-    """A write transaction that PostgreSQL commits without waiting for its WAL to reach the disk: a
-    crash can lose the last few counts of a quota (a key gets a little more), never the database's
-    consistency, and an admission does not wait for an fsync."""
-    with write_transaction(engine) as conn:
-        if conn.dialect.name == "postgresql":
-            conn.execute(text("SET LOCAL synchronous_commit TO OFF"))
-        yield conn
 
 
 def _level(conn: Connection, name: str, kind: str, per_min: float, now: float) -> tuple[float, float]:
@@ -63,7 +51,7 @@ def _wait_s(need: float, level: float, per_min: float) -> float:
 def admit(*, engine: Engine, name: str, requests_per_min: int | None, tokens_per_min: int | None, now: float) -> float | None:
     """A request of key ``name``: None when admitted (its request counted), else the seconds to wait.
     Refused while the key's token bucket is empty or its request bucket holds less than one."""
-    with _transaction(engine) as conn:
+    with write_transaction(engine, durable=False) as conn:
         if tokens_per_min is not None:
             level, _ = _level(conn, name, TOKENS, tokens_per_min, now)
             if level <= 0:
@@ -81,7 +69,7 @@ def reserve(*, engine: Engine, name: str, per_min: int, tokens: int, hold_id: st
     held, else the seconds until the bucket, less what live holds keep, could cover them (the whole
     quota, for a request larger than it). Expired holds are dropped on the way."""
     h = quota_holds.c
-    with _transaction(engine) as conn:
+    with write_transaction(engine, durable=False) as conn:
         level, stamp = _level(conn, name, TOKENS, per_min, now)
         conn.execute(delete(quota_holds).where(h.name == name, h.expires_at <= now))
         held = float(conn.execute(select(func.coalesce(func.sum(h.tokens), 0.0)).where(h.name == name)).scalar())
@@ -96,7 +84,7 @@ def reserve(*, engine: Engine, name: str, per_min: int, tokens: int, hold_id: st
 def settle(*, engine: Engine, name: str, per_min: int, hold_id: str, used: int, now: float) -> None:
     """The request that held ``hold_id`` ended having used ``used`` tokens: its hold goes, what it
     used is charged (even when the hold had expired: the caller settles each request once)."""
-    with _transaction(engine) as conn:
+    with write_transaction(engine, durable=False) as conn:
         level, stamp = _level(conn, name, TOKENS, per_min, now)
         conn.execute(delete(quota_holds).where(quota_holds.c.hold_id == hold_id))
         _store(conn, name, TOKENS, level - used, stamp)
@@ -104,6 +92,6 @@ def settle(*, engine: Engine, name: str, per_min: int, hold_id: str, used: int, 
 
 def reset(*, engine: Engine, name: str | None = None) -> None:
     """Forget the buckets and holds of key ``name`` (every key: None): they start full again."""
-    with _transaction(engine) as conn:
+    with write_transaction(engine, durable=False) as conn:
         conn.execute(delete(quota_buckets).where(quota_buckets.c.name == name) if name else delete(quota_buckets))
         conn.execute(delete(quota_holds).where(quota_holds.c.name == name) if name else delete(quota_holds))

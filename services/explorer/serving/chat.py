@@ -168,16 +168,12 @@ class ChatService:
         gone = False
         if pinning:
             version = self.episodes.get(agent, p.task_id, p.run_id)
-            if version is None:  # another replica may have served the episode's first call
-                version = await self.episodes.shared_get(agent, p.task_id, p.run_id)
             if version is not None:
                 try:
                     handle = await self.registry.acquire(f"{agent}@v{version}")
                 except UnknownModel:  # the Trainer deleted it: the episode goes on with the current version
-                    self.episodes.misses += 1
                     gone = True
-                    log.warning("episode %s/%s of %s: v%d is gone; serving the current version", p.task_id, p.run_id,
-                                agent, version)
+                    self._pin_missed(p, agent, version)
                 else:
                     self.episodes.remember(agent, p.task_id, p.run_id, handle.version)
                     return handle
@@ -185,21 +181,33 @@ class ChatService:
             handle = await self.registry.acquire(p.model, route_key=p.task_id)
         except UnknownModel as e:
             raise APIError(404, f"the model {str(e)!r} does not exist", param="model", code="model_not_found") from None
-        if pinning:
-            if gone:
-                await self.episodes.moved(agent, p.task_id, p.run_id, handle.version)
-            else:
-                pinned = await self.episodes.claim(agent, p.task_id, p.run_id, handle.version)
-                if pinned != handle.version:  # another replica served a first call of it at the same moment
+        if not pinning:
+            return handle
+        first_at = None
+        try:  # (the handle is let go if this is cancelled or fails: a lease never leaks)
+            if not gone:  # an episode this replica has not seen: another replica may have served its first call
+                pinned, first_at = await self.episodes.claim(agent, p.task_id, p.run_id, handle.version)
+                if pinned != handle.version:
                     try:
                         other = await self.registry.acquire(f"{agent}@v{pinned}")
                     except UnknownModel:
-                        pass
+                        gone = True
+                        self._pin_missed(p, agent, pinned)
                     else:
                         self.registry.release(handle)
                         handle = other
-            self.episodes.remember(agent, p.task_id, p.run_id, handle.version)
+            if gone:
+                first_at = None
+                await self.episodes.moved(agent, p.task_id, p.run_id, handle.version)
+        except BaseException:
+            self.registry.release(handle)
+            raise
+        self.episodes.remember(agent, p.task_id, p.run_id, handle.version, first_at)
         return handle
+
+    def _pin_missed(self, p: PreparedChat, agent: str, version: int) -> None:
+        self.episodes.misses += 1
+        log.warning("episode %s/%s of %s: v%d is gone; serving the current version", p.task_id, p.run_id, agent, version)
 
     # ------------------------------------------------------------------ responses
 

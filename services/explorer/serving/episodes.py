@@ -10,14 +10,16 @@ counts as in use in the serving files, so the Trainer keeps its folder.
 
 With the buffer's database (``reload.episode_pins: database``, the default) the first call's version is
 also recorded there (``buffer.pins``), so that the episode's next call gets it whichever replica serves
-it: a replica that has not seen the episode looks it up, and two replicas serving an episode's first
-calls at once agree on the first one recorded. While the database does not answer, each replica pins
-what it has seen itself.
+it: a call of an episode this replica has not seen claims the episode for the version it was given, and
+gets back the version another replica recorded first (then served instead), so two replicas serving an
+episode's calls agree on the first one recorded. While the database does not answer, each replica pins
+what it has seen itself (for 30 s at a time).
 """
 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import logging
 import time
 from collections import Counter, OrderedDict
@@ -35,7 +37,10 @@ class EpisodePins:
                  clock: Callable[[], float] = time.monotonic, db=None):
         self.ttl_s = ttl_s
         self._db = db  # the buffer's engine: pins shared with every replica on it (None: this process alone)
-        self._db_failing = False
+        self.retry_s = 30.0
+        self._local_until = 0.0  # monotonic: pin in this replica alone until then (the database failed)
+        self._calls = concurrent.futures.ThreadPoolExecutor(max_workers=4, thread_name_prefix="episode-pins")
+        self._background = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="episode-pins-forget")
         self.max_episodes = max_episodes
         self._on_change = on_change
         self._clock = clock
@@ -52,13 +57,16 @@ class EpisodePins:
         pin = self._pins.get((agent, task_id, run_id))
         return None if pin is None else pin[0]
 
-    def remember(self, agent: str, task_id: str, run_id: str, version: int) -> None:
+    def remember(self, agent: str, task_id: str, run_id: str, version: int, first_at: float | None = None) -> None:
+        """The episode is on ``version``; ``first_at``: when its first call was (wall clock, as the
+        database keeps it; None: now), so that a pin learned from another replica lapses when its own does."""
         key = (agent, task_id, run_id)
         old = self._pins.get(key)
         if old is not None and old[0] == version:
             return
         self._pins.pop(key, None)
-        self._pins[key] = (version, self._clock())  # a new episode, or one that moved on: its clock restarts
+        first = self._clock() - (0.0 if first_at is None else max(0.0, time.time() - first_at))
+        self._pins[key] = (version, first)  # a new episode, or one that moved on: its clock restarts
         if old is not None:
             self._unhold(agent, old[0])
         self._held[(agent, version)] += 1
@@ -75,18 +83,26 @@ class EpisodePins:
 
     def forget_version(self, agent: str, version: int) -> int:
         """Forget every episode pinned to ``version`` (it was rejected or rolled back: safety comes
-        before keeping an episode on one version), here and in the database; returns how many this
-        replica had. (A short write, where the release controller records the decision.)"""
+        before keeping an episode on one version), here and, on a background thread, in the database;
+        returns how many this replica had."""
         doomed = [key for key, (v, _) in self._pins.items() if key[0] == agent and v == version]
         for key in doomed:
             self.forget(*key)
         if self._db is not None:
+            self._background.submit(self._forget_shared, agent, version)
+        return len(doomed)
+
+    def _forget_shared(self, agent: str, version: int, attempts: int = 5) -> None:
+        for attempt in range(attempts):
             try:
                 buffer.pins.forget_version(engine=self._db, agent=agent, version=version)
-            except SQLAlchemyError as e:  # every replica does this on the decision: another one may succeed
-                log.warning("episode pins: could not drop the database's pins to %s v%d (%s)", agent, version,
-                            type(e).__name__)
-        return len(doomed)
+                return
+            except SQLAlchemyError as e:
+                if attempt == attempts - 1:
+                    log.error("episode pins: could not drop the database's pins to %s v%d (%s); they lapse after "
+                              "reload.episode_pin_s", agent, version, type(e).__name__)
+                else:
+                    time.sleep(2.0 ** attempt)
 
     def held(self, agent: str) -> set[int]:
         """Versions of ``agent`` some remembered episode may still ask for."""
@@ -113,31 +129,31 @@ class EpisodePins:
     # ------------------------------------------------------------------ shared with other replicas
 
     async def _shared(self, what: str, fn, default, **kw):
-        if self._db is None:
+        """``fn(engine=db, **kw)`` on the pins' own threads; ``default`` without a database, or while it
+        fails (left alone for ``retry_s`` after a failure, logged once per outage)."""
+        if self._db is None or time.monotonic() < self._local_until:
             return default
         try:
-            out = await asyncio.to_thread(fn, engine=self._db, **kw)
+            return await asyncio.get_running_loop().run_in_executor(self._calls, lambda: fn(engine=self._db, **kw))
         except SQLAlchemyError as e:
-            if not self._db_failing:
-                log.warning("episode pins: the database did not answer (%s: %s); pinning in this replica alone",
-                            what, type(e).__name__)
-            self._db_failing = True
+            if time.monotonic() >= self._local_until:
+                log.warning("episode pins: the database did not answer (%s: %s); pinning in this replica alone for "
+                            "%.0f s", what, type(e).__name__, self.retry_s)
+            self._local_until = time.monotonic() + self.retry_s
             return default
-        self._db_failing = False
-        return out
 
-    async def shared_get(self, agent: str, task_id: str, run_id: str) -> int | None:
-        """The version another replica pinned the episode to (None: none, or no database)."""
-        return await self._shared("find", buffer.pins.find, None, agent=agent, task_id=task_id, run_id=run_id,
-                                  now=time.time(), ttl_s=self.ttl_s)
-
-    async def claim(self, agent: str, task_id: str, run_id: str, version: int) -> int:
+    async def claim(self, agent: str, task_id: str, run_id: str, version: int) -> tuple[int, float | None]:
         """Record ``version`` as the episode's for every replica, unless one recorded another first:
-        the version the episode is pinned to."""
-        return await self._shared("claim", buffer.pins.claim, version, agent=agent, task_id=task_id, run_id=run_id,
-                                  version=version, now=time.time(), ttl_s=self.ttl_s)
+        (the version the episode is pinned to, its first call's wall-clock time; None: this call)."""
+        return await self._shared("claim", buffer.pins.claim, (version, None), agent=agent, task_id=task_id,
+                                  run_id=run_id, version=version, now=time.time(), ttl_s=self.ttl_s)
 
     async def moved(self, agent: str, task_id: str, run_id: str, version: int) -> None:
         """The episode's version was gone: it goes on with ``version``, for every replica."""
         await self._shared("move", buffer.pins.move, None, agent=agent, task_id=task_id, run_id=run_id,
                            version=version, now=time.time())
+
+    def close(self) -> None:
+        """Let the database's work already handed over finish."""
+        self._calls.shutdown(wait=True)
+        self._background.shutdown(wait=True)

@@ -23,14 +23,14 @@ def test_first_version_recorded_wins_until_its_pin_lapses(engine):
     pins = buffer.pins
     ep = dict(engine=engine, agent="a", task_id="t", run_id="r")
     assert pins.find(**ep, now=100.0, ttl_s=60) is None
-    assert pins.claim(**ep, version=3, now=100.0, ttl_s=60) == 3
-    assert pins.claim(**ep, version=4, now=101.0, ttl_s=60) == 3  # another replica, a moment later: v3 stands
-    assert pins.find(**ep, now=159.0, ttl_s=60) == 3
+    assert pins.claim(**ep, version=3, now=100.0, ttl_s=60) == (3, 100.0)
+    assert pins.claim(**ep, version=4, now=101.0, ttl_s=60) == (3, 100.0)  # another replica, later: v3 stands
+    assert pins.find(**ep, now=159.0, ttl_s=60) == (3, 100.0)
     assert pins.find(**ep, now=160.0, ttl_s=60) is None  # 60 s after the first call: no longer pinned
-    assert pins.claim(**ep, version=4, now=161.0, ttl_s=60) == 4  # the lapsed pin is replaced
+    assert pins.claim(**ep, version=4, now=161.0, ttl_s=60) == (4, 161.0)  # the lapsed pin is replaced
     pins.move(**ep, version=5, now=162.0)  # v4 was deleted: the episode goes on with v5
-    assert pins.find(**ep, now=163.0, ttl_s=60) == 5
+    assert pins.find(**ep, now=163.0, ttl_s=60) == (5, 162.0)
     other = dict(engine=engine, agent="a", task_id="t", run_id="r2")
-    assert pins.claim(**other, version=5, now=163.0, ttl_s=60) == 5
+    assert pins.claim(**other, version=5, now=163.0, ttl_s=60) == (5, 163.0)
     assert pins.forget_version(engine=engine, agent="a", version=5) == 2  # v5 rolled back: both pins go
     assert pins.find(**ep, now=164.0, ttl_s=60) is None and pins.find(**other, now=164.0, ttl_s=60) is None

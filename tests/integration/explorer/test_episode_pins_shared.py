@@ -59,5 +59,6 @@ def test_an_episode_keeps_its_version_whichever_replica_serves_it(make_explorer,
     assert _turn(a, 0) == "kaizen-guide-v1"
     assert _turn(b, 1) == "kaizen-guide-v2"  # a new episode starts on v2 ...
     assert _turn(a, 1) == "kaizen-guide-v2"  # ... and stays there at the other replica
+    b.http.get("/experiences", params={"task_id": "trip"})  # a GET flushes its own replica's recorder first
     rows = a.http.get("/experiences", params={"task_id": "trip", "limit": 100}).json()["data"]
     assert sorted((r["run_id"], r["model_version"]) for r in rows) == [("0", 1)] * 3 + [("1", 2)] * 2
