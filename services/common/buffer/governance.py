@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from datetime import datetime, timezone
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 from sqlalchemy import insert, select, update
 from sqlalchemy.engine import Connection, Engine
@@ -20,15 +20,29 @@ def _audit(conn: Connection, audit: dict[str, Any] | None, **details: Any) -> No
             details={**(audit.get("details") or {}), **details}, created_at=utcnow()))
 
 
-def list_audit(*, engine: Engine, limit: int = 100, actor: str | None = None, action: str | None = None) -> list[dict[str, Any]]:
-    """The newest ``limit`` audit rows, newest first."""
-    q = select(audit_log).order_by(audit_log.c.id.desc()).limit(limit)
-    if actor is not None:
-        q = q.where(audit_log.c.actor == actor)
-    if action is not None:
-        q = q.where(audit_log.c.action == action)
+def list_audit(*, engine: Engine, limit: int = 100, actor: str | None = None, action: str | None = None,
+               visible: Callable[[dict[str, Any]], bool] | None = None, scan_max: int = 100_000) -> list[dict[str, Any]]:
+    """The newest ``limit`` audit rows, newest first; with ``visible``, only the rows it allows (read
+    page by page, at most ``scan_max`` rows looked at)."""
+    rows: list[dict[str, Any]] = []
+    before, scanned = None, 0
+    page = limit if visible is None else max(limit, 500)
     with engine.connect() as conn:
-        rows = [dict(r._mapping) for r in conn.execute(q)]
+        while len(rows) < limit and scanned < scan_max:
+            q = select(audit_log).order_by(audit_log.c.id.desc()).limit(page)
+            if actor is not None:
+                q = q.where(audit_log.c.actor == actor)
+            if action is not None:
+                q = q.where(audit_log.c.action == action)
+            if before is not None:
+                q = q.where(audit_log.c.id < before)
+            batch = [dict(r._mapping) for r in conn.execute(q)]
+            scanned += len(batch)
+            rows += batch if visible is None else [r for r in batch if visible(r)]
+            if len(batch) < page or visible is None:
+                break
+            before = batch[-1]["id"]
+    rows = rows[:limit]
     for r in rows:  # SQLite hands back naive datetimes: they were written in UTC
         t = r["created_at"]
         r["created_at"] = (t if t.tzinfo else t.replace(tzinfo=timezone.utc)).isoformat()

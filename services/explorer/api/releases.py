@@ -43,9 +43,28 @@ async def decide(body: ReleaseDecisionRequest, releases: ReleasesDep, principal:
                           reason=body.reason))
 
 
+def audit_visible(principal: Principal):
+    """What an admin key limited to some agents may read of the audit log: its own actions, and the
+    actions whose target names one of its agents (an agent, or a model that is one, pinned or not).
+    Everything else (another key's feedback, commits or deletions, which name ids or users, not agents)
+    stays hidden, so the log tells it nothing of other agents. None: every row (an unlimited key)."""
+    if principal.agents is None:
+        return None
+
+    def visible(row: dict) -> bool:
+        if row["actor"] == principal.name:
+            return True
+        target = row.get("target") or {}
+        named = target.get("agent") or str(target.get("model") or "").partition("@")[0]
+        return named in principal.agents
+
+    return visible
+
+
 @router.get("/admin/audit")
-async def audit(k: StateDep, _: Admin, limit: int = Query(default=100, ge=1, le=10_000), actor: str | None = None,
-                action: str | None = None):
+async def audit(k: StateDep, principal: Admin, limit: int = Query(default=100, ge=1, le=10_000),
+                actor: str | None = None, action: str | None = None):
     check_storable({"actor": actor, "action": action}, "query")
-    rows = await asyncio.to_thread(buffer.list_audit, engine=k.db, limit=limit, actor=actor, action=action)
+    rows = await asyncio.to_thread(buffer.list_audit, engine=k.db, limit=limit, actor=actor, action=action,
+                                   visible=audit_visible(principal))
     return {"object": "list", "data": rows}

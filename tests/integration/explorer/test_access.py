@@ -21,6 +21,7 @@ KEYS = {
     "other": dict(scopes=["chat", "feedback"], agents=["other"]),
     "reader": dict(scopes=["read"]),
     "ops": dict(scopes=["admin", "read"]),
+    "ops-default": dict(scopes=["admin", "read"], agents=["default"]),
     "slow": dict(scopes=["chat"], requests_per_min=2),
     "small": dict(scopes=["chat"], tokens_per_min=40),
     "burst": dict(scopes=["chat"], tokens_per_min=300),
@@ -116,6 +117,12 @@ def test_scopes_agents_and_the_audit_log(make_explorer):
     assert audit[-1]["details"]["reward"] == 1.0 and audit[-2]["details"]["committed"] == 0
     assert audit[2]["details"]["committed"] == 1 and audit[0]["details"]["reason"] == "test"
     _error(reader.get("/admin/audit"), 403, "insufficient_scope")
+    # an admin key limited to agent default reads the actions that name it (the demonstration, the rollback),
+    # not the feedback and commits, which name ids only; with limit 1, the newest of those
+    limited = _client(ex, "ops-default")
+    assert [(a["actor"], a["action"]) for a in limited.get("/admin/audit").json()["data"]] == [
+        ("ops", "rollback"), ("app", "demonstration")]
+    assert [a["action"] for a in limited.get("/admin/audit", params={"limit": 1}).json()["data"]] == ["rollback"]
 
 
 def test_a_key_limited_to_agents_reads_only_theirs(make_explorer):
