@@ -19,7 +19,7 @@ router = APIRouter()
 @router.get("/experiences/{experience_id}")
 async def get_experience(experience_id: str, k: StateDep, principal: PrincipalDep):
     check_storable(experience_id, "experience_id")
-    await k.recorder.wait_written([experience_id], k.config.recorder.feedback_wait_s)
+    await k.recorder.wait_written([experience_id], k.config.recorder.feedback_wait_s, agents=principal.agent_list)
     exp = await asyncio.to_thread(buffer.get_experience, engine=k.db, experience_id=experience_id)
     if exp is None or not principal.may_use(exp.agent):  # another agent's: as if it did not exist
         raise APIError(404, f"no experience {experience_id!r}", param="experience_id", code="unknown_id")

@@ -50,7 +50,7 @@ class FeedbackService:
 
         Raises RecordsNotWritten (503) when our own records cannot be written in time, and
         RecordsSetAside (422) for records the buffer refused."""
-        await self._recorder.wait_written(ids, self._wait_s)
+        await self._recorder.wait_written(ids, self._wait_s, agents=agents)
         deadline = time.monotonic() + self._grace
         delay = 0.02
         while True:

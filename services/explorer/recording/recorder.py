@@ -149,7 +149,8 @@ class Recorder:
         self._journal_max_age_s = journal_max_age_s
         self._pending: list[_Queued] = []
         self._keys: dict[str, int] = {}  # completion and experience ids not yet written
-        self._set_aside: OrderedDict[str, str] = OrderedDict()  # id -> reason
+        self._set_aside: OrderedDict[str, tuple[str, str]] = OrderedDict()  # id -> (reason, agent)
+        self._key_agent: dict[str, str] = {}  # the agent of each id in self._keys
         self._wakeup = asyncio.Event()
         self._flushed = asyncio.Condition()
         self._task: asyncio.Task | None = None
@@ -226,18 +227,32 @@ class Recorder:
         self._pending.append(q)
         for key in (q.record.experience_id, q.record.completion_id):
             self._keys[key] = self._keys.get(key, 0) + 1
+            self._key_agent[key] = q.record.agent
 
     def in_flight(self, ids: Iterable[str]) -> bool:
         return any(i in self._keys for i in ids)
 
     def set_aside_reason(self, ids: Iterable[str]) -> dict[str, str]:
         """The ids (of those given) whose record was set aside, with the reason."""
-        return {i: self._set_aside[i] for i in ids if i in self._set_aside}
+        return {i: self._set_aside[i][0] for i in ids if i in self._set_aside}
 
-    async def wait_written(self, ids: Sequence[str], timeout: float = 30.0) -> None:
+    def _of_agents(self, ids: Sequence[str], agents: Sequence[str] | None) -> list[str]:
+        """Those of ``ids`` that are not another agent's record (in flight or set aside) than ``agents``'."""
+        if agents is None:
+            return list(ids)
+        allowed = set(agents)
+
+        def agent_of(i: str) -> str | None:
+            return self._key_agent.get(i) or (self._set_aside[i][1] if i in self._set_aside else None)
+
+        return [i for i in ids if (a := agent_of(i)) is None or a in allowed]
+
+    async def wait_written(self, ids: Sequence[str], timeout: float = 30.0, *, agents: Sequence[str] | None = None) -> None:
         """Return once none of ``ids`` is still waiting to be written. Raises RecordsNotWritten
         after ``timeout`` (the database is not taking writes) and RecordsSetAside when one of
-        them was refused by the database."""
+        them was refused by the database. With ``agents`` (a key limited to them), another agent's
+        records are neither waited for nor named: to that key they are ids that name nothing."""
+        ids = self._of_agents(ids, agents)
         await self._wait_for(ids, timeout)
         if self._set_aside and (aside := self.set_aside_reason(ids)):
             raise RecordsSetAside(aside)
@@ -322,6 +337,7 @@ class Recorder:
                     self._keys[key] = left
                 else:
                     self._keys.pop(key, None)
+                    self._key_agent.pop(key, None)
             if q.segment is not None:
                 segments[q.segment] = segments.get(q.segment, 0) + 1
             if r.experience_id in set_aside:
@@ -337,7 +353,7 @@ class Recorder:
         self.set_aside_count += 1
         self._last_set_aside = time.monotonic()
         for key in (record.experience_id, record.completion_id):
-            self._set_aside[key] = reason
+            self._set_aside[key] = (reason, record.agent)
         while len(self._set_aside) > _REMEMBER_SET_ASIDE:
             self._set_aside.popitem(last=False)
         if self._on_set_aside:

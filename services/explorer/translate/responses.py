@@ -169,7 +169,7 @@ class ResponsesService:
             raise APIError(404, f"response {response_id!r} was created with store: false and cannot be continued",
                            param="previous_response_id", code="response_not_found")
         eid = experience_id(response_id, 0)
-        await self._recorder.wait_written([eid], self._wait_s)
+        await self._recorder.wait_written([eid], self._wait_s, agents=principal.agent_list if principal else None)
         exp = await asyncio.to_thread(buffer.get_experience, engine=self._db, experience_id=eid)
         if exp is None or (principal is not None and not principal.may_use(exp.agent)):  # another agent's: unseen
             raise APIError(404, f"no response {response_id!r}", param="previous_response_id", code="response_not_found")

@@ -62,6 +62,9 @@ def test_a_refused_record_is_set_aside_and_everyone_elses_are_written(db, tmp_pa
         await rec.wait_written([f"c{i}-0" for i in range(40) if i != 20], timeout=10)
         with pytest.raises(RecordsSetAside, match="c20 could not be recorded"):
             await rec.wait_written(["c20"], timeout=10)
+        with pytest.raises(RecordsSetAside):
+            await rec.wait_written(["c20"], timeout=10, agents=["a"])
+        await rec.wait_written(["c20"], timeout=10, agents=["b"])  # a key limited to agent b: an id naming nothing
         # and recording goes on
         rec.record([_exp(41)])
         await rec.wait_written(["c41-0"], timeout=10)
@@ -120,6 +123,8 @@ def test_an_unavailable_database_loses_nothing_and_feedback_is_told_to_retry(db,
             rec.record([_exp(i) for i in range(10)])
             with pytest.raises(RecordsNotWritten, match="retry later"):
                 await rec.wait_written(["c3"], timeout=0.5)
+            # another agent's record in flight is not waited for, nor named, for a key limited to agent b
+            await asyncio.wait_for(rec.wait_written(["c3"], timeout=0.5, agents=["b"]), 0.2)
             await asyncio.sleep(0.3)
             problems = rec.health().problems(degraded_after_s=0.2, set_aside_window_s=600)
             assert problems and "waited" in problems[0]
