@@ -15,7 +15,8 @@ seeds, each with a 95% interval from a bootstrap over the held-out problems stra
 Trainer steps) instead of the demo's 7 minutes, so slow and fast hosts compare the same steps.
 Settings are the demo overrides below: `base` is plain GRPO with the demonstrations replayed every
 step, `levers` turns on the Trainer's levers (services/demo/tools_demo.py LEVERS), and each
-`no-*` setting is `levers` with one lever off (the ablation); `hints` and `corrections` are `base` with the simulated
+`no-*` setting is `levers` with one lever off (the ablation), `self-imitation` is `base` with that one lever
+on; `hints` and `corrections` are `base` with the simulated
 users' words after a wrong answer (`tools.words`), to compare with `base` (rewards alone), and
 `hints-centred` is `hints` with the distillation advantage centred per call (`hint_baseline=call`).
 """
@@ -42,6 +43,10 @@ SETTINGS: dict[str, list[str]] = {
     "no-demo-schedule": ["tools.levers=true", "trainer.algorithm.sft_coef_final=null",
                          "trainer.algorithm.demo_replay=every_step"],
     "no-importance": ["tools.levers=true", "trainer.algorithm.grpo.importance=off"],
+    # `base` plus one lever: the agent's own successes replayed beside the demonstrations (which stay every step)
+    "self-imitation": ["tools.levers=false", "trainer.algorithm.self_imitation.coef=1.0",
+                       "trainer.algorithm.self_imitation.ramp_steps=4", "trainer.algorithm.self_imitation.batch_size=8",
+                       "trainer.algorithm.self_imitation.per_task=1"],
     # feedback in words on wrong answers, beside the rewards (issue 30): against `base`, rewards alone
     "hints": ["tools.levers=false", "tools.words=hints"],
     # hints with the distillation advantage centred per call (algorithm.grpo.hint_baseline=call)
