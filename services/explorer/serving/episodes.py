@@ -8,7 +8,7 @@ again if it was let go) even after a newer one became current. An episode is for
 still moves on to new versions), or when too many are remembered; while remembered, its version
 counts as in use in the serving files, so the Trainer keeps its folder.
 
-With the buffer's database (``reload.episode_pins: database``, the default) the first call's version is
+With the buffer's database (``reload.episode_pins: database``; the default, ``process``, pins per replica) the first call's version is
 also recorded there (``buffer.pins``), so that the episode's next call gets it whichever replica serves
 it: a call of an episode this replica has not seen claims the episode for the version it was given, and
 gets back the version another replica recorded first (then served instead), so two replicas serving an
