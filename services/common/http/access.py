@@ -65,8 +65,9 @@ class AuthSection(ConfigModel):
     quotas: Literal["database", "process"] = Field(
         default="database",
         description="Where keys' quotas are counted. database: in the buffer's database, one bucket per key for "
-        "every replica and the dashboard on it (each admission one short write transaction; while the database is "
-        "unreachable each replica counts on its own). process: in each process (a key gets its quota per replica).")
+        "every Explorer replica on it (each admission one short write transaction; while the database is "
+        "unreachable each replica counts on its own). process: in each process (a key gets its quota per replica). "
+        "The dashboard, which only reads the database, always counts in its process.")
     quota_hold_s: float = Field(
         default=900.0, gt=0,
         description="A running request's hold on its key's token quota lapses after this long if it was never "
