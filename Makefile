@@ -16,7 +16,7 @@ TEST_WORKERS ?= 2
 # GPU machines: VLLM=none, then `.venv/bin/pip install -e '.[vllm]'`.
 VLLM   ?= cpu
 
-.PHONY: all install postgres chromium demo test test-unit bench tiny-model pretrained clean
+.PHONY: all install postgres chromium haproxy demo test test-unit bench tiny-model pretrained clean
 
 all: test
 
@@ -72,7 +72,17 @@ chromium:
 			|| echo "could not install chromium: the dashboard's browser tests will skip"; \
 	else echo "no chromium (apt-get install chromium): the dashboard's browser tests will skip"; fi
 
-test: $(STAMP) postgres chromium
+# The load-balancer test puts Explorer replicas behind a real HAProxy (Debian's package): install it
+# with apt when it is missing and we can; otherwise that test skips and says why.
+haproxy:
+	@if command -v haproxy >/dev/null 2>&1 || [ -x /usr/sbin/haproxy ]; then :; \
+	elif [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+		echo "installing Debian's haproxy for the load-balancer test"; \
+		(apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq haproxy) >/dev/null 2>&1 \
+			|| echo "could not install haproxy: the load-balancer test will skip"; \
+	else echo "no haproxy (apt-get install haproxy): the load-balancer test will skip"; fi
+
+test: $(STAMP) postgres chromium haproxy
 	$(BIN)/python -m pytest $(if $(filter-out 1,$(TEST_WORKERS)),-n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder) --durations=40 $(PYTEST_ARGS)
 
 test-unit: $(STAMP)

@@ -151,3 +151,23 @@ def built_once(tmp_path_factory, name: str, build: Callable[[Path], None]) -> Pa
         finally:
             fcntl.flock(lock, fcntl.LOCK_UN)
     return out
+
+
+@contextlib.contextmanager
+def fresh_database(postgres_url: str) -> Iterator[str]:
+    """A fresh, empty database on the session's PostgreSQL server (its URL), dropped on exit."""
+    import uuid
+
+    import psycopg
+    from sqlalchemy.engine import make_url
+
+    admin = make_url(postgres_url)
+    conninfo = dict(host=admin.host, port=admin.port, user=admin.username, dbname=admin.database, autocommit=True)
+    name = f"kaizen_{uuid.uuid4().hex[:16]}"
+    with psycopg.connect(**conninfo) as conn:
+        conn.execute(f'CREATE DATABASE "{name}"')
+    try:
+        yield admin.set(database=name).render_as_string(hide_password=False)
+    finally:
+        with psycopg.connect(**conninfo) as conn:
+            conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')

@@ -78,6 +78,7 @@ def create_app(config: ExplorerConfig, *, engine: Engine | None = None) -> FastA
         on_flush=lambda n, s: (metrics.experiences_recorded.inc(n), metrics.recorder_flush.observe(s)),
         on_set_aside=lambda _record, _why: metrics.recorder_set_aside.inc(),
         journal_max_age_s=rc.journal_max_age_s,
+        journal_adopt_s=rc.journal_adopt_s,
     )
 
     def on_reload(agent: str, version: int, seconds: float) -> None:

@@ -167,6 +167,10 @@ class RecorderSection(ConfigModel):
         description="The journal's open segment is sealed once its first record is this old (checked at least every half "
         "of it) and deleted once all its records are written: a written record's text, a deleted user's included, "
         "leaves this replica's disk within about 1.5 times this.")
+    journal_adopt_s: float = Field(
+        default=10.0, gt=0,
+        description="Every this many seconds, adopt and write the journal segments no live process holds (a replica "
+        "sharing journal_dir that was killed or stopped with records unwritten), as at start.")
     feedback_wait_s: float = Field(
         default=5.0, gt=0,
         description="Feedback or commit naming a record not yet written waits this long, then gets 503 with Retry-After.",

@@ -14,7 +14,7 @@ import pytest
 from services.common.config import load_config
 from services.explorer.app import ExplorerState, create_app
 from services.explorer.config import ExplorerConfig
-from tests.helpers import ThreadedServer
+from tests.helpers import ThreadedServer, fresh_database
 
 
 @dataclass
@@ -175,16 +175,5 @@ def postgres_url():
 @pytest.fixture
 def postgres_db_url(postgres_url):
     """A fresh, empty database on the session's PostgreSQL server, dropped after the test."""
-    import uuid
-
-    import psycopg
-    from sqlalchemy.engine import make_url
-
-    admin = make_url(postgres_url)
-    conninfo = dict(host=admin.host, port=admin.port, user=admin.username, dbname=admin.database, autocommit=True)
-    name = f"kaizen_{uuid.uuid4().hex[:16]}"
-    with psycopg.connect(**conninfo) as conn:
-        conn.execute(f'CREATE DATABASE "{name}"')
-    yield admin.set(database=name).render_as_string(hide_password=False)
-    with psycopg.connect(**conninfo) as conn:
-        conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+    with fresh_database(postgres_url) as url:
+        yield url

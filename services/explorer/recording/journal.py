@@ -10,8 +10,9 @@ reaches ``segment_bytes`` or when its first record is ``max_age_s`` old (``seal_
 once on ``rotate`` (a user's data deleted): the text of written records never waits on disk longer.
 
 Several Explorers may share a journal directory: each holds an exclusive ``flock`` on its own open
-segment, and a starting Explorer adopts every segment no live process holds (the leftovers of a
-crashed one): it replays their records, then deletes them when written. Replay is idempotent (the
+segment, and an Explorer adopts every segment no live process holds (the leftovers of a crashed
+one) at start and then every ``adopt_s`` while it runs (``adopt``): it replays their records, then
+deletes them when written, so a replica that died for good leaves nothing unwritten behind. Replay is idempotent (the
 recorder skips ids already in the buffer), so a segment deleted late is harmless.
 
     <dir>/segment-<time>-<pid>-<rand>.jsonl   one JSON record a line
@@ -148,6 +149,7 @@ class Journal:
         self._segments: dict[int, _Segment] = {}
         self._current: int | None = None
         self._next_key = 0
+        self._closed = False
         # append/release run on the event loop, sync in a worker thread: the lock guards the
         # segment table, never a disk wait (sync fsyncs a duplicate of the fd, outside the lock).
         self._lock = threading.Lock()
@@ -160,23 +162,58 @@ class Journal:
             self.dir.mkdir(parents=True, exist_ok=True)
         except OSError as e:
             raise JournalError(f"cannot create the journal directory {self.dir}: {e}") from e
+        self._closed = False
+        replayed = self._adopt()
+        with self._lock:
+            self._rotate()
+        if replayed.records:
+            log.warning("journal %s: %d records of an earlier run were not in the buffer yet; writing them now",
+                        self.dir, len(replayed.records))
+        return replayed
+
+    def adopt(self) -> Replayed:
+        """Adopt the segments no live process holds now (a replica sharing the directory that was
+        killed, or stopped with records unwritten), as ``open`` does at start; their records are
+        returned to be written, the segments go once they are."""
+        replayed = self._adopt()
+        if replayed.records:
+            log.warning("journal %s: adopted %d records from segments no live process holds (a replica that died "
+                        "or stopped); writing those not in the buffer yet", self.dir, len(replayed.records))
+        return replayed
+
+    def _adopt(self) -> Replayed:
+        """Lock and read every orphaned segment (the disk reads outside the table's lock)."""
         replayed = Replayed()
+        with self._lock:
+            mine = {seg.path for seg in self._segments.values()}
         for path in sorted(self.dir.glob(f"{_PREFIX}*.jsonl")):
-            fd = os.open(path, os.O_RDWR)
+            if path in mine:
+                continue
+            try:
+                fd = os.open(path, os.O_RDWR)
+            except FileNotFoundError:
+                continue  # written and deleted by its owner since the listing
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
                 os.close(fd)  # a live Explorer's segment
                 continue
-            key = self._add(_Segment(path=path, fd=fd, sealed=True))
+            if os.fstat(fd).st_nlink == 0:  # its owner deleted it (all written) just before letting go
+                os.close(fd)
+                continue
+            with self._lock:
+                key = self._next_key
+                self._next_key += 1
+            first = len(replayed.records)
             n = self._read(path, key, replayed)
-            self._segments[key].outstanding = n
-            if n == 0:
-                self._drop(key)
-        self._rotate()
-        if replayed.records:
-            log.warning("journal %s: %d records of an earlier run were not in the buffer yet; writing them now",
-                        self.dir, len(replayed.records))
+            with self._lock:
+                if self._closed:  # closed meanwhile: the segment stays for the next Explorer to adopt
+                    os.close(fd)
+                    del replayed.records[first:], replayed.segments[first:]
+                    break
+                self._segments[key] = _Segment(path=path, fd=fd, sealed=True, outstanding=n)
+                if n == 0:
+                    self._drop(key)
         return replayed
 
     def _read(self, path: Path, key: int, out: Replayed) -> int:
@@ -197,6 +234,7 @@ class Journal:
     def close(self) -> None:
         """Release every segment; those with records not yet written stay for the next start."""
         with self._lock:
+            self._closed = True
             self._close_all()
 
     def _close_all(self) -> None:

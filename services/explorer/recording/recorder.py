@@ -39,7 +39,7 @@ from sqlalchemy.exc import TimeoutError as PoolTimeout
 
 from services.common.buffer import insert_experiences, insert_missing_experiences, probe_write
 from services.common.records import Experience
-from services.explorer.recording.journal import Journal, append_dead_letter, drop_dead_letters
+from services.explorer.recording.journal import Journal, Replayed, append_dead_letter, drop_dead_letters
 
 log = logging.getLogger(__name__)
 
@@ -137,6 +137,7 @@ class Recorder:
         on_flush: Callable[[int, float], None] | None = None,
         on_set_aside: Callable[[Experience, str], None] | None = None,
         journal_max_age_s: float = 60.0,
+        journal_adopt_s: float = 10.0,
     ):
         self._db = db
         self._journal = journal
@@ -147,6 +148,8 @@ class Recorder:
         self._on_flush = on_flush
         self._on_set_aside = on_set_aside
         self._journal_max_age_s = journal_max_age_s
+        self._journal_adopt_s = journal_adopt_s
+        self._adopted_at = time.monotonic()
         self._pending: list[_Queued] = []
         self._keys: dict[str, int] = {}  # completion and experience ids not yet written
         self._set_aside: OrderedDict[str, tuple[str, str]] = OrderedDict()  # id -> (reason, agent)
@@ -185,13 +188,26 @@ class Recorder:
 
     async def start(self) -> None:
         if self._journal is not None:
-            replayed = await asyncio.to_thread(self._journal.open)
-            now = time.monotonic()
-            for record, segment in zip(replayed.records, replayed.segments):
-                self._queue(_Queued(record, segment, now))
+            self._replay(await asyncio.to_thread(self._journal.open))
+            self._adopted_at = time.monotonic()
         self._task = asyncio.create_task(self._run(), name="recorder")
         if self._pending:
             self._wakeup.set()
+
+    def _replay(self, replayed: Replayed) -> None:
+        now = time.monotonic()
+        for record, segment in zip(replayed.records, replayed.segments):
+            self._queue(_Queued(record, segment, now))
+
+    async def _adopt(self) -> None:
+        """Every ``journal_adopt_s``: write what a replica sharing the journal directory left behind."""
+        if self._journal is None or time.monotonic() - self._adopted_at < self._journal_adopt_s:
+            return
+        self._adopted_at = time.monotonic()
+        try:
+            self._replay(await asyncio.to_thread(self._journal.adopt))
+        except OSError as e:
+            log.error("recorder: looking for segments to adopt in %s failed: %s", self._journal.dir, e)
 
     async def stop(self, timeout: float = 30.0) -> None:
         """Write everything still pending (for up to ``timeout``), then stop."""
@@ -290,12 +306,14 @@ class Recorder:
         while True:
             if self._journal is not None:  # the text of written records never waits in the journal past its age
                 self._journal.seal_if_old(self._journal_max_age_s)
+                if not self._stopping:
+                    await self._adopt()
             if not self._pending:
                 if self._stopping:
                     return
                 self._wakeup.clear()
                 try:
-                    await asyncio.wait_for(self._wakeup.wait(), self._journal_max_age_s / 2)
+                    await asyncio.wait_for(self._wakeup.wait(), min(self._journal_max_age_s / 2, self._journal_adopt_s))
                 except asyncio.TimeoutError:
                     continue
                 # Let a few more records join the batch, unless it is full already.

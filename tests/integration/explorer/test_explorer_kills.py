@@ -11,59 +11,15 @@ import signal
 import threading
 import time
 
-import httpx
 import pytest
 
-from services.common import buffer
 from tests.helpers import free_port, kaizen_process, wait_http
+from tests.integration.traffic import Traffic
 
 pytestmark = pytest.mark.integration
 
 CLIENTS = 8
 KILLS = 3
-
-
-class Traffic:
-    """Clients that chat, reward the answer and commit it, recording what was acknowledged (200)."""
-
-    def __init__(self, base: str):
-        self.base = base
-        self.chats: set[str] = set()
-        self.rewards: dict[str, float] = {}
-        self.commits: set[str] = set()
-        self.failed = 0  # requests that got no answer or a 5xx (the server was down): not acknowledged
-        self.stop = threading.Event()
-        self.lock = threading.Lock()
-
-    def client(self, k: int) -> None:
-        rng = random.Random(k)
-        with httpx.Client(base_url=self.base, timeout=30) as http:
-            i = 0
-            while not self.stop.is_set():
-                i += 1
-                try:
-                    r = http.post("/v1/chat/completions", json={
-                        "model": "default", "messages": [{"role": "user", "content": f"client {k} question {i}"}],
-                        "max_tokens": 2, "metadata": {"task_id": f"c{k}-{i}"}})
-                    if r.status_code != 200:
-                        raise httpx.HTTPError(str(r.status_code))
-                    eid = r.json()["choices"][0]["experience_id"]
-                    with self.lock:
-                        self.chats.add(eid)
-                    reward = float(rng.randint(0, 1))
-                    if http.post("/feedback", json={"msg_ids": [eid], "reward": reward}).status_code != 200:
-                        raise httpx.HTTPError("feedback")
-                    with self.lock:
-                        self.rewards[eid] = reward
-                    r = http.post("/commit", json={"msg_ids": [eid]})
-                    if r.status_code != 200 or r.json()["committed"] != 1:
-                        raise httpx.HTTPError("commit")
-                    with self.lock:
-                        self.commits.add(eid)
-                except httpx.HTTPError:
-                    with self.lock:
-                        self.failed += 1
-                    time.sleep(0.2)
 
 
 @pytest.mark.parametrize("backend", ["sqlite", "postgres"])
@@ -97,14 +53,7 @@ def test_kill_9_under_traffic_loses_nothing_acknowledged(tiny_model, tmp_path, b
                 for t in threads:
                     t.join(60)
         # the last life ends with SIGTERM (kaizen_process): a clean stop writes what waits
-    db = buffer.create_buffer_engine(url)
-    try:
-        stored = {e.experience_id: e for e in buffer.list_experiences(engine=db, limit=100_000)}
-    finally:
-        db.dispose()
-    lost_chats = sorted(traffic.chats - set(stored))
-    lost_rewards = sorted(i for i, r in traffic.rewards.items() if i not in stored or stored[i].reward != r)
-    lost_commits = sorted(i for i in traffic.commits if i not in stored or stored[i].status.value != "committed")
+    lost_chats, lost_rewards, lost_commits = traffic.lost(url)
     print(f"\n{backend}: {KILLS} kills of kill -9 under {CLIENTS} clients: acknowledged {len(traffic.chats)} chats, "
           f"{len(traffic.rewards)} feedbacks, {len(traffic.commits)} commits ({traffic.failed} requests failed while "
           f"down); lost {len(lost_chats)} chats, {len(lost_rewards)} feedbacks, {len(lost_commits)} commits")

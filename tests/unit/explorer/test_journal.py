@@ -60,6 +60,22 @@ def test_a_live_journal_is_never_adopted_by_another_explorer_sharing_the_directo
     c.close()
 
 
+def test_a_running_explorer_adopts_what_a_replica_that_died_left_behind(tmp_path):
+    a, b = Journal(tmp_path), Journal(tmp_path)
+    a.open(), b.open()
+    b.append([_exp(0)])
+    assert a.adopt().records == []  # b is alive: its segment is locked
+    b.append([_exp(1)])
+    _crash(b)  # killed with two records unwritten
+    adopted = a.adopt()
+    assert [r.experience_id for r in adopted.records] == ["c0-0", "c1-0"]
+    assert a.adopt().records == []  # adopted once: a holds it now
+    a.release(adopted.segments[0], 2)  # written: the dead replica's segment goes
+    assert len(_segments(tmp_path)) == 1
+    a.close()
+    assert a.adopt().records == [] and _segments(tmp_path) == []
+
+
 def test_segments_rotate_and_are_deleted_once_every_record_is_written(tmp_path):
     j = Journal(tmp_path, segment_bytes=1)  # every append seals its segment
     j.open()
