@@ -105,6 +105,7 @@ LONGEST_FIRST = (
     "tests/integration/trainer/test_hints_real.py",  # 120 alone
     "tests/integration/trainer/test_multi_agent.py",  # 135
     "tests/integration/explorer/test_explorer_kills.py",  # 100
+    "tests/integration/trainer/test_two_nodes.py",  # 110
     "tests/integration/common/test_load_balancer.py",  # 65
     "tests/integration/agents/test_learnable_agent.py",  # 90
     "tests/integration/trainer/test_hints.py",  # 45 alone

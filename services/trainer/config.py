@@ -160,6 +160,18 @@ class RaySection(ConfigModel):
     workers: int = Field(default=1, ge=1, description="Data-parallel learner workers (gradients all-reduced).")
     num_cpus_per_worker: float = Field(default=1, gt=0, description="CPUs Ray reserves for each learner worker.")
     num_gpus_per_worker: float = Field(default=0, ge=0, description="GPUs Ray reserves for each learner worker.")
+    placement: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = Field(
+        default="PACK",
+        description="How the learner workers' placement group spreads them over Ray nodes: PACK fills a node first, "
+        "STRICT_SPREAD puts each on a node of its own, STRICT_PACK all on one node.")
+    placement_timeout_s: float = Field(
+        default=300.0, gt=0, description="How long the Trainer waits at start for Ray to place the learner workers "
+        "before it stops with an error naming the resources it lacks.")
+    recover_timeout_s: float = Field(
+        default=600.0, ge=0,
+        description="A learner worker that dies (its process or its node) costs the step in flight: the Trainer builds "
+        "the workers again and resumes each agent from its last saved state, waiting this long for the cluster to "
+        "place them (a node to come back); then it stops with an error, for its supervisor to restart it.")
 
 
 class TrainerConfig(ConfigModel):

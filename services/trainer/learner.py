@@ -144,7 +144,13 @@ class LearnerWorker:
             dist.init_process_group(
                 backend, init_method=f"tcp://{master_addr}:{master_port}", rank=self.rank, world_size=self.world_size
             )
-        return {"rank": self.rank, "device": str(self.policy.device), "pid": os.getpid()}
+        try:
+            import ray
+
+            node = ray.get_runtime_context().get_node_id()
+        except Exception:  # not in a Ray worker (a unit test)
+            node = None
+        return {"rank": self.rank, "device": str(self.policy.device), "pid": os.getpid(), "node": node}
 
     def ensure_agent(self, agent: str, *, state_dir: str | None = None, adapter_dir: str | None = None) -> bool:
         """Create the agent's adapter and optimizers, from a saved state or published adapter if given."""

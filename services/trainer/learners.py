@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import time
 from typing import Any
 
 from services.trainer.batches import Norms, TrainItem, episodes_of
@@ -11,27 +12,97 @@ from services.trainer.stats import StepStats
 
 log = logging.getLogger("kaizen.trainer")
 
+_PEER_GRACE_S = 30.0  # after one learner's call failed, how long the others may take to show a death
+
+
+class LearnersLost(RuntimeError):
+    """A learner worker died (its process, or the Ray node it ran on): the group is no longer whole."""
+
+
+class LearnersUnavailable(RuntimeError):
+    """Ray could not place the learner workers (the cluster lacks the resources, for now)."""
+
 
 class LearnerGroup:
-    """The learner workers as Ray actors; rank 0 writes files."""
+    """The learner workers as Ray actors in one placement group (``ray.placement``: PACK fills a node
+    first, STRICT_SPREAD one worker a node); rank 0 writes files. A worker that dies makes every
+    call raise ``LearnersLost``; the Trainer then builds a new group (services/trainer/service.py)."""
 
-    def __init__(self, cfg: TrainerConfig):
+    def __init__(self, cfg: TrainerConfig, *, wait_s: float | None = None):
         import ray
+        from ray.exceptions import GetTimeoutError
+        from ray.util.placement_group import placement_group, remove_placement_group
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         from services.trainer.learner import LearnerWorker
 
         r = cfg.ray
+        bundle = {"CPU": r.num_cpus_per_worker, **({"GPU": r.num_gpus_per_worker} if r.num_gpus_per_worker else {})}
+        self.group = placement_group([dict(bundle) for _ in range(r.workers)], strategy=r.placement)
+        self.workers: list[Any] = []
+        wait = r.placement_timeout_s if wait_s is None else wait_s
+        try:
+            ray.get(self.group.ready(), timeout=wait)
+        except GetTimeoutError:
+            remove_placement_group(self.group)
+            raise LearnersUnavailable(
+                f"Ray could not place {r.workers} learner worker(s) of {bundle} each ({r.placement}) within {wait:.0f}s; "
+                f"the cluster has {ray.cluster_resources()} in all, {ray.available_resources()} free") from None
         remote = ray.remote(num_cpus=r.num_cpus_per_worker, num_gpus=r.num_gpus_per_worker)(LearnerWorker)
         payload = cfg.model_dump(mode="json")
-        self.workers = [remote.remote(payload, rank, r.workers) for rank in range(r.workers)]
-        addr, port = ray.get(self.workers[0].rendezvous_address.remote()) if r.workers > 1 else (None, None)
-        info = ray.get([w.setup.remote(addr, port) for w in self.workers])
-        log.info("learners ready: %s", info)
+        self.workers = [remote.options(scheduling_strategy=PlacementGroupSchedulingStrategy(
+            placement_group=self.group, placement_group_bundle_index=rank)).remote(payload, rank, r.workers)
+            for rank in range(r.workers)]
+        try:
+            addr, port = self._all([self.workers[0].rendezvous_address.remote()])[0] if r.workers > 1 else (None, None)
+            self.info = self._all([w.setup.remote(addr, port) for w in self.workers])
+        except BaseException:
+            self.shutdown()
+            raise
+        log.info("learners ready: %s", self.info)
 
     def _all(self, calls) -> list[Any]:
+        """Every call's result; ``LearnersLost`` as soon as one worker is found dead. A worker whose
+        call failed otherwise may have failed for a dead peer (a collective whose other end closed):
+        the others get ``_PEER_GRACE_S`` to show a death before that error is raised as it is."""
         import ray
+        from ray.exceptions import NodeDiedError, ObjectLostError, RayActorError, WorkerCrashedError
 
+        pending = list(calls)
+        failed: Exception | None = None
+        deadline = None
+        while pending:
+            done, pending = ray.wait(pending, num_returns=1,
+                                     timeout=None if deadline is None else max(0.0, deadline - time.monotonic()))
+            if not done:
+                break  # the others still run (or wait in a collective) after a failure of their peer's own
+            try:
+                ray.get(done)
+            except (RayActorError, WorkerCrashedError, NodeDiedError, ObjectLostError) as e:
+                text = str(e).strip()
+                raise LearnersLost(f"{type(e).__name__}: {text.splitlines()[0][:300] if text else ''}") from e
+            except Exception as e:
+                if failed is None:
+                    failed, deadline = e, time.monotonic() + _PEER_GRACE_S
+        if failed is not None:
+            raise failed
         return ray.get(calls)
+
+    def shutdown(self) -> None:
+        """Kill the workers and free their placement group (what is left of them after a loss)."""
+        import ray
+        from ray.util.placement_group import remove_placement_group
+
+        for w in self.workers:
+            try:
+                ray.kill(w, no_restart=True)
+            except Exception:  # already dead
+                pass
+        self.workers = []
+        try:
+            remove_placement_group(self.group)
+        except Exception:
+            pass
 
     def ensure_agent(self, agent: str, *, state_dir: str | None = None, adapter_dir: str | None = None) -> None:
         self._all([w.ensure_agent.remote(agent, state_dir=state_dir, adapter_dir=adapter_dir) for w in self.workers])

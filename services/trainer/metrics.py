@@ -52,6 +52,8 @@ class PrometheusMetrics:
         self.last_step = Gauge("kaizen_trainer_last_step_timestamp_seconds", "When the agent's last step ended", ["agent"],
                                registry=r)
         self.waiting = Gauge("kaizen_trainer_waiting", "1 while the Trainer waits for committed experiences", registry=r)
+        self.learners_lost = Counter("kaizen_trainer_learners_lost", "Learner groups rebuilt after a worker (its process "
+                                     "or its Ray node) died; each cost the step in flight", registry=r)
         self.gauges = {key: Gauge(name, doc, ["agent"], registry=r) for key, name, doc in _GAUGES}
         self.objective = Gauge("kaizen_trainer_objective", "The objective's own figures of the last step (its recipe's "
                                "statistics, e.g. clip_frac, policy_loss)", ["agent", "figure"], registry=r)
@@ -124,6 +126,10 @@ class MetricsSink:
             sys.stderr.flush()
         else:
             log.info(line)
+
+    def learners_lost(self) -> None:
+        if self.prometheus is not None:
+            self.prometheus.learners_lost.inc()
 
     def waiting(self, message: str) -> None:
         """A quiet note that the trainer is idle (a live line on a terminal, one log line a minute otherwise)."""

@@ -50,7 +50,7 @@ from services.trainer.batches import (
     select_batch,
 )
 from services.trainer.config import TrainerConfig
-from services.trainer.learners import LearnerGroup, shard
+from services.trainer.learners import LearnerGroup, LearnersLost, LearnersUnavailable, shard
 from services.trainer.metrics import MetricsSink
 from services.trainer.ray_cluster import LocalRayCluster
 from services.trainer.retention import prune_versions
@@ -85,6 +85,7 @@ class TrainerService:
         self.agents: dict[str, AgentProgress] = {}
         self.stop_event = threading.Event()
         self.steps_this_run = 0
+        self.learner_restarts = 0  # learner groups rebuilt after a worker died
         self._ray: LocalRayCluster | None = None  # the cluster this Trainer started (none when it joined one)
         # round_robin: a turn passed on for want of data, until the next recorded step (newest step, turn)
         self._passed: tuple[Any, Turn] | None = None
@@ -113,6 +114,8 @@ class TrainerService:
         self._recover()
 
     def close(self) -> None:
+        if self.learners is not None and self._ray is None:  # joined a cluster: the actors outlive a driver that lingers
+            self.learners.shutdown()
         self.metrics.close()
         self.db.dispose()
         if self._ray is not None:
@@ -341,13 +344,47 @@ class TrainerService:
             for agent, agent_turn in polled:
                 if self.stop_event.is_set() or (max_steps is not None and self.steps_this_run >= max_steps):
                     break
-                trained |= self._poll_agent(agent, agent_turn)
+                try:
+                    trained |= self._poll_agent(agent, agent_turn)
+                except LearnersLost as e:
+                    self._rebuild_learners(e)
+                    trained = True  # poll again at once, from the agents' last saved states
+                    break
             if turn is not None and not trained:
                 self._idle_turn(*turn)
             if not trained:
                 self.metrics.waiting("waiting for committed experiences ...")
                 self.stop_event.wait(self.cfg.trainer.poll_interval_s)
         return 0
+
+    def _rebuild_learners(self, lost: LearnersLost) -> None:
+        """A learner worker died (its process or its node): the step in flight is lost, nothing of it
+        committed. Build the workers again (waiting up to ray.recover_timeout_s for the cluster to
+        place them) and resume every agent from the state its last committed step saved, as a
+        restarted Trainer would: nothing is trained twice or skipped."""
+        self.learner_restarts += 1
+        log.error("learner worker lost (%s): the step in flight is dropped; rebuilding the %d worker(s) and resuming "
+                  "every agent from its last saved state", lost, self.cfg.ray.workers)
+        self.metrics.learners_lost()
+        if self.learners is not None:
+            self.learners.shutdown()
+            self.learners = None
+        self.agents.clear()
+        r = self.cfg.ray
+        deadline = time.monotonic() + r.recover_timeout_s
+        while True:
+            try:
+                self.learners = LearnerGroup(self.cfg, wait_s=max(1.0, min(30.0, deadline - time.monotonic())))
+                break
+            except LearnersUnavailable as e:
+                if self.stop_event.is_set() or time.monotonic() >= deadline:
+                    raise LearnersUnavailable(f"the learner workers could not be placed again within "
+                                              f"ray.recover_timeout_s={r.recover_timeout_s:.0f}s: {e}") from None
+                log.warning("waiting for the cluster to place the learner workers again: %s", e)
+        if self._ray is not None:
+            self._ray.track()
+        log.warning("learner workers rebuilt (%s); resuming", self.learners.info)
+        self._recover()
 
     def _poll_agent(self, agent: str, turn: Turn | None = None) -> bool:
         window = max(self.cfg.train_batch_size * 8, 256, self.cfg.staleness.catch_up_max_rows)

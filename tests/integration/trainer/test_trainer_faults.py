@@ -13,14 +13,9 @@ the weights even where the buffer's books balance.
 
 from __future__ import annotations
 
-import contextlib
-import os
 import random
-import re
-import shutil
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import Iterator
@@ -29,13 +24,11 @@ import pytest
 import torch
 
 from services.common import buffer, checkpoints
-from tests.helpers import REPO
 from tests.integration.trainer.data import FAULT_PROMPTS, FAULT_RESPONSES, FAULT_UNREWARDED
+from tests.integration.trainer.runs import AGENT, BATCH, INTERVAL, Trainers, adapter_of, copy_db, steps_of
 
 pytestmark = pytest.mark.integration
 
-AGENT = "default"
-BATCH, INTERVAL = 4, 2
 PROMPT_COUNT, RESPONSES, UNREWARDED = FAULT_PROMPTS, FAULT_RESPONSES, FAULT_UNREWARDED  # conftest.py faults_db
 TOTAL = (PROMPT_COUNT * RESPONSES - UNREWARDED) // BATCH  # 14 steps, 7 versions
 RANDOM_KILLS, SEED = 4, 1234
@@ -47,7 +40,7 @@ def straight(tiny_model, faults_db, ray_address, tmp_path_factory) -> Path:
     """The run nobody killed, on the same buffer (one for every database the kill tests use: the
     adapters depend on the rows, not on where they are kept)."""
     run = tmp_path_factory.mktemp("straight")
-    _copy_db(faults_db, run)
+    copy_db(faults_db, run)
     plain = Trainers(tiny_model, run, ray_address)
     try:
         proc = plain.start("straight", "--max-steps", str(TOTAL))
@@ -55,72 +48,6 @@ def straight(tiny_model, faults_db, ray_address, tmp_path_factory) -> Path:
     finally:
         plain.close()
     return run
-
-
-class Trainers:
-    """Starts `kaizen trainer` subprocesses on one run dir, each in its own process group, and
-    kills every group that is still there on exit (nothing may outlive the test)."""
-
-    def __init__(self, tiny_model: Path, run: Path, ray_address: str, url: str | None = None):
-        self.tiny_model, self.run, self.ray_address = tiny_model, run, ray_address
-        self.url = url or f"sqlite:///{run}/buffer.db"
-        self.procs: list[subprocess.Popen] = []
-        self.logs: list[Path] = []
-
-    def start(self, label: str, *extra: str, failpoints: str | None = None) -> subprocess.Popen:
-        run = self.run
-        args = [
-            sys.executable, "-m", "services.cli", "trainer", "--config", "configs/trainer.yaml",
-            f"model.path={self.tiny_model}", f"buffer.url={self.url}", f"checkpoints.root={run}/ck",
-            f"trainer.run_dir={run}/run", f"ray.address={self.ray_address}", "algorithm.name=ppo", "lora.r=8",
-            "optim.lr=2e-3", "staleness.max_staleness=100", f"train_batch_size={BATCH}", f"save_interval={INTERVAL}",
-            "checkpoints.keep_versions=100", "checkpoints.keep_states=2", "trainer.torch_threads=1",
-            "trainer.poll_interval_s=0.2", "log_level=info", *extra,
-        ]
-        env = {k: v for k, v in os.environ.items() if k != "KAIZEN_FAILPOINTS"}
-        env["PYTHONUNBUFFERED"] = "1"
-        if failpoints:
-            env["KAIZEN_FAILPOINTS"] = failpoints
-        log = run / "logs" / f"{len(self.logs):02d}-{label}.log"
-        log.parent.mkdir(parents=True, exist_ok=True)
-        with open(log, "wb") as out:
-            proc = subprocess.Popen(args, cwd=REPO, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-        self.procs.append(proc)
-        self.logs.append(log)
-        return proc
-
-    def log(self, proc: subprocess.Popen) -> str:
-        return self.logs[self.procs.index(proc)].read_text()
-
-    def kill(self, proc: subprocess.Popen) -> None:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait(30)
-        self.wait_learners_gone(proc)
-
-    def wait_learners_gone(self, proc: subprocess.Popen) -> None:
-        """A killed driver's learner actors live in the Ray cluster, not in its process group; Ray
-        ends them when it sees the driver gone. A restart before that would share the checkpoint
-        dir with a dying writer; this test waits, as a restart on a fresh node would."""
-        pids = [int(p) for p in re.findall(r"'pid': (\d+)", self.log(proc))]
-        deadline = time.monotonic() + 60
-        while any(_alive(p) for p in pids):
-            assert time.monotonic() < deadline, f"learners {pids} outlived their killed driver"
-            time.sleep(0.1)
-
-    def close(self) -> None:
-        for proc in self.procs:
-            if proc.poll() is None:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait(30)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        return not Path(f"/proc/{pid}/stat").read_text().split(") ")[-1].startswith("Z")
-    except OSError:
-        return False
 
 
 @pytest.fixture(params=["sqlite", "postgres"])
@@ -132,32 +59,6 @@ def trainers(tiny_model, ray_address, tmp_path, request) -> Iterator[Trainers]:
         yield t
     finally:
         t.close()
-
-
-def _copy_db(db: Path, run: Path, url: str | None = None) -> str:
-    """The faults buffer, as a SQLite file in ``run``, or copied row for row (seq included) into ``url``."""
-    run.mkdir(parents=True, exist_ok=True)
-    if url is None or url.startswith("sqlite"):
-        shutil.copy(db, run / "buffer.db")
-        return f"sqlite:///{run}/buffer.db"
-    source, target = buffer.create_buffer_engine(f"sqlite:///{db}"), buffer.create_buffer_engine(url)
-    with source.connect() as conn:
-        rows = [dict(r._mapping) for r in conn.execute(buffer.experiences.select().order_by(buffer.experiences.c.seq))]
-    with target.begin() as conn:
-        conn.execute(buffer.experiences.insert(), rows)
-    source.dispose()
-    target.dispose()
-    return url
-
-
-def _steps(url: str) -> list[tuple[int, int, int]]:
-    """(step, version, consumed) of every trainer_steps row, in insertion order."""
-    db = buffer.create_buffer_engine(url)
-    t = buffer.trainer_steps
-    with db.connect() as conn:
-        rows = [tuple(r) for r in conn.execute(t.select().with_only_columns(t.c.step, t.c.version, t.c.consumed).order_by(t.c.id))]
-    db.dispose()
-    return rows
 
 
 def _wait(cond, proc: subprocess.Popen, trainers: Trainers, what: str) -> None:
@@ -183,12 +84,6 @@ def _killed_at_failpoint(trainers: Trainers, label: str, failpoints: str) -> sub
     return proc
 
 
-def _adapter(root: Path, version: int) -> dict[str, torch.Tensor]:
-    from safetensors.torch import load_file
-
-    return load_file(str(checkpoints.version_dir(root, AGENT, version) / "adapter_model.safetensors"))
-
-
 def _temporaries(root: Path) -> list[str]:
     dirs = (checkpoints.agent_dir(root, AGENT), checkpoints.state_dir(root, AGENT))
     return [p.name for d in dirs for p in d.iterdir() if p.name.startswith(".") and p.name not in (".serving", checkpoints.PUBLISH_LOCK)]
@@ -196,22 +91,22 @@ def _temporaries(root: Path) -> list[str]:
 
 def test_killed_anywhere_the_trainer_restarts_and_repairs(tiny_model, faults_db, ray_address, trainers, straight):
     run = trainers.run
-    url = _copy_db(faults_db, run, trainers.url)
+    url = copy_db(faults_db, run, trainers.url)
     root = run / "ck"
 
     # Window 1: state/step-2 saved, its batch never committed.
     _killed_at_failpoint(trainers, "after-state-saved", "trainer.after_state_saved@2")
-    assert [s for s, _, _ in _steps(url)] == [1]
+    assert [s for s, _, _ in steps_of(url)] == [1]
     assert checkpoints.list_states(root, AGENT)[-1] == 2
 
     # Step 2 committed (it completes v1), v1 never written.
     _killed_at_failpoint(trainers, "after-consume-commit", "trainer.after_consume_commit@1")
-    assert [s for s, _, _ in _steps(url)] == [1, 2] and checkpoints.list_versions(root, AGENT) == []
+    assert [s for s, _, _ in steps_of(url)] == [1, 2] and checkpoints.list_versions(root, AGENT) == []
 
     # Window 2: v2 renamed into place, LATEST still names v1. The first arrival at this failpoint
     # is the restart finishing v1, which the database owes.
     _killed_at_failpoint(trainers, "after-version-renamed", "trainer.after_version_renamed@2")
-    assert [s for s, _, _ in _steps(url)] == [1, 2, 3, 4]
+    assert [s for s, _, _ in steps_of(url)] == [1, 2, 3, 4]
     assert checkpoints.list_versions(root, AGENT) == [1, 2]
     assert checkpoints.read_latest(root, AGENT, fallback=False) == 1
 
@@ -227,10 +122,10 @@ def test_killed_anywhere_the_trainer_restarts_and_repairs(tiny_model, faults_db,
 
     # The last step committed, its version (the last one) never written, and no data left to
     # train: a restart must publish it without waiting for new experiences.
-    done = len(_steps(url))
+    done = len(steps_of(url))
     assert done < TOTAL
     _killed_at_failpoint(trainers, "last-commit", f"trainer.after_consume_commit@{TOTAL - done}")
-    assert len(_steps(url)) == TOTAL and checkpoints.list_versions(root, AGENT)[-1] < TOTAL // INTERVAL
+    assert len(steps_of(url)) == TOTAL and checkpoints.list_versions(root, AGENT)[-1] < TOTAL // INTERVAL
 
     final = trainers.start("final")
     _wait(lambda: "waiting for committed experiences" in trainers.log(final), final, trainers, "an idle trainer")
@@ -243,7 +138,7 @@ def test_killed_anywhere_the_trainer_restarts_and_repairs(tiny_model, faults_db,
         assert proc.returncode in (0, -signal.SIGKILL), trainers.log(proc)[-4000:]
 
     # Books: every step once; every committed experience consumed exactly once or discarded.
-    steps = _steps(url)
+    steps = steps_of(url)
     assert [s for s, _, _ in steps] == list(range(1, TOTAL + 1))
     db = buffer.create_buffer_engine(url)
     consumed = buffer.consumed_ids(engine=db, agent=AGENT)
@@ -269,7 +164,7 @@ def test_killed_anywhere_the_trainer_restarts_and_repairs(tiny_model, faults_db,
 
     # Weights: the same adapters as a run nobody killed, so no batch was trained twice or skipped.
     for ver in versions:
-        a, b = _adapter(straight / "ck", ver), _adapter(root, ver)
+        a, b = adapter_of(straight / "ck", ver), adapter_of(root, ver)
         assert a.keys() == b.keys()
         for k in a:
             torch.testing.assert_close(b[k], a[k], atol=1e-5, rtol=1e-4, msg=lambda m: f"v{ver} {k}: {m}")
@@ -280,7 +175,7 @@ def test_killed_during_retention_the_trainer_repairs(tiny_model, faults_db, ray_
     the restart removes the leftover, keeps the newest versions loadable, and trains on from where
     the database says, every experience once."""
     run = trainers.run
-    url = _copy_db(faults_db, run, trainers.url)
+    url = copy_db(faults_db, run, trainers.url)
     root = run / "ck"
     keep = ("checkpoints.keep_versions=2", "checkpoints.delete_grace_s=0")
     proc = trainers.start("retention", *keep, failpoints="checkpoints.version_renamed_for_deletion")
@@ -303,7 +198,7 @@ def test_killed_during_retention_the_trainer_repairs(tiny_model, faults_db, ray_
     for v in (newest - 1, newest):
         checkpoints.validate_version(root, AGENT, v)
     assert _temporaries(root) == []
-    steps = _steps(url)
+    steps = steps_of(url)
     assert [s for s, _, _ in steps] == list(range(1, TOTAL + 1))
     db = buffer.create_buffer_engine(url)
     ids = [e for e, _ in buffer.consumed_ids(engine=db, agent=AGENT)]
