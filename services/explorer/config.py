@@ -137,11 +137,11 @@ class ReloadSection(ConfigModel):
     )
     episode_pin_max: int = Field(default=100_000, ge=1, description="Episodes remembered at once (the oldest go first).")
     episode_pins: Literal["database", "process"] = Field(
-        default="process",
-        description="Where episodes' versions are kept. process: in each replica alone. database (for replicas behind "
-        "a load balancer): also in the buffer's database, so an episode's next call gets its version whichever "
-        "replica serves it (a short write when a replica meets an episode it has not served; that write waits "
-        "between the lease and the record, so concurrent requests' versions can be recorded out of order).")
+        default="database",
+        description="Where episodes' versions are kept. database: also in the buffer's database, so an episode's next "
+        "call gets its version whichever replica serves it (replicas behind a load balancer): a read when a replica "
+        "meets an episode it has not served, and for a new episode a short write off the request's path. process: in "
+        "each replica alone.")
 
 
 class RecorderSection(ConfigModel):

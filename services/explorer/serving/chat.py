@@ -167,7 +167,9 @@ class ChatService:
             and p.run_id is not None
         gone = False
         if pinning:
-            version = self.episodes.get(agent, p.task_id, p.run_id)
+            version, first_at = self.episodes.get(agent, p.task_id, p.run_id), None
+            if version is None and self.episodes.shared:  # another replica may have served its first call
+                version, first_at = await self.episodes.find(agent, p.task_id, p.run_id) or (None, None)
             if version is not None:
                 try:
                     handle = await self.registry.acquire(f"{agent}@v{version}")
@@ -175,7 +177,7 @@ class ChatService:
                     gone = True
                     self._pin_missed(p, agent, version)
                 else:
-                    self.episodes.remember(agent, p.task_id, p.run_id, handle.version)
+                    self.episodes.remember(agent, p.task_id, p.run_id, handle.version, first_at)
                     return handle
         try:
             handle = await self.registry.acquire(p.model, route_key=p.task_id)
@@ -183,26 +185,15 @@ class ChatService:
             raise APIError(404, f"the model {str(e)!r} does not exist", param="model", code="model_not_found") from None
         if not pinning:
             return handle
-        first_at = None
-        try:  # (the handle is let go if this is cancelled or fails: a lease never leaks)
-            if not gone:  # an episode this replica has not seen: another replica may have served its first call
-                pinned, first_at = await self.episodes.claim(agent, p.task_id, p.run_id, handle.version)
-                if pinned != handle.version:
-                    try:
-                        other = await self.registry.acquire(f"{agent}@v{pinned}")
-                    except UnknownModel:
-                        gone = True
-                        self._pin_missed(p, agent, pinned)
-                    else:
-                        self.registry.release(handle)
-                        handle = other
-            if gone:
-                first_at = None
+        if gone:
+            try:  # (the handle is let go if this is cancelled or fails: a lease never leaks)
                 await self.episodes.moved(agent, p.task_id, p.run_id, handle.version)
-        except BaseException:
-            self.registry.release(handle)
-            raise
-        self.episodes.remember(agent, p.task_id, p.run_id, handle.version, first_at)
+            except BaseException:
+                self.registry.release(handle)
+                raise
+        else:  # its first call: served now, recorded for the other replicas off this request's path
+            self.episodes.claim_later(agent, p.task_id, p.run_id, handle.version)
+        self.episodes.remember(agent, p.task_id, p.run_id, handle.version)
         return handle
 
     def _pin_missed(self, p: PreparedChat, agent: str, version: int) -> None:

@@ -8,12 +8,15 @@ again if it was let go) even after a newer one became current. An episode is for
 still moves on to new versions), or when too many are remembered; while remembered, its version
 counts as in use in the serving files, so the Trainer keeps its folder.
 
-With the buffer's database (``reload.episode_pins: database``; the default, ``process``, pins per replica) the first call's version is
-also recorded there (``buffer.pins``), so that the episode's next call gets it whichever replica serves
-it: a call of an episode this replica has not seen claims the episode for the version it was given, and
-gets back the version another replica recorded first (then served instead), so two replicas serving an
-episode's calls agree on the first one recorded. While the database does not answer, each replica pins
-what it has seen itself (for 30 s at a time).
+With the buffer's database (``reload.episode_pins: database``, the default; ``process`` pins per
+replica) the first call's version is also recorded there (``buffer.pins``), so that the episode's next
+call gets it whichever replica serves it: a call of an episode this replica has not seen looks its pin
+up before it takes a version (one read) and serves the version found; with none found it serves the
+current version and claims the episode for it off the request's path (``claim_later``: no write
+between taking a version and recording the call, so calls are recorded in the order their versions
+went live). Two replicas serving an episode's first calls at the same moment agree afterwards on the
+one the database recorded first. While the database does not answer, each replica pins what it has
+seen itself (for 30 s at a time).
 """
 
 from __future__ import annotations
@@ -47,6 +50,7 @@ class EpisodePins:
         self._pins: OrderedDict[tuple[str, str, str], tuple[int, float]] = OrderedDict()  # key -> (version, first call)
         self._held: Counter[tuple[str, int]] = Counter()
         self.misses = 0  # a pinned version that could not be served any more (deleted): the episode moved on
+        self._claims: set[asyncio.Task] = set()  # claims running off the requests' path (claim_later)
 
     @property
     def enabled(self) -> bool:
@@ -141,6 +145,34 @@ class EpisodePins:
                             "%.0f s", what, type(e).__name__, self.retry_s)
             self._local_until = time.monotonic() + self.retry_s
             return default
+
+    @property
+    def shared(self) -> bool:
+        return self._db is not None
+
+    async def find(self, agent: str, task_id: str, run_id: str) -> tuple[int, float] | None:
+        """The version another replica recorded for the episode and its first call's time, or None."""
+        return await self._shared("find", buffer.pins.find, None, agent=agent, task_id=task_id, run_id=run_id,
+                                  now=time.time(), ttl_s=self.ttl_s)
+
+    def claim_later(self, agent: str, task_id: str, run_id: str, version: int) -> None:
+        """``claim`` off the request's path: the call is served with ``version`` at once; should another
+        replica have recorded a different version first (their first calls at the same moment), this
+        replica adopts that one for the episode's next calls."""
+        if self._db is None:
+            return
+
+        def adopt(task: asyncio.Task) -> None:
+            if task.cancelled() or task.exception() is not None:
+                return
+            pinned, first_at = task.result()
+            if pinned != version and self.get(agent, task_id, run_id) == version:
+                self.remember(agent, task_id, run_id, pinned, first_at)
+
+        task = asyncio.get_running_loop().create_task(self.claim(agent, task_id, run_id, version))
+        self._claims.add(task)
+        task.add_done_callback(self._claims.discard)
+        task.add_done_callback(adopt)
 
     async def claim(self, agent: str, task_id: str, run_id: str, version: int) -> tuple[int, float | None]:
         """Record ``version`` as the episode's for every replica, unless one recorded another first:

@@ -1,6 +1,6 @@
 """The episode pins' table (services/common/buffer/pins.py) on SQLite and PostgreSQL: the first
 version recorded wins, a pin past its time no longer counts and is replaced, a moved episode takes
-the new version, a rejected version's pins go."""
+the new version, a rejected version's pins go, and a replica that claimed late adopts the winner."""
 
 from __future__ import annotations
 
@@ -34,3 +34,29 @@ def test_first_version_recorded_wins_until_its_pin_lapses(engine):
     assert pins.claim(**other, version=5, now=163.0, ttl_s=60) == (5, 163.0)
     assert pins.forget_version(engine=engine, agent="a", version=5) == 2  # v5 rolled back: both pins go
     assert pins.find(**ep, now=164.0, ttl_s=60) is None and pins.find(**other, now=164.0, ttl_s=60) is None
+
+
+def test_replicas_that_served_an_episodes_first_calls_at_once_agree_on_the_first_recorded(engine):
+    """Replica b served the episode's first call with v2 and claims it off the request's path; replica a
+    recorded v1 for it just before: b adopts v1 for the episode's next calls."""
+    import asyncio
+
+    from services.explorer.serving.episodes import EpisodePins
+
+    a, b = (EpisodePins(ttl_s=60, max_episodes=10, db=engine) for _ in range(2))
+
+    async def race():
+        assert (await a.claim("x", "t", "r", 1))[0] == 1
+        b.remember("x", "t", "r", 2)
+        b.claim_later("x", "t", "r", 2)
+        while b._claims:
+            await asyncio.sleep(0.01)
+        c = EpisodePins(ttl_s=60, max_episodes=10, db=engine)  # a third replica that never saw it
+        found = await c.find("x", "t", "r")
+        c.close()
+        return found
+
+    found = asyncio.run(race())
+    assert b.get("x", "t", "r") == 1 and found[0] == 1
+    a.close()
+    b.close()

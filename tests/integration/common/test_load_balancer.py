@@ -104,7 +104,7 @@ def cluster(tiny_model, postgres_url, tmp_path_factory, adapters):
         db_url = stack.enter_context(fresh_database(postgres_url))
         procs = [stack.enter_context(kaizen_process(
             "explorer", f"model.path={tiny_model}", f"buffer.url={db_url}", f"checkpoints.root={root}",
-            f"recorder.journal_dir={tmp}/journal", "recorder.journal_adopt_s=1", "reload.episode_pins=database",
+            f"recorder.journal_dir={tmp}/journal", "recorder.journal_adopt_s=1",
             "reload.poll_interval_s=0.2", f"server.port={port}", "auth.keys=" + json.dumps(keys),
             log_path=tmp / f"explorer-{i}.log")) for i, port in enumerate(ports)]
         replicas = [f"http://127.0.0.1:{p}" for p in ports]
