@@ -153,6 +153,82 @@ def built_once(tmp_path_factory, name: str, build: Callable[[Path], None]) -> Pa
     return out
 
 
+class PostgresUnavailable(RuntimeError):
+    """This machine cannot run a PostgreSQL server of our own (no binaries, or no user to run them as)."""
+
+
+def _pg_tool(name: str) -> str | None:
+    """The newest Debian-packaged PostgreSQL's tool, else the one on PATH."""
+    import shutil
+
+    debian = sorted(Path("/usr/lib/postgresql").glob("*/bin"), key=lambda p: int(p.parent.name) if p.parent.name.isdigit() else 0)
+    for d in [*reversed(debian), Path("/usr/local/bin"), Path("/usr/bin")]:
+        path = Path(d) / name
+        if path.is_file() and os.access(path, os.X_OK):
+            return str(path)
+    return shutil.which(name)
+
+
+@contextlib.contextmanager
+def postgres_server(max_connections: int = 300) -> Iterator[str]:
+    """A throwaway PostgreSQL server on 127.0.0.1 (trust auth, fsync on): the SQLAlchemy URL of its
+    ``postgres`` database; stopped (immediate) and deleted on exit. PostgreSQL refuses to run as root,
+    so as root the server runs as the ``postgres`` system user (its data in a temporary directory that
+    user owns). Raises PostgresUnavailable when the server binaries, or that user, are missing."""
+    import pwd
+    import shutil
+    import tempfile
+
+    initdb, pg_ctl = _pg_tool("initdb"), _pg_tool("pg_ctl")
+    if not (initdb and pg_ctl):
+        raise PostgresUnavailable("PostgreSQL server binaries (initdb, pg_ctl) are not installed")
+    prefix: list[str] = []
+    owner = None
+    if os.geteuid() == 0:
+        runuser = shutil.which("runuser")
+        try:
+            owner = pwd.getpwnam("postgres")
+        except KeyError:
+            raise PostgresUnavailable("running as root and there is no 'postgres' system user to run PostgreSQL as") from None
+        if not runuser:
+            raise PostgresUnavailable("running as root and runuser is missing, so PostgreSQL cannot run as 'postgres'")
+        prefix = [runuser, "-u", "postgres", "--"]
+
+    base = Path(tempfile.mkdtemp(prefix="kaizen-pg-"))  # not under pytest's mode-700 tmp dirs
+    base.chmod(0o755)
+    if owner is not None:
+        os.chown(base, owner.pw_uid, owner.pw_gid)
+    data, log = base / "data", base / "server.log"
+
+    def pg(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+        return subprocess.run([*prefix, *args], cwd=base, capture_output=True, text=True, timeout=timeout,
+                              env={**os.environ, "LC_ALL": "C.UTF-8", "LANG": "C.UTF-8"})
+
+    started = False
+    try:
+        res = pg(initdb, "-D", str(data), "--auth=trust", "--username=postgres", "--encoding=UTF8",
+                 "--locale=C.UTF-8", "--no-sync")
+        if res.returncode != 0:
+            raise RuntimeError(f"initdb failed:\n{res.stdout}\n{res.stderr}")
+        for _attempt in range(3):  # the free port can be taken before the server binds it
+            port = free_port()
+            options = (f"-c listen_addresses=127.0.0.1 -p {port} -c unix_socket_directories={base} "
+                       f"-c max_connections={max_connections} -c fsync=on")
+            res = pg(pg_ctl, "-D", str(data), "-l", str(log), "-o", options, "-w", "-t", "60", "start")
+            if res.returncode == 0:
+                started = True
+                break
+            time.sleep(0.2)
+        if not started:
+            server_log = log.read_text(errors="replace") if log.exists() else ""
+            raise RuntimeError(f"PostgreSQL did not start:\n{res.stdout}\n{res.stderr}\n{server_log[-4000:]}")
+        yield f"postgresql+psycopg://postgres@127.0.0.1:{port}/postgres"
+    finally:
+        if started:
+            pg(pg_ctl, "-D", str(data), "-m", "immediate", "-w", "stop", timeout=60)
+        shutil.rmtree(base, ignore_errors=True)
+
+
 @contextlib.contextmanager
 def fresh_database(postgres_url: str) -> Iterator[str]:
     """A fresh, empty database on the session's PostgreSQL server (its URL), dropped on exit."""
