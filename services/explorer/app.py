@@ -86,7 +86,7 @@ def create_app(config: ExplorerConfig, *, engine: Engine | None = None) -> FastA
         metrics.adapter_reload_seconds.observe(seconds)
 
     pins = EpisodePins(ttl_s=config.reload.episode_pin_s, max_episodes=config.reload.episode_pin_max,
-                       db=db if config.reload.episode_pins == "database" and config.reload.episode_pin_s > 0 else None)
+                       db=db if config.reload.pins_in_database(config.buffer.url) else None)
     registry = AdapterRegistry(
         engine=engine,
         checkpoints_root=config.checkpoints.root,

@@ -136,12 +136,18 @@ class ReloadSection(ConfigModel):
         "seconds after that first call (0: off; a request opts out with metadata.episode_pin false).",
     )
     episode_pin_max: int = Field(default=100_000, ge=1, description="Episodes remembered at once (the oldest go first).")
-    episode_pins: Literal["database", "process"] = Field(
-        default="database",
+    episode_pins: Literal["auto", "database", "process"] = Field(
+        default="auto",
         description="Where episodes' versions are kept. database: also in the buffer's database, so an episode's next "
         "call gets its version whichever replica serves it (replicas behind a load balancer): a read when a replica "
         "meets an episode it has not served, and for a new episode a short write off the request's path. process: in "
-        "each replica alone.")
+        "each replica alone. auto: database on PostgreSQL (made for replicas), process on SQLite (one machine, "
+        "whose one writer the recorder needs).")
+
+    def pins_in_database(self, buffer_url: str) -> bool:
+        if self.episode_pin_s <= 0:
+            return False
+        return self.episode_pins == "database" or (self.episode_pins == "auto" and not buffer_url.startswith("sqlite"))
 
 
 class RecorderSection(ConfigModel):

@@ -31,7 +31,7 @@ class LearnerGroup:
     def __init__(self, cfg: TrainerConfig, *, wait_s: float | None = None):
         import ray
         from ray.exceptions import GetTimeoutError
-        from ray.util.placement_group import placement_group, remove_placement_group
+        from ray.util.placement_group import placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         from services.trainer.learner import LearnerWorker
@@ -42,22 +42,22 @@ class LearnerGroup:
         self.workers: list[Any] = []
         wait = r.placement_timeout_s if wait_s is None else wait_s
         try:
-            ray.get(self.group.ready(), timeout=wait)
-        except GetTimeoutError:
-            remove_placement_group(self.group)
-            raise LearnersUnavailable(
-                f"Ray could not place {r.workers} learner worker(s) of {bundle} each ({r.placement}) within {wait:.0f}s; "
-                f"the cluster has {ray.cluster_resources()} in all, {ray.available_resources()} free") from None
-        remote = ray.remote(num_cpus=r.num_cpus_per_worker, num_gpus=r.num_gpus_per_worker)(LearnerWorker)
-        payload = cfg.model_dump(mode="json")
-        self.workers = [remote.options(scheduling_strategy=PlacementGroupSchedulingStrategy(
-            placement_group=self.group, placement_group_bundle_index=rank)).remote(payload, rank, r.workers)
-            for rank in range(r.workers)]
-        try:
+            try:
+                ray.get(self.group.ready(), timeout=wait)
+            except GetTimeoutError:
+                raise LearnersUnavailable(
+                    f"Ray could not place {r.workers} learner worker(s) of {bundle} each ({r.placement}) within "
+                    f"{wait:.0f}s; the cluster has {ray.cluster_resources()} in all, {ray.available_resources()} free"
+                ) from None
+            remote = ray.remote(num_cpus=r.num_cpus_per_worker, num_gpus=r.num_gpus_per_worker)(LearnerWorker)
+            payload = cfg.model_dump(mode="json")
+            self.workers = [remote.options(scheduling_strategy=PlacementGroupSchedulingStrategy(
+                placement_group=self.group, placement_group_bundle_index=rank)).remote(payload, rank, r.workers)
+                for rank in range(r.workers)]
             addr, port = self._all([self.workers[0].rendezvous_address.remote()])[0] if r.workers > 1 else (None, None)
             self.info = self._all([w.setup.remote(addr, port) for w in self.workers])
         except BaseException:
-            self.shutdown()
+            self.shutdown()  # the workers made so far, and the placement group
             raise
         log.info("learners ready: %s", self.info)
 

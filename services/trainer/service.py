@@ -111,7 +111,10 @@ class TrainerService:
         self.learners = LearnerGroup(self.cfg)
         if self._ray is not None:
             self._ray.track()  # the learner actors' processes too
-        self._recover()
+        try:
+            self._recover()
+        except LearnersLost as e:
+            self._rebuild_learners(e)
 
     def close(self) -> None:
         if self.learners is not None and self._ray is None:  # joined a cluster: the actors outlive a driver that lingers
@@ -360,31 +363,40 @@ class TrainerService:
     def _rebuild_learners(self, lost: LearnersLost) -> None:
         """A learner worker died (its process or its node): the step in flight is lost, nothing of it
         committed. Build the workers again (waiting up to ray.recover_timeout_s for the cluster to
-        place them) and resume every agent from the state its last committed step saved, as a
-        restarted Trainer would: nothing is trained twice or skipped."""
-        self.learner_restarts += 1
-        log.error("learner worker lost (%s): the step in flight is dropped; rebuilding the %d worker(s) and resuming "
-                  "every agent from its last saved state", lost, self.cfg.ray.workers)
-        self.metrics.learners_lost()
-        if self.learners is not None:
-            self.learners.shutdown()
-            self.learners = None
-        self.agents.clear()
+        place them, however often they are lost meanwhile) and resume every agent from the state its
+        last committed step saved, as a restarted Trainer would: nothing is trained twice or skipped.
+        A stop asked for meanwhile returns with no learners (the run loop then ends)."""
         r = self.cfg.ray
         deadline = time.monotonic() + r.recover_timeout_s
         while True:
+            self.learner_restarts += 1
+            log.error("learner worker lost (%s): the step in flight is dropped; rebuilding the %d worker(s) and "
+                      "resuming every agent from its last saved state", lost, r.workers)
+            self.metrics.learners_lost()
+            if self.learners is not None:
+                self.learners.shutdown()
+                self.learners = None
+            self.agents.clear()
             try:
-                self.learners = LearnerGroup(self.cfg, wait_s=max(1.0, min(30.0, deadline - time.monotonic())))
-                break
-            except LearnersUnavailable as e:
-                if self.stop_event.is_set() or time.monotonic() >= deadline:
-                    raise LearnersUnavailable(f"the learner workers could not be placed again within "
-                                              f"ray.recover_timeout_s={r.recover_timeout_s:.0f}s: {e}") from None
-                log.warning("waiting for the cluster to place the learner workers again: %s", e)
-        if self._ray is not None:
-            self._ray.track()
-        log.warning("learner workers rebuilt (%s); resuming", self.learners.info)
-        self._recover()
+                while self.learners is None:
+                    if self.stop_event.is_set():
+                        return
+                    try:
+                        self.learners = LearnerGroup(self.cfg, wait_s=max(1.0, min(30.0, deadline - time.monotonic())))
+                    except LearnersUnavailable as e:
+                        if time.monotonic() >= deadline:
+                            raise LearnersUnavailable(f"the learner workers could not be placed again within "
+                                                      f"ray.recover_timeout_s={r.recover_timeout_s:.0f}s: {e}") from None
+                        log.warning("waiting for the cluster to place the learner workers again: %s", e)
+                if self._ray is not None:
+                    self._ray.track()
+                log.warning("learner workers rebuilt (%s); resuming", self.learners.info)
+                self._recover()
+                return
+            except LearnersLost as again:  # lost again while being built or while finishing publications
+                if time.monotonic() >= deadline:
+                    raise
+                lost = again
 
     def _poll_agent(self, agent: str, turn: Turn | None = None) -> bool:
         window = max(self.cfg.train_batch_size * 8, 256, self.cfg.staleness.catch_up_max_rows)

@@ -53,6 +53,8 @@ class _Segment:
     sealed: bool = False  # no more appends: delete once outstanding reaches 0
     dirty: bool = False  # appended to since the last fsync
     first_at: float | None = None  # monotonic time of its first append
+    syncing: int = 0  # syncs using its descriptor now (outside the lock)
+    gone: bool = False  # dropped or closed while a sync used it: the last sync closes the descriptor
 
 
 def encode_record(record: Experience) -> bytes:
@@ -182,53 +184,70 @@ class Journal:
         return replayed
 
     def _adopt(self) -> Replayed:
-        """Lock and read every orphaned segment (the disk reads outside the table's lock)."""
+        """Lock and read every orphaned segment. The directory is listed and the candidates opened and
+        locked under the table's lock (no segment of this journal can appear meanwhile, so none of its
+        own is ever opened a second time: on NFS, whose flock is a POSIX lock of the process, closing a
+        second descriptor would drop the lock of the first); they are read through the locked
+        descriptor, outside the table's lock."""
         replayed = Replayed()
+        found: list[tuple[Path, int]] = []
         with self._lock:
             mine = {seg.path for seg in self._segments.values()}
-        for path in sorted(self.dir.glob(f"{_PREFIX}*.jsonl")):
-            if path in mine:
-                continue
-            try:
-                fd = os.open(path, os.O_RDWR)
-            except FileNotFoundError:
-                continue  # written and deleted by its owner since the listing
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                os.close(fd)  # a live Explorer's segment
-                continue
-            if os.fstat(fd).st_nlink == 0:  # its owner deleted it (all written) just before letting go
-                os.close(fd)
-                continue
+            for path in sorted(self.dir.glob(f"{_PREFIX}*.jsonl")):
+                if path in mine:
+                    continue
+                try:
+                    fd = os.open(path, os.O_RDWR)
+                except FileNotFoundError:
+                    continue  # written and deleted by its owner since the listing
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    if os.fstat(fd).st_nlink == 0:  # its owner deleted it (all written) just before letting go
+                        raise BlockingIOError
+                except OSError:  # a live Explorer's segment (BlockingIOError), or one that cannot be locked
+                    os.close(fd)
+                    continue
+                found.append((path, fd))
+        for i, (path, fd) in enumerate(found):
             with self._lock:
                 key = self._next_key
                 self._next_key += 1
             first = len(replayed.records)
-            n = self._read(path, key, replayed)
+            try:
+                n = self._read(path, fd, key, replayed)
+            except OSError as e:  # let it go whole: another pass (or replica) adopts it
+                log.error("journal %s: could not read %s (%s); leaving it for a later pass", self.dir, path.name, e)
+                del replayed.records[first:], replayed.segments[first:]
+                os.close(fd)
+                continue
             with self._lock:
-                if self._closed:  # closed meanwhile: the segment stays for the next Explorer to adopt
-                    os.close(fd)
+                if self._closed:  # closed meanwhile: the segments stay for the next Explorer to adopt
                     del replayed.records[first:], replayed.segments[first:]
+                    for _, left in found[i:]:
+                        os.close(left)
                     break
                 self._segments[key] = _Segment(path=path, fd=fd, sealed=True, outstanding=n)
                 if n == 0:
                     self._drop(key)
         return replayed
 
-    def _read(self, path: Path, key: int, out: Replayed) -> int:
+    def _read(self, path: Path, fd: int, key: int, out: Replayed) -> int:
+        """The records of a segment, read through its locked descriptor."""
+        chunks, offset = [], 0
+        while chunk := os.pread(fd, 1 << 20, offset):
+            chunks.append(chunk)
+            offset += len(chunk)
         n = 0
-        with open(path, "rb") as f:
-            for line in f:
-                try:
-                    record = Experience.model_validate(json.loads(line))
-                except ValueError:
-                    out.torn += 1
-                    log.warning("journal %s: skipping an unreadable line (%d bytes)", path.name, len(line))
-                    continue
-                out.records.append(record)
-                out.segments.append(key)
-                n += 1
+        for line in b"".join(chunks).splitlines(keepends=True):
+            try:
+                record = Experience.model_validate(json.loads(line))
+            except ValueError:
+                out.torn += 1
+                log.warning("journal %s: skipping an unreadable line (%d bytes)", path.name, len(line))
+                continue
+            out.records.append(record)
+            out.segments.append(key)
+            n += 1
         return n
 
     def close(self) -> None:
@@ -244,7 +263,7 @@ class Journal:
                 self._drop(key)
             else:
                 os.fsync(seg.fd)
-                os.close(seg.fd)
+                self._let_go(seg)
                 del self._segments[key]
         self._current = None
 
@@ -269,18 +288,22 @@ class Journal:
         return key
 
     def sync(self) -> None:
-        """Group commit: one fsync per segment covers every append since the last one."""
+        """Group commit: one fsync per segment covers every append since the last one. The fsync runs
+        outside the lock on the segment's own descriptor (never a duplicate: closing one would drop an
+        NFS lock); a segment dropped meanwhile is closed by the last sync using it."""
         with self._lock:
-            fds = []
-            for seg in self._segments.values():
-                if seg.dirty:
-                    seg.dirty = False
-                    fds.append(os.dup(seg.fd))
-        for fd in fds:
+            segs = [seg for seg in self._segments.values() if seg.dirty]
+            for seg in segs:
+                seg.dirty = False
+                seg.syncing += 1
+        for seg in segs:
             try:
-                os.fsync(fd)
+                os.fsync(seg.fd)
             finally:
-                os.close(fd)
+                with self._lock:
+                    seg.syncing -= 1
+                    if seg.syncing == 0 and seg.gone:
+                        os.close(seg.fd)
 
     def release(self, key: int, n: int = 1) -> None:
         """``n`` records of segment ``key`` are in the database; a sealed, empty segment goes."""
@@ -336,9 +359,17 @@ class Journal:
     def _drop(self, key: int) -> None:
         seg = self._segments.pop(key)
         seg.path.unlink(missing_ok=True)  # unlink before close: nobody can adopt it in between
-        os.close(seg.fd)
+        self._let_go(seg)
         if key == self._current:
             self._current = None
+
+    @staticmethod
+    def _let_go(seg: _Segment) -> None:
+        """Close the segment's descriptor, now or (while a sync uses it) when that sync ends."""
+        if seg.syncing:
+            seg.gone = True
+        else:
+            os.close(seg.fd)
 
     @property
     def segment_count(self) -> int:

@@ -8,8 +8,8 @@ again if it was let go) even after a newer one became current. An episode is for
 still moves on to new versions), or when too many are remembered; while remembered, its version
 counts as in use in the serving files, so the Trainer keeps its folder.
 
-With the buffer's database (``reload.episode_pins: database``, the default; ``process`` pins per
-replica) the first call's version is also recorded there (``buffer.pins``), so that the episode's next
+With the buffer's database (``reload.episode_pins: database``, the default on PostgreSQL; ``process``
+pins per replica, the default on SQLite) the first call's version is also recorded there (``buffer.pins``), so that the episode's next
 call gets it whichever replica serves it: a call of an episode this replica has not seen looks its pin
 up before it takes a version (one read) and serves the version found; with none found it serves the
 current version and claims the episode for it off the request's path (``claim_later``: no write
@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import logging
 import time
 from collections import Counter, OrderedDict
@@ -34,6 +35,8 @@ from services.common import buffer
 
 log = logging.getLogger(__name__)
 
+MAX_PENDING_CLAIMS = 1000  # claims waiting for the database at once; beyond, new episodes pin in this replica alone
+
 
 class EpisodePins:
     def __init__(self, *, ttl_s: float, max_episodes: int, on_change: Callable[[], None] | None = None,
@@ -43,6 +46,9 @@ class EpisodePins:
         self.retry_s = 30.0
         self._local_until = 0.0  # monotonic: pin in this replica alone until then (the database failed)
         self._calls = concurrent.futures.ThreadPoolExecutor(max_workers=4, thread_name_prefix="episode-pins")
+        # claims run on threads of their own: a slow database never queues a request's lookup behind them
+        self._claiming = concurrent.futures.ThreadPoolExecutor(max_workers=2, thread_name_prefix="episode-pins-claim")
+        self._forgotten: OrderedDict[tuple[str, int], None] = OrderedDict()  # versions whose pins were dropped lately
         self._background = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="episode-pins-forget")
         self.max_episodes = max_episodes
         self._on_change = on_change
@@ -51,6 +57,7 @@ class EpisodePins:
         self._held: Counter[tuple[str, int]] = Counter()
         self.misses = 0  # a pinned version that could not be served any more (deleted): the episode moved on
         self._claims: set[asyncio.Task] = set()  # claims running off the requests' path (claim_later)
+        self.claims_skipped = 0  # new episodes not claimed in the database: MAX_PENDING_CLAIMS were waiting
 
     @property
     def enabled(self) -> bool:
@@ -89,6 +96,9 @@ class EpisodePins:
         """Forget every episode pinned to ``version`` (it was rejected or rolled back: safety comes
         before keeping an episode on one version), here and, on a background thread, in the database;
         returns how many this replica had."""
+        self._forgotten[(agent, version)] = None
+        while len(self._forgotten) > 1000:
+            self._forgotten.popitem(last=False)
         doomed = [key for key, (v, _) in self._pins.items() if key[0] == agent and v == version]
         for key in doomed:
             self.forget(*key)
@@ -132,13 +142,14 @@ class EpisodePins:
 
     # ------------------------------------------------------------------ shared with other replicas
 
-    async def _shared(self, what: str, fn, default, **kw):
+    async def _shared(self, what: str, fn, default, *, executor=None, **kw):
         """``fn(engine=db, **kw)`` on the pins' own threads; ``default`` without a database, or while it
         fails (left alone for ``retry_s`` after a failure, logged once per outage)."""
         if self._db is None or time.monotonic() < self._local_until:
             return default
         try:
-            return await asyncio.get_running_loop().run_in_executor(self._calls, lambda: fn(engine=self._db, **kw))
+            return await asyncio.get_running_loop().run_in_executor(executor or self._calls,
+                                                                     lambda: fn(engine=self._db, **kw))
         except SQLAlchemyError as e:
             if time.monotonic() >= self._local_until:
                 log.warning("episode pins: the database did not answer (%s: %s); pinning in this replica alone for "
@@ -159,17 +170,26 @@ class EpisodePins:
         """``claim`` off the request's path: the call is served with ``version`` at once; should another
         replica have recorded a different version first (their first calls at the same moment), this
         replica adopts that one for the episode's next calls."""
-        if self._db is None:
+        if self._db is None or (agent, version) in self._forgotten:
+            return
+        if len(self._claims) >= MAX_PENDING_CLAIMS:  # the database is far behind: this episode pins here alone
+            self.claims_skipped += 1
             return
 
         def adopt(task: asyncio.Task) -> None:
             if task.cancelled() or task.exception() is not None:
                 return
+            if (agent, version) in self._forgotten:  # dropped while this claim waited: drop its pin again
+                with contextlib.suppress(RuntimeError):  # closed meanwhile
+                    self._background.submit(self._forget_shared, agent, version)
+                return
             pinned, first_at = task.result()
             if pinned != version and self.get(agent, task_id, run_id) == version:
                 self.remember(agent, task_id, run_id, pinned, first_at)
 
-        task = asyncio.get_running_loop().create_task(self.claim(agent, task_id, run_id, version))
+        task = asyncio.get_running_loop().create_task(self._shared(
+            "claim", buffer.pins.claim, (version, None), executor=self._claiming, agent=agent, task_id=task_id,
+            run_id=run_id, version=version, now=time.time(), ttl_s=self.ttl_s))
         self._claims.add(task)
         task.add_done_callback(self._claims.discard)
         task.add_done_callback(adopt)
@@ -188,4 +208,5 @@ class EpisodePins:
     def close(self) -> None:
         """Let the database's work already handed over finish."""
         self._calls.shutdown(wait=True)
+        self._claiming.shutdown(wait=True)
         self._background.shutdown(wait=True)

@@ -1,4 +1,4 @@
-"""Episode pins across replicas (reload.episode_pins: database, the default): two real Explorers on one
+"""Episode pins across replicas (reload.episode_pins: database, the default on PostgreSQL): two real Explorers on one
 database and one checkpoint folder; an episode that began on v1 at one replica keeps v1 at the other
 after v2 went live there, while new episodes get v2. With pins kept per process, the other replica
 would serve it v2 (checked too, so the test can tell the two apart)."""

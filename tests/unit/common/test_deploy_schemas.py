@@ -131,3 +131,7 @@ def test_the_explorer_tolerates_a_disruption_and_the_kuberay_trainer_fits_its_cl
     (learners,) = cluster["spec"]["workerGroupSpecs"]
     assert f"ray.workers={learners['replicas']}" in script and "ray.placement=STRICT_SPREAD" in script
     assert f"ray.num_cpus_per_worker={learners['rayStartParams']['num-cpus']}" in script
+    # KubeRay's default probes need wget and the dashboard agent, which the image lacks: probes of our own
+    for group in (cluster["spec"]["headGroupSpec"], learners):
+        (container,) = group["template"]["spec"]["containers"]
+        assert {"readinessProbe", "livenessProbe"} <= set(container), container["name"]
