@@ -144,12 +144,10 @@ class LearnerWorker:
             dist.init_process_group(
                 backend, init_method=f"tcp://{master_addr}:{master_port}", rank=self.rank, world_size=self.world_size
             )
-        try:
-            import ray
+        import ray
 
-            node = ray.get_runtime_context().get_node_id()
-        except Exception:  # not in a Ray worker (a unit test)
-            node = None
+        # (never ray.get_runtime_context() outside Ray: it would start or join a cluster from this process)
+        node = ray.get_runtime_context().get_node_id() if ray.is_initialized() else None
         return {"rank": self.rank, "device": str(self.policy.device), "pid": os.getpid(), "node": node}
 
     def ensure_agent(self, agent: str, *, state_dir: str | None = None, adapter_dir: str | None = None) -> bool:
