@@ -9,6 +9,7 @@ agents switch adapters between steps, which the DDP wrapper does not allow). Ran
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
 import logging
@@ -144,10 +145,12 @@ class LearnerWorker:
             dist.init_process_group(
                 backend, init_method=f"tcp://{master_addr}:{master_port}", rank=self.rank, world_size=self.world_size
             )
-        import ray
+        node = None
+        with contextlib.suppress(ImportError):  # (the GPU checks run learners without Ray installed)
+            import ray
 
-        # (never ray.get_runtime_context() outside Ray: it would start or join a cluster from this process)
-        node = ray.get_runtime_context().get_node_id() if ray.is_initialized() else None
+            # never ray.get_runtime_context() outside Ray: it would start or join a cluster from this process
+            node = ray.get_runtime_context().get_node_id() if ray.is_initialized() else None
         return {"rank": self.rank, "device": str(self.policy.device), "pid": os.getpid(), "node": node}
 
     def ensure_agent(self, agent: str, *, state_dir: str | None = None, adapter_dir: str | None = None) -> bool:
