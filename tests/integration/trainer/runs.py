@@ -13,6 +13,7 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
 import torch
 
 from services.common import buffer, checkpoints
@@ -118,3 +119,18 @@ def adapter_of(root: Path, version: int) -> dict[str, torch.Tensor]:
     from safetensors.torch import load_file
 
     return load_file(str(checkpoints.version_dir(root, AGENT, version) / "adapter_model.safetensors"))
+
+
+def killed_at_failpoint(trainers: Trainers, label: str, failpoints: str, wait_s: float = 240.0) -> subprocess.Popen:
+    """Start the trainer armed with ``failpoints``; it must die there by SIGKILL (not crash)."""
+    proc = trainers.start(label, failpoints=failpoints)
+    try:
+        proc.wait(wait_s)
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"{label}: the trainer never reached {failpoints}:\n{trainers.log(proc)[-4000:]}")
+    assert proc.returncode == -signal.SIGKILL, (
+        f"{label}: the restarted trainer did not reach {failpoints}, it exited with {proc.returncode}:\n"
+        f"{trainers.log(proc)[-4000:]}"
+    )
+    trainers.wait_learners_gone(proc)
+    return proc

@@ -10,7 +10,7 @@ import json
 import pytest
 
 from services.common import buffer, checkpoints
-from tests.integration.trainer.test_trainer_faults import AGENT, Trainers, _copy_db, _killed_at_failpoint
+from tests.integration.trainer.runs import AGENT, Trainers, copy_db, killed_at_failpoint
 
 pytestmark = pytest.mark.integration
 
@@ -29,7 +29,7 @@ def _records(trainers: Trainers) -> list[dict]:
 def test_a_late_reward_is_retrained_once_across_a_kill(tiny_model, faults_db, ray_address, tmp_path):
     trainers = Trainers(tiny_model, tmp_path / "late", ray_address)
     try:
-        url = _copy_db(faults_db, trainers.run)
+        url = copy_db(faults_db, trainers.run)
         _run(trainers, "first", 1)  # v1: one batch of whole groups
         db = buffer.create_buffer_engine(url)
         trained = [buffer.get_experience(engine=db, experience_id=e) for e, v in buffer.consumed_ids(engine=db, agent=AGENT)]
@@ -42,7 +42,7 @@ def test_a_late_reward_is_retrained_once_across_a_kill(tiny_model, faults_db, ra
         assert len(buffer.pending_late_rewards(engine=db, agent=AGENT, limit=100)) == len(trained)
 
         # step 2 trains them again but is killed before its commit: they stay pending
-        _killed_at_failpoint(trainers, "killed", "trainer.after_state_saved")
+        killed_at_failpoint(trainers, "killed", "trainer.after_state_saved")
         assert len(buffer.pending_late_rewards(engine=db, agent=AGENT, limit=100)) == len(trained)
         assert len(_records(trainers)) == 1
 

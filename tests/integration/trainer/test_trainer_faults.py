@@ -25,7 +25,7 @@ import torch
 
 from services.common import buffer, checkpoints
 from tests.integration.trainer.data import FAULT_PROMPTS, FAULT_RESPONSES, FAULT_UNREWARDED
-from tests.integration.trainer.runs import AGENT, BATCH, INTERVAL, Trainers, adapter_of, copy_db, steps_of
+from tests.integration.trainer.runs import AGENT, BATCH, INTERVAL, Trainers, adapter_of, copy_db, killed_at_failpoint, steps_of
 
 pytestmark = pytest.mark.integration
 
@@ -69,21 +69,6 @@ def _wait(cond, proc: subprocess.Popen, trainers: Trainers, what: str) -> None:
         time.sleep(0.05)
 
 
-def _killed_at_failpoint(trainers: Trainers, label: str, failpoints: str) -> subprocess.Popen:
-    """Start the trainer armed with ``failpoints``; it must die there by SIGKILL (not crash)."""
-    proc = trainers.start(label, failpoints=failpoints)
-    try:
-        proc.wait(WAIT_S)
-    except subprocess.TimeoutExpired:
-        pytest.fail(f"{label}: the trainer never reached {failpoints}:\n{trainers.log(proc)[-4000:]}")
-    assert proc.returncode == -signal.SIGKILL, (
-        f"{label}: the restarted trainer did not reach {failpoints}, it exited with {proc.returncode}:\n"
-        f"{trainers.log(proc)[-4000:]}"
-    )
-    trainers.wait_learners_gone(proc)
-    return proc
-
-
 def _temporaries(root: Path) -> list[str]:
     dirs = (checkpoints.agent_dir(root, AGENT), checkpoints.state_dir(root, AGENT))
     return [p.name for d in dirs for p in d.iterdir() if p.name.startswith(".") and p.name not in (".serving", checkpoints.PUBLISH_LOCK)]
@@ -95,17 +80,17 @@ def test_killed_anywhere_the_trainer_restarts_and_repairs(tiny_model, faults_db,
     root = run / "ck"
 
     # Window 1: state/step-2 saved, its batch never committed.
-    _killed_at_failpoint(trainers, "after-state-saved", "trainer.after_state_saved@2")
+    killed_at_failpoint(trainers, "after-state-saved", "trainer.after_state_saved@2")
     assert [s for s, _, _ in steps_of(url)] == [1]
     assert checkpoints.list_states(root, AGENT)[-1] == 2
 
     # Step 2 committed (it completes v1), v1 never written.
-    _killed_at_failpoint(trainers, "after-consume-commit", "trainer.after_consume_commit@1")
+    killed_at_failpoint(trainers, "after-consume-commit", "trainer.after_consume_commit@1")
     assert [s for s, _, _ in steps_of(url)] == [1, 2] and checkpoints.list_versions(root, AGENT) == []
 
     # Window 2: v2 renamed into place, LATEST still names v1. The first arrival at this failpoint
     # is the restart finishing v1, which the database owes.
-    _killed_at_failpoint(trainers, "after-version-renamed", "trainer.after_version_renamed@2")
+    killed_at_failpoint(trainers, "after-version-renamed", "trainer.after_version_renamed@2")
     assert [s for s, _, _ in steps_of(url)] == [1, 2, 3, 4]
     assert checkpoints.list_versions(root, AGENT) == [1, 2]
     assert checkpoints.read_latest(root, AGENT, fallback=False) == 1
@@ -124,7 +109,7 @@ def test_killed_anywhere_the_trainer_restarts_and_repairs(tiny_model, faults_db,
     # train: a restart must publish it without waiting for new experiences.
     done = len(steps_of(url))
     assert done < TOTAL
-    _killed_at_failpoint(trainers, "last-commit", f"trainer.after_consume_commit@{TOTAL - done}")
+    killed_at_failpoint(trainers, "last-commit", f"trainer.after_consume_commit@{TOTAL - done}")
     assert len(steps_of(url)) == TOTAL and checkpoints.list_versions(root, AGENT)[-1] < TOTAL // INTERVAL
 
     final = trainers.start("final")
