@@ -247,3 +247,25 @@ def fresh_database(postgres_url: str) -> Iterator[str]:
     finally:
         with psycopg.connect(**conninfo) as conn:
             conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+
+
+@contextlib.contextmanager
+def chromium() -> Iterator:
+    """A real headless Chromium (Debian's, driven by Playwright); the calling test skips, saying why,
+    where either is missing."""
+    import pytest
+    import shutil
+
+    try:
+        from playwright.sync_api import sync_playwright
+    except ImportError:
+        pytest.skip("playwright is not installed (pip install -e '.[test]')")
+    exe = next((p for name in ("chromium", "chromium-browser", "google-chrome") if (p := shutil.which(name))), None)
+    if exe is None:
+        pytest.skip("no Chromium on this machine (make test installs Debian's chromium when it runs as root with apt)")
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=exe, args=["--no-sandbox", "--disable-gpu"])
+        try:
+            yield browser
+        finally:
+            browser.close()

@@ -8,6 +8,8 @@ neither the Explorer nor the Trainer to be up, and it never writes.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
 import math
 import secrets
@@ -27,6 +29,7 @@ from services.common.http.access import Access, Principal, check_agent
 from services.common.http.errors import APIError, check_storable, error_response, install_error_handlers, logged_error
 from services.dashboard import queries
 from services.dashboard.config import DashboardConfig
+from services.dashboard.rollups import Rollups
 
 log = logging.getLogger(__name__)
 
@@ -117,6 +120,25 @@ class DashboardState:
         # the dashboard only reads the database: its keys' quotas are counted in this process
         self.access = Access(config.auth, internal_key=secrets.token_urlsafe(32))
         self.tokens = Tokens(config.model.path)
+        d = config.dashboard
+        self.rollups = (Rollups(db, margin_s=d.change_margin_s, rebuild_s=d.rebuild_s,
+                                stale_s=max(60.0, 3 * d.refresh_s)) if d.rollups else None)
+        self._stop = threading.Event()
+        self._refresher: threading.Thread | None = None
+
+    def start(self) -> None:
+        """Build the rollups and keep them current, on a thread of their own (the overview reads the
+        rows until the first pass ends)."""
+        if self.rollups is not None and self._refresher is None:
+            self._refresher = threading.Thread(target=self.rollups.run, args=(self.config.dashboard.refresh_s, self._stop),
+                                               name="dashboard-rollups", daemon=True)
+            self._refresher.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._refresher is not None:
+            self._refresher.join(timeout=30)
+            self._refresher = None
 
 
 async def reader(request: Request) -> Principal:
@@ -153,7 +175,16 @@ def _agent(state: DashboardState, principal: Principal, agent: str) -> str:
 
 def create_app(config: DashboardConfig, *, db: Engine | None = None) -> FastAPI:
     state = DashboardState(config, db or open_buffer(config.buffer.url))
-    app = FastAPI(title="Kaizen dashboard", docs_url=None, redoc_url=None, openapi_url=None)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_: FastAPI):
+        state.start()
+        try:
+            yield
+        finally:
+            await asyncio.to_thread(state.stop)
+
+    app = FastAPI(title="Kaizen dashboard", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.dashboard = state
     install_error_handlers(app)
 
@@ -187,18 +218,20 @@ def create_app(config: DashboardConfig, *, db: Engine | None = None) -> FastAPI:
     @app.get("/api/me")
     def me(principal: Reader) -> dict[str, Any]:
         return {"name": principal.name, "scopes": sorted(principal.scopes), "agents": principal.agent_list,
-                "auth": state.access.enabled}
+                "auth": state.access.enabled, "refresh_s": config.dashboard.refresh_s}
 
     @app.get("/api/agents")
     def agents(principal: Reader, st: State) -> dict[str, Any]:
         out = []
         for a in _visible_agents(st, principal):
-            out.append({"name": a, **queries.serving(st.root, a), "statuses": queries.status_counts(st.db, a)})
+            figures = st.rollups.figures(a) if st.rollups is not None else None
+            out.append({"name": a, **queries.serving(st.root, a),
+                        "statuses": queries.status_counts(st.db, a) if figures is None else figures.statuses})
         return {"agents": out}
 
     @app.get("/api/overview")
     def overview(principal: Reader, st: State, agent: Agent) -> dict[str, Any]:
-        return queries.overview(st.db, st.root, _agent(st, principal, agent))
+        return queries.overview(st.db, st.root, _agent(st, principal, agent), st.rollups)
 
     @app.get("/api/trainer")
     def trainer(principal: Reader, st: State, agent: Agent,
@@ -207,7 +240,7 @@ def create_app(config: DashboardConfig, *, db: Engine | None = None) -> FastAPI:
 
     @app.get("/api/versions")
     def versions(principal: Reader, st: State, agent: Agent) -> dict[str, Any]:
-        return queries.versions(st.db, st.root, _agent(st, principal, agent))
+        return queries.versions(st.db, st.root, _agent(st, principal, agent), st.rollups)
 
     @app.get("/api/experiences")
     def experiences(

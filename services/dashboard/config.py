@@ -39,6 +39,24 @@ class DashboardServer(ConfigModel):
     host: str = Field(default="127.0.0.1", description="Address to listen on (loopback by default).")
     port: int = Field(default=8300, ge=0, le=65535, description="Port (0: any free port).")
     log_level: str = Field(default="warning", description="debug, info, warning, error.")
+    refresh_s: float = Field(
+        default=5.0, ge=0.5, le=3600,
+        description="How often the rollups read the buffer's changes, and an open overview or Trainer page asks for "
+                    "fresh figures (while the browser shows it).")
+    rollups: bool = Field(
+        default=True,
+        description="Keep per-minute rollups of the experiences in memory (built from the rows when the dashboard "
+                    "starts, then from what changed), so an overview costs an agent's hours with traffic, not its "
+                    "rows; false: every overview reads the rows.")
+    change_margin_s: float = Field(
+        default=120.0, ge=0, le=86400,
+        description="Each rollup pass reads the changes stamped since the previous pass began, less this: more than "
+                    "the writers' clocks may run behind this host's, plus the longest a write waits for a lock (plus the "
+                    "replication lag, when buffer.url names a read replica).")
+    rebuild_s: float = Field(
+        default=0.0, ge=0,
+        description="Compute every rollup again from the rows this often (0: only at start), for deployments whose "
+                    "writers' clocks cannot be bounded by change_margin_s.")
 
 
 class DashboardConfig(ConfigModel):

@@ -3,8 +3,9 @@
 Every figure over experiences is an aggregate computed by the database (counts, sums and sums of
 squares per time bucket, version or status), read through indexes that hold the columns it needs
 (``ix_experiences_dashboard``: agent, model_version, created_at, status, reward), so a page costs
-one index range scan per agent however large the buffer is; lists are paged by ``seq`` (keyset, not
-OFFSET). Nothing here writes.
+at most one index range scan per agent; once the dashboard's per-minute rollups are ready
+(services/dashboard/rollups.py) the overview and the versions' traffic are summed from them instead.
+Lists are paged by ``seq`` (keyset, not OFFSET). Nothing here writes.
 """
 
 from __future__ import annotations
@@ -71,7 +72,7 @@ def bucket_width(span_s: float) -> int:
     for w in _WIDTHS:
         if span_s / w <= MAX_BUCKETS:
             return w
-    return int(math.ceil(span_s / MAX_BUCKETS))
+    return int(math.ceil(span_s / MAX_BUCKETS / 3600)) * 3600  # whole hours, as the rollups sum them
 
 
 def _distinct_agents(conn, column) -> set[str]:
@@ -156,19 +157,30 @@ def over_time(engine: Engine, agent: str, first: float | None, last: float | Non
     return {"bucket_s": width, "points": points}
 
 
-def overview(engine: Engine, root: str | Path, agent: str) -> dict[str, Any]:
-    versions = per_version(engine, agent)
+def overview(engine: Engine, root: str | Path, agent: str, rollups: Any = None) -> dict[str, Any]:
+    """The agent's overview; from ``rollups`` (services.dashboard.rollups.Rollups) once they are ready,
+    so its cost is the agent's hours with traffic, not its rows. An agent whose whole history spans
+    less than two hours gets buckets under a minute, read from its rows (as does one under 60 hours
+    whose hours are too old to have kept their minutes)."""
+    figures = rollups.figures(agent) if rollups is not None else None
+    versions = per_version(engine, agent) if figures is None else figures.versions
     started = [{"version": v["version"], "at": v["first_at"]} for v in versions if v["first_at"] is not None]
+    first = min((v["first_at"] for v in versions), default=None)
+    last = max((v["last_at"] for v in versions), default=None)
+    points = None
+    if figures is not None and first is not None and (width := bucket_width(max(1.0, last - first))) >= 60:
+        points = figures.over_time(width)
+    timeline = over_time(engine, agent, first, last) if points is None else {"bucket_s": width, "points": points}
     return {
         "agent": agent,
         **serving(root, agent),
-        "statuses": status_counts(engine, agent),
+        "statuses": status_counts(engine, agent) if figures is None else figures.statuses,
         "versions": versions,
         # A version's first experience is when traffic first reached it: the Explorer's reload, as the buffer saw it.
         "reloads": sorted(started, key=lambda s: s["at"]),
-        "over_time": over_time(engine, agent, min((v["first_at"] for v in versions), default=None),
-                               max((v["last_at"] for v in versions), default=None)),
+        "over_time": timeline,
         "generated_at": time.time(),
+        "rollups": rollups.state() if rollups is not None else {"state": "off", "as_of": None},
     }
 
 
@@ -202,9 +214,10 @@ def _manifest(root: str | Path, agent: str, version: int) -> dict[str, Any] | No
     return m if isinstance(m, dict) else None
 
 
-def versions(engine: Engine, root: str | Path, agent: str) -> dict[str, Any]:
+def versions(engine: Engine, root: str | Path, agent: str, rollups: Any = None) -> dict[str, Any]:
     """Each version with its lineage: its parent, the step that made it, how many experiences trained
-    it (and a search for them), how it served, and every release decision about it."""
+    it (and a search for them), how it served (from ``rollups`` once ready), and every release
+    decision about it."""
     e, d, t = experiences.c, release_decisions.c, trainer_steps.c
     with engine.connect() as conn:
         trained = dict(conn.execute(select(e.trained_in, func.count())
@@ -214,7 +227,8 @@ def versions(engine: Engine, root: str | Path, agent: str) -> dict[str, Any]:
         decisions = conn.execute(select(d.version, d.decision, d.serving, d.actor, d.reason, d.figures, d.created_at)
                                  .where(d.agent == agent).order_by(d.id)).all()
         steps = dict(conn.execute(select(t.version, func.max(t.step)).where(t.agent == agent).group_by(t.version)).all())
-    served = {v["version"]: v for v in per_version(engine, agent)}
+    figures = rollups.figures(agent) if rollups is not None else None
+    served = {v["version"]: v for v in (per_version(engine, agent) if figures is None else figures.versions)}
     on_disk = set(checkpoints.list_versions(root, agent))
     numbers = sorted(on_disk | set(served) | set(trained) | set(steps) | {r.version for r in decisions})
     by_version: dict[int, list[dict[str, Any]]] = {}

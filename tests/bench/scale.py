@@ -13,7 +13,9 @@ a retention pass with nothing to purge, and deleting one user's data.
 
 The same buffers then serve ``kaizen dashboard`` (its app on a loopback port, called with httpx as
 the page's script calls it): the time of each API call a page makes, and of a whole page's data
-(overview: /api/me, /api/agents, /api/overview), median of DASHBOARD_REPEAT.
+(overview: /api/me, /api/agents, /api/overview), median of DASHBOARD_REPEAT, reading the rows
+(``dashboard.rollups=false``) and, on the big buffer, again from its per-minute rollups once built;
+and the rollups' own passes (the first build, a pass with nothing changed, one after a /feedback).
 """
 
 from __future__ import annotations
@@ -132,20 +134,47 @@ def _measure(url: str, rows: int) -> dict[str, float]:
     return out
 
 
-def _measure_dashboard(url: str, root: Path) -> dict[str, float]:
+def _measure_rollups(url: str) -> dict[str, float]:
+    """The dashboard's rollups in process: the first build (every agent's cells from the rows), a
+    pass with nothing changed, and a pass after one /feedback (median ms)."""
+    from services.common import buffer
+    from services.dashboard.rollups import Rollups
+
+    db = buffer.create_buffer_engine(url)
+    rollups = Rollups(db, margin_s=0)
+    t0 = time.perf_counter()
+    rollups.refresh()
+    out = {"rollups: first build (every agent)": (time.perf_counter() - t0) * 1e3,
+           "rollups: a pass, nothing changed": _time(lambda _: rollups.refresh())}
+    with db.connect() as conn:
+        e = buffer.experiences.c
+        ids = [r for r, in conn.execute(buffer.select(e.experience_id).where(e.status == "recorded").offset(REPEAT * 2)
+                                        .limit(REPEAT))]
+    out["rollups: a pass after one /feedback"] = _time(
+        lambda _: rollups.refresh(), lambda k: buffer.apply_feedback(engine=db, msg_ids=[ids[k]], reward=1.0, feedback={}))
+    db.dispose()
+    return out
+
+
+def _measure_dashboard(url: str, root: Path, rollups: bool) -> dict[str, float]:
     import httpx
 
     from services.dashboard.app import create_app
     from services.dashboard.config import DashboardConfig
     from tests.helpers import ThreadedServer
 
-    config = DashboardConfig.model_validate({"buffer": {"url": url}, "checkpoints": {"root": str(root)}})
+    config = DashboardConfig.model_validate({"buffer": {"url": url}, "checkpoints": {"root": str(root)},
+                                             "dashboard": {"rollups": rollups}})
     with ThreadedServer(create_app(config)) as server, httpx.Client(base_url=server.url, timeout=120) as client:
         def get(path: str, **params) -> dict:
             r = client.get(path, params=params)
             r.raise_for_status()
             return r.json()
 
+        deadline = time.monotonic() + 600
+        while rollups and get("/api/overview", agent="a1")["rollups"]["state"] != "ready":
+            assert time.monotonic() < deadline, "the rollups were not built in 10 minutes"
+            time.sleep(0.2)
         one = get("/api/experiences", agent="a1", limit=1)["experiences"][0]["experience_id"]
         calls = {
             "overview page (me + agents + overview)": lambda: [get("/api/me"), get("/api/agents"),
@@ -181,20 +210,25 @@ def main() -> str:
             fill_s = time.perf_counter() - t0
             results[n] = _measure(url, n)
             results[n]["_fill_s"] = fill_s
-            dashboard[n] = _measure_dashboard(url, Path(d) / f"checkpoints{n}")
+            dashboard[n] = _measure_dashboard(url, Path(d) / f"checkpoints{n}", rollups=False)
+            if n == SIZES[-1]:
+                rolled = _measure_dashboard(url, Path(d) / f"checkpoints{n}", rollups=True)
+                rollup_passes = _measure_rollups(url)
             Path(d, f"b{n}.db").unlink()
     small, big = SIZES
     rows = [[op, f"{results[small][op]:.2f}", f"{results[big][op]:.2f}", f"{results[big][op] / results[small][op]:.2f}"]
             for op in results[small] if not op.startswith("_")]
-    dash = [[op, f"{dashboard[small][op]:.1f}", f"{dashboard[big][op]:.1f}", f"{dashboard[big][op] / dashboard[small][op]:.2f}"]
+    rows += [[op, "", f"{ms:.2f}", ""] for op, ms in rollup_passes.items()]
+    dash = [[op, f"{dashboard[small][op]:.1f}", f"{dashboard[big][op]:.1f}", f"{dashboard[big][op] / dashboard[small][op]:.2f}",
+             f"{rolled[op]:.1f}", f"{dashboard[big][op] / rolled[op]:.1f}"]
             for op in dashboard[small]]
     return "\n".join([
         table(f"scale: buffer queries on {small:,} vs {big:,} experiences (SQLite, median ms of {REPEAT}; goal: ratio "
               f"about 1; filling took {results[small]['_fill_s']:.0f} s and {results[big]['_fill_s']:.0f} s)",
               ["operation", f"{small:,} ms", f"{big:,} ms", "ratio"], rows),
         table(f"scale: kaizen dashboard's API on the same buffers (4 agents; median ms of {DASHBOARD_REPEAT}, over HTTP on "
-              "loopback; aggregates scan one agent's index range, lists are keyset pages)",
-              ["call", f"{small:,} ms", f"{big:,} ms", "ratio"], dash),
+              "loopback; aggregates scan one agent's index range, or sum its per-minute rollups; lists are keyset pages)",
+              ["call", f"{small:,} rows ms", f"{big:,} rows ms", "ratio", f"{big:,} rollups ms", "rows / rollups"], dash),
     ])
 
 

@@ -97,7 +97,8 @@ def delete_user_data(*, engine: Engine, user_id: str, agents: Sequence[str] | No
         # Read once locked: a Trainer step that committed meanwhile shows as consumed, with its version.
         rows = []
         for chunk in iter_chunks(ids, 500):
-            rows += conn.execute(select(e.experience_id, e.status, e.agent, e.trained_in).where(e.experience_id.in_(chunk)))
+            rows += conn.execute(select(e.experience_id, e.status, e.agent, e.trained_in, e.model_version, e.created_at)
+                                 .where(e.experience_id.in_(chunk)))
         by_status: dict[str, int] = {}
         trained: dict[tuple[str, int], int] = {}
         for r in rows:
@@ -105,12 +106,16 @@ def delete_user_data(*, engine: Engine, user_id: str, agents: Sequence[str] | No
             if r.status == ExperienceStatus.CONSUMED.value and r.trained_in is not None:
                 trained[(r.agent, r.trained_in)] = trained.get((r.agent, r.trained_in), 0) + 1
         now = utcnow()
-        for chunk in iter_chunks([r.experience_id for r in rows], 500):
+        where = {r.experience_id: r for r in rows}
+        for chunk in iter_chunks(list(where), 500):
             conn.execute(experiences.delete().where(e.experience_id.in_(chunk)))
             conn.execute(reward_ledger.delete().where(reward_ledger.c.experience_id.in_(chunk)))
             fresh = set(chunk) - _buried(conn, chunk)
-            if fresh:
-                conn.execute(insert(tombstones), [{"experience_id": i, "deleted_at": now} for i in sorted(fresh)])
+            if fresh:  # where each row was: the dashboard's rollups compute that minute again
+                conn.execute(insert(tombstones), [
+                    {"experience_id": i, "deleted_at": now, "agent": where[i].agent,
+                     "model_version": where[i].model_version, "created_at": where[i].created_at}
+                    for i in sorted(fresh)])
         report = {
             "user_id": user_id, "deleted": len(rows), "by_status": by_status,
             "in_published_versions": [{"agent": a, "version": v, "experiences": n} for (a, v), n in sorted(trained.items())],

@@ -105,9 +105,14 @@ Index("ix_experiences_agent_trained_in", experiences.c.agent, experiences.c.trai
 
 # An agent's newest experiences first (the dashboard's lists), whatever the planner's statistics.
 Index("ix_experiences_agent_seq", experiences.c.agent, experiences.c.seq)
-# The dashboard's aggregates per agent (over time, per version) read this index alone, never the rows.
+# The dashboard's aggregates per agent (over time, per version; a rollup cell: one agent, version and
+# minute) read this index alone, never the rows.
 Index("ix_experiences_dashboard", experiences.c.agent, experiences.c.model_version, experiences.c.created_at,
       experiences.c.status, experiences.c.reward)
+# What changed since a time (every write stamps updated_at): the dashboard's rollups read which
+# cells (agent, version, minute of created_at) to compute again from this index alone.
+Index("ix_experiences_changes", experiences.c.updated_at, experiences.c.agent, experiences.c.model_version,
+      experiences.c.created_at)
 
 # Every reward ever sent, in arrival order (the experience's ``reward`` is the latest): a reward sent
 # after its experience was trained on (late) is recorded here, never refused.
@@ -171,7 +176,13 @@ tombstones = Table(
     metadata,
     Column("experience_id", String(96), primary_key=True),
     Column("deleted_at", DateTime(timezone=True), nullable=False),
+    # Added after the first release (null in older rows): where the row was, so the dashboard's
+    # rollups know which minute of which agent and version to compute again.
+    Column("agent", String(128)),
+    Column("model_version", Integer),
+    Column("created_at", DateTime(timezone=True)),
 )
+Index("ix_tombstones_deleted_at", tombstones.c.deleted_at)
 
 # API keys' quotas, shared by every replica on this database (services/common/buffer/quotas.py): one token
 # bucket per key and kind ("requests", "tokens"), refilled by wall-clock time, and the tokens that running

@@ -114,10 +114,52 @@ function linkWithAgentFor(agent) {
   return location.pathname + "?" + q;
 }
 
+// ---- live pages ----------------------------------------------------------------------------
+
+let refreshS = 0; // the dashboard's refresh_s (from /api/me): how often a watched page asks again
+
+// Draw a page from load()'s figures, then, every refreshS while the browser shows it, load them
+// again and draw the page again in place (scroll kept) when they changed. body[data-drawn] counts
+// the drawings and #live says when the figures were read.
+async function live(main, load, draw) {
+  let shown = null;
+  const note = document.getElementById("live");
+  const show = (data) => {
+    const at = data.rollups && data.rollups.as_of ? data.rollups.as_of : data.generated_at || Date.now() / 1000;
+    note.dataset.value = String(at);
+    note.textContent = (refreshS ? "live · " : "") + "figures of " + fmtShortTime(at) + " UTC";
+    note.classList.remove("failed");
+    const key = JSON.stringify(data, (k, v) => (k === "generated_at" || k === "rollups" ? undefined : v));
+    if (key === shown) return;
+    shown = key;
+    for (const c of charts.splice(0)) c.destroy();
+    const y = window.scrollY;
+    main.replaceChildren();
+    draw(data);
+    window.scrollTo(0, y);
+    document.body.dataset.drawn = String(Number(document.body.dataset.drawn || 0) + 1);
+  };
+  show(await load());
+  if (!refreshS) return;
+  const tick = async () => {
+    if (document.visibilityState === "visible") {
+      try { show(await load()); } catch (e) {
+        note.textContent = "refresh failed (" + e.message + "); trying again";
+        note.classList.add("failed");
+      }
+    }
+    setTimeout(tick, refreshS * 1000);
+  };
+  setTimeout(tick, refreshS * 1000);
+}
+
 // ---- overview ------------------------------------------------------------------------------
 
 async function overview(main, agent) {
-  const o = await api("/api/overview", { agent });
+  await live(main, () => api("/api/overview", { agent }), (o) => drawOverview(main, agent, o));
+}
+
+function drawOverview(main, agent, o) {
   const total = STATUSES.reduce((s, k) => s + o.statuses[k], 0);
   const rewarded = o.versions.reduce((s, v) => s + v.reward.n, 0);
   put(main,
@@ -194,7 +236,10 @@ function versionTable(versions, serving) {
 // ---- trainer -------------------------------------------------------------------------------
 
 async function trainer(main, agent) {
-  const t = await api("/api/trainer", { agent });
+  await live(main, () => api("/api/trainer", { agent }), (t) => drawTrainer(main, agent, t));
+}
+
+function drawTrainer(main, agent, t) {
   // The objective's own figures (its recipe's statistics) come after the shared ones, named by their keys.
   const charts = TRAINER_CHARTS.concat((t.objective_figures || []).map((k) => [k, k.replaceAll("_", " ")]));
   const last = t.steps[t.steps.length - 1] || {};
@@ -403,6 +448,7 @@ async function route() {
   setActive(page);
   try {
     const me = await api("/api/me");
+    refreshS = me.refresh_s || 0;
     document.getElementById("who").textContent = me.auth ? "key: " + me.name : "";
     const { agents } = await api("/api/agents");
     const agent = await pickAgent(agents, page);

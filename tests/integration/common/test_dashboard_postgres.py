@@ -1,11 +1,13 @@
-"""The dashboard's queries on a real PostgreSQL server: the SQLite tests again (epoch and bucket
-arithmetic, aggregates and keyset pages in PostgreSQL's dialect)."""
+"""The dashboard's queries and rollups on a real PostgreSQL server: the SQLite tests again (epoch and
+bucket arithmetic, aggregates, keyset pages and the changes read by updated_at and tombstones, in
+PostgreSQL's dialect)."""
 
 from __future__ import annotations
 
 import pytest
 
 from tests.unit.common import test_dashboard_queries as _unit
+from tests.unit.common import test_dashboard_rollups as _rollups
 from tests.unit.common.test_dashboard_queries import filled  # noqa: F401 - the fixture the reused tests take
 
 pytestmark = pytest.mark.integration
@@ -13,6 +15,9 @@ pytestmark = pytest.mark.integration
 for _name in ("test_overview_counts_rewards_and_buckets", "test_trainer_and_versions_lineage",
               "test_search_filters_and_keyset_pages"):
     globals()[_name] = getattr(_unit, _name)
+for _name in ("test_every_kind_of_write_is_rolled_up_exactly", "test_a_pass_reads_only_the_changed_cells_and_a_rebuild_reads_all",
+              "test_a_write_stamped_before_the_margin_is_missed_until_a_rebuild"):
+    globals()[_name] = getattr(_rollups, _name)
 del _name
 
 

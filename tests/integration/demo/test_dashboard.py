@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import shutil
 import sqlite3
 from collections import defaultdict
 from pathlib import Path
@@ -22,7 +21,7 @@ import pytest
 import yaml
 
 from services.common.http.access import key_digest
-from tests.helpers import REPO, free_port, kaizen_process, wait_http
+from tests.helpers import REPO, chromium, free_port, kaizen_process, wait_http
 from tests.integration.demo.conftest import AGENT
 
 pytestmark = pytest.mark.integration
@@ -224,26 +223,10 @@ def test_keys_need_the_read_scope_and_see_only_their_agents(keyed_dashboard):
 
 # ---- in a real headless Chromium -----------------------------------------------------------------------
 
-def _chromium() -> str | None:
-    for name in ("chromium", "chromium-browser", "google-chrome"):
-        if path := shutil.which(name):
-            return path
-    return None
-
-
 @pytest.fixture(scope="module")
 def browser():
-    try:
-        from playwright.sync_api import sync_playwright
-    except ImportError:
-        pytest.skip("playwright is not installed (pip install -e '.[test]')")
-    exe = _chromium()
-    if exe is None:
-        pytest.skip("no Chromium on this machine (make test installs Debian's chromium when it runs as root with apt)")
-    with sync_playwright() as p:
-        b = p.chromium.launch(executable_path=exe, args=["--no-sandbox", "--disable-gpu"])
+    with chromium() as b:
         yield b
-        b.close()
 
 
 @pytest.fixture(scope="module")
