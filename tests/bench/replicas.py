@@ -31,6 +31,9 @@ from tests.bench.common import table
 REPLICAS = (1, 2, 4)
 CLIENTS = int(os.environ.get("KAIZEN_BENCH_REPLICA_CLIENTS", "32"))
 SECONDS = float(os.environ.get("KAIZEN_BENCH_REPLICA_SECONDS", "20"))
+# Rounds of 1, 2 and 4 replicas in turn (so a slow spell of the machine touches each alike): the
+# figures are the rounds' medians with their range; the ratios are paired within a round.
+ROUNDS = int(os.environ.get("KAIZEN_BENCH_REPLICA_ROUNDS", "3"))
 TICK = os.sysconf("SC_CLK_TCK")
 
 
@@ -136,20 +139,20 @@ def main() -> str:
     tiny = REPO / ".cache" / "tiny-model"
     if not (tiny / "config.json").exists():
         subprocess.run([sys.executable, "-m", "services.cli", "tiny-model", str(tiny)], cwd=REPO, check=True)
-    results: dict[int, dict[str, dict]] = {}
+    results: dict[int, list[dict[str, dict]]] = {n: [] for n in REPLICAS}
     with tempfile.TemporaryDirectory(prefix="kaizen-replicas-") as tmp, contextlib.ExitStack() as stack:
         try:
             server = stack.enter_context(postgres_server())
         except PostgresUnavailable as e:
             return f"replicas: skipped ({e})"
-        for n in REPLICAS:
+        for round_, n in ((r, n) for r in range(ROUNDS) for n in REPLICAS):
             db_url = stack.enter_context(fresh_database(server))
             with contextlib.ExitStack() as replicas:
                 ports = [free_port() for _ in range(n)]
                 procs = [replicas.enter_context(kaizen_process(
-                    "explorer", f"model.path={tiny}", f"buffer.url={db_url}", f"checkpoints.root={tmp}/ck-{n}",
-                    f"recorder.journal_dir={tmp}/journal-{n}", "reload.enabled=false", "engine.torch_threads=1",
-                    f"server.port={p}", "server.log_level=warning", log_path=Path(tmp) / f"explorer-{n}-{i}.log"))
+                    "explorer", f"model.path={tiny}", f"buffer.url={db_url}", f"checkpoints.root={tmp}/ck-{round_}-{n}",
+                    f"recorder.journal_dir={tmp}/journal-{round_}-{n}", "reload.enabled=false", "engine.torch_threads=1",
+                    f"server.port={p}", "server.log_level=warning", log_path=Path(tmp) / f"explorer-{round_}-{n}-{i}.log"))
                     for i, p in enumerate(ports)]
                 urls = [f"http://127.0.0.1:{p}" for p in ports]
                 for url, proc in zip(urls, procs):
@@ -161,20 +164,36 @@ def main() -> str:
                 db = buffer.create_buffer_engine(db_url)
                 ids = [e.experience_id for e in buffer.list_experiences(engine=db, limit=5000)]
                 db.dispose()
-                results[n] = {"chat": chat, "feedback": _run(urls, "feedback", ids, pids, db_url)}
+                results[n].append({"chat": chat, "feedback": _run(urls, "feedback", ids, pids, db_url)})
     cpu = open("/proc/cpuinfo").read().split("model name", 1)[1].split("\n", 1)[0].strip(" :\t")
+
+    def spread(values: list[float], fmt: str) -> str:
+        """The median, and the range over the rounds when there are several."""
+        med = format(statistics.median(values), fmt)
+        return med if len(values) < 2 else f"{med} ({format(min(values), fmt)}-{format(max(values), fmt)})"
+
+    def ms(values: list[float | None]) -> str:
+        got = [v * 1000 for v in values if v is not None]
+        return spread(got, ".0f") if got else "-"
+
     rows = []
-    for n, r in results.items():
-        for kind, m in r.items():
-            rows.append([str(n), kind, f"{m['ops_s']:.1f}", "-" if m["p50"] is None else f"{m['p50'] * 1000:.0f}",
-                         "-" if m["p99"] is None else f"{m['p99'] * 1000:.0f}", f"{m['rows_s']:.1f}",
-                         f"{m['explorer_cpu']:.2f}", f"{m['pg_cpu']:.2f}", f"{m['clients_cpu']:.2f}", str(m["failed"])])
-    base = {kind: results[REPLICAS[0]][kind]["ops_s"] for kind in ("chat", "feedback")}
-    ratios = ", ".join(f"{n} replicas {results[n]['chat']['ops_s'] / base['chat']:.2f}x chat, "
-                       f"{results[n]['feedback']['ops_s'] / base['feedback']:.2f}x feedback" for n in REPLICAS[1:])
-    return (table(f"replicas ({CLIENTS} clients, {SECONDS:.0f} s a load, one PostgreSQL, tiny model; "
-                  f"{os.cpu_count()} CPUs: {cpu})", ["replicas", "load", "ops/s", "chat p50 ms", "p99 ms", "rows/s", "replicas' CPU", "PG CPU", "clients' CPU", "failed"], rows)
-            + f"\n  against 1 replica: {ratios}")
+    for n, rounds in results.items():
+        for kind in ("chat", "feedback"):
+            ms_ = [r[kind] for r in rounds]
+            rows.append([str(n), kind, spread([m["ops_s"] for m in ms_], ".1f"), ms([m["p50"] for m in ms_]),
+                         ms([m["p99"] for m in ms_]), spread([m["rows_s"] for m in ms_], ".1f"),
+                         spread([m["explorer_cpu"] for m in ms_], ".2f"), spread([m["pg_cpu"] for m in ms_], ".2f"),
+                         spread([m["clients_cpu"] for m in ms_], ".2f"), str(sum(m["failed"] for m in ms_))])
+    ratios = ", ".join(
+        f"{n} replicas " + ", ".join(
+            spread([results[n][r][kind]["ops_s"] / results[REPLICAS[0]][r][kind]["ops_s"] for r in range(ROUNDS)], ".2f")
+            + f"x {kind}" for kind in ("chat", "feedback"))
+        for n in REPLICAS[1:])
+    return (table(f"replicas ({CLIENTS} clients, {SECONDS:.0f} s a load, one PostgreSQL, tiny model; median of {ROUNDS} "
+                  f"rounds (range); {os.cpu_count()} CPUs: {cpu})",
+                  ["replicas", "load", "ops/s", "chat p50 ms", "p99 ms", "rows/s", "replicas' CPU", "PG CPU", "clients' CPU",
+                   "failed"], rows)
+            + f"\n  against 1 replica, paired by round: {ratios}")
 
 
 if __name__ == "__main__":
