@@ -7,6 +7,7 @@ tests skip and say why), driven by 16 clients with their own keys:
     burst runs, nothing per replica);
   - multi-call episodes keep the version they began on while the balancer sends their calls to
     different replicas and a new version goes live;
+  - a user's deletion sent to two replicas at once deletes the user's rows once;
   - kill -9 of one replica under chat + feedback + commit traffic: the others stay healthy, the
     clients' retries go to them, and once a survivor adopted the dead replica's journal, 0
     acknowledged chats, feedbacks or commits are missing from the buffer (without a restart).
@@ -43,6 +44,7 @@ CLIENTS = 16
 KEYS = [f"kz-test-lb-client-{k:02d}-0123456789abcdef" for k in range(CLIENTS)]
 CAPPED = "kz-test-lb-capped-0123456789abcdef"
 CAPPED_PER_MIN = 20
+ADMIN = "kz-test-lb-admin-0123456789abcdef"
 ASK = [{"role": "user", "content": "Where should I go?"}]
 TARGETS = {1: "Go to paris.", 2: "Go to london."}
 
@@ -99,6 +101,7 @@ def cluster(tiny_model, postgres_url, tmp_path_factory, adapters):
     publish_adapter(adapters[1], root, "guide", 1)
     keys = [{"name": f"client-{k:02d}", "sha256": key_digest(s), "scopes": ["chat", "feedback", "read"]} for k, s in enumerate(KEYS)]
     keys.append({"name": "capped", "sha256": key_digest(CAPPED), "scopes": ["chat"], "requests_per_min": CAPPED_PER_MIN})
+    keys.append({"name": "ops", "sha256": key_digest(ADMIN), "scopes": ["admin", "read"]})
     ports = [free_port() for _ in range(REPLICAS)]
     with ExitStack() as stack:
         db_url = stack.enter_context(fresh_database(postgres_url))
@@ -186,6 +189,47 @@ def test_episodes_keep_their_version_while_the_balancer_alternates_replicas(clus
     assert all([fp for fp, _ in served[e]] == ["kaizen-guide-v2"] * 2 for e in new), served
     moved = sum(len({by for _, by in served[e]}) > 1 for e in old)
     assert moved >= 4, served  # most old episodes were served by more than one replica
+
+
+def test_a_users_deletion_sent_to_two_replicas_at_once_acts_once(cluster):
+    """A user's chats spread over the replicas, then the deletion sent twice at once (the balancer
+    gives each to another replica): the rows go once (the two reports add up to them), each leaves
+    a tombstone, and both requests are in the audit log."""
+    from sqlalchemy import create_engine, text
+
+    headers = {"Authorization": f"Bearer {KEYS[1]}"}
+    chats = [httpx.post(f"{cluster.url}/v1/chat/completions", headers=headers, timeout=60, json={
+        "model": "default", "messages": [{"role": "user", "content": f"question {i}"}], "max_tokens": 2,
+        "metadata": {"user_id": "lb-user"}}) for i in range(12)]
+    assert [r.status_code for r in chats] == [200] * 12
+    assert len({r.headers["x-served-by"] for r in chats}) == REPLICAS
+    db = create_engine(cluster.db_url)
+
+    def count(sql: str) -> int:
+        with db.connect() as conn:
+            return conn.execute(text(sql)).scalar()
+
+    rows = lambda: count("SELECT count(*) FROM experiences WHERE user_id = 'lb-user'")  # noqa: E731
+    try:
+        deadline = time.monotonic() + 30  # every replica's recorder has written its share
+        while rows() < 12:
+            assert time.monotonic() < deadline, f"only {rows()} of the 12 chats were written"
+            time.sleep(0.1)
+
+        def delete(_):
+            return httpx.delete(f"{cluster.url}/experiences", params={"user_id": "lb-user"},
+                                headers={"Authorization": f"Bearer {ADMIN}"}, timeout=60)
+
+        with ThreadPoolExecutor(2) as pool:
+            answers = list(pool.map(delete, range(2)))
+        assert [r.status_code for r in answers] == [200, 200], [r.text for r in answers]
+        assert len({r.headers["x-served-by"] for r in answers}) == 2  # two replicas acted
+        assert sorted(r.json()["deleted"] for r in answers) == [0, 12]
+        assert rows() == 0
+        assert count("SELECT count(*) FROM tombstones WHERE agent = 'default'") == 12
+        assert count("SELECT count(*) FROM audit_log WHERE action = 'delete_user_data' AND actor = 'ops'") == 2
+    finally:
+        db.dispose()
 
 
 def test_kill_9_of_a_replica_under_traffic_loses_nothing_acknowledged(cluster):
