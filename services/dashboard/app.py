@@ -56,10 +56,11 @@ def open_buffer(url: str) -> Engine:
             raise ConfigError("buffer.url: the database holds no experiences table (start the Explorer once, or check "
                               "buffer.url)")
         indexes = {i["name"] for i in inspect(engine).get_indexes("experiences")}
-        missing = {"ix_experiences_dashboard", "ix_experiences_agent_seq"} - indexes
+        missing = {"ix_experiences_dashboard", "ix_experiences_agent_seq", "ix_experiences_changes"} - indexes
         if missing:
             log.warning("the buffer lacks the indexes %s (an Explorer or Trainer of this version adds them when it "
-                        "starts): the overview reads every row of an agent until then", ", ".join(sorted(missing)))
+                        "starts): the overview reads every row of an agent, without rollups, until then",
+                        ", ".join(sorted(missing)))
     except ConfigError:
         engine.dispose()
         raise

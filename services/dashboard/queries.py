@@ -159,8 +159,8 @@ def over_time(engine: Engine, agent: str, first: float | None, last: float | Non
 
 def overview(engine: Engine, root: str | Path, agent: str, rollups: Any = None) -> dict[str, Any]:
     """The agent's overview; from ``rollups`` (services.dashboard.rollups.Rollups) once they are ready,
-    so its cost is the agent's hours with traffic, not its rows. An agent whose whole history spans
-    less than two hours gets buckets under a minute, read from its rows (as does one under 60 hours
+    so its cost is the agent's hours with traffic, not its rows. An agent whose whole history spans an
+    hour or less gets buckets under a minute, read from its rows (as does one of 60 hours or less
     whose hours are too old to have kept their minutes)."""
     figures = rollups.figures(agent) if rollups is not None else None
     versions = per_version(engine, agent) if figures is None else figures.versions

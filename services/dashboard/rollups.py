@@ -26,7 +26,7 @@ from dataclasses import dataclass, replace
 from datetime import datetime, timezone
 from typing import Any, Iterable
 
-from sqlalchemy import func, select
+from sqlalchemy import func, inspect, select
 from sqlalchemy.engine import Connection, Engine
 
 from services.common.buffer import experiences, tombstones
@@ -169,22 +169,37 @@ def read_cells(conn: Connection, engine: Engine, agent: str, version: int | None
     return {key: Cell(statuses, first, last) for key, (statuses, first, last) in found.items()}
 
 
-def changed_cells(conn: Connection, engine: Engine, since: datetime) -> tuple[dict[tuple[str, int], set[int]], bool]:
+def changed_cells(conn: Connection, engine: Engine, since: datetime) -> tuple[dict[tuple[str, int], set[int]], float | None]:
     """The cells ((agent, version): minutes) whose rows were written or deleted at or after ``since``,
-    and whether a deletion names no cell (a tombstone of an older Kaizen: every cell may have changed)."""
+    and when the last deletion that names no cell was made (a tombstone of an older Kaizen: every
+    cell may have changed), or None."""
     e, t = experiences.c, tombstones.c
     dirty: dict[tuple[str, int], set[int]] = {}
-    written = select(e.agent, e.model_version, queries._bucket(engine, e.created_at, MINUTE)).where(e.updated_at >= since)
-    deleted = select(t.agent, t.model_version, queries._bucket(engine, t.created_at, MINUTE)).where(t.deleted_at >= since)
-    unknown = False
+    written = select(e.agent, e.model_version, queries._bucket(engine, e.created_at, MINUTE), e.updated_at).where(
+        e.updated_at >= since)
+    deleted = select(t.agent, t.model_version, queries._bucket(engine, t.created_at, MINUTE), t.deleted_at).where(
+        t.deleted_at >= since)
+    unknown: float | None = None
     # No DISTINCT: with it, SQLite's planner scans a whole index instead of this range of ix_experiences_changes.
     for q in (written, deleted):
-        for agent, version, minute in conn.execute(q):
+        for agent, version, minute, at in conn.execute(q):
             if agent is None or version is None or minute is None:
-                unknown = True
+                unknown = max(unknown or 0.0, queries._timestamp(at))
             else:
                 dirty.setdefault((agent, int(version)), set()).add(int(minute))
     return dirty, unknown
+
+
+def schema_lacks(engine: Engine) -> list[str]:
+    """What the rollups need that a buffer made by an older Kaizen lacks until an Explorer or Trainer
+    of this version has started on it (without the index, every pass would scan the table)."""
+    inspector = inspect(engine)
+    missing = []
+    if "ix_experiences_changes" not in {i["name"] for i in inspector.get_indexes("experiences")}:
+        missing.append("index ix_experiences_changes")
+    if "agent" not in {c["name"] for c in inspector.get_columns("tombstones")}:
+        missing.append("column tombstones.agent")
+    return missing
 
 
 def ranges(minutes: Iterable[int], gap: int = _GAP_MINUTES) -> list[tuple[int, int]]:
@@ -232,9 +247,15 @@ class Rollups:
         self._cache: dict[str, tuple[int, AgentFigures]] = {}
         self.as_of: float | None = None  # when the last pass began (this process's clock)
         self.built_at: float | None = None
+        self._fine = 0  # the first hour that keeps its cells: it only moves forward, whatever the clock does
+        self._unknown_handled = 0.0  # the last unnamed deletion a build has taken in
+        self._lacks: list[str] | None = None  # what the buffer's schema lacks (None: not checked yet)
         self.cells_read = 0  # cells computed from the rows since this process started (all passes)
+        self.builds = 0
 
     def state(self) -> dict[str, Any]:
+        if self._lacks:
+            return {"state": "off", "as_of": None, "reason": "the buffer lacks " + ", ".join(self._lacks)}
         if self.as_of is None:
             return {"state": "building", "as_of": None}
         return {"state": "stale" if time.time() - self.as_of > self.stale_s else "ready", "as_of": self.as_of}
@@ -247,12 +268,14 @@ class Rollups:
         blocks: dict[str, dict[int, Block]] = {}
         count = 0
         with self._engine.connect() as conn:
-            for agent in sorted(queries._distinct_agents(conn, experiences.c.agent)):  # one agent's cells at a time
+            names = sorted(queries._distinct_agents(conn, experiences.c.agent))
+        for agent in names:  # one agent's cells at a time, each its own read transaction (SQLite's WAL checkpoints between)
+            with self._engine.connect() as conn:
                 hours = _by_hour(read_cells(conn, self._engine, agent))
-                count += sum(len(cells) for cells in hours.values())
-                blocks[agent] = {hour: _block(cells.items()) if hour >= fine else _coarse(_block(cells.items()))
-                                 for hour, cells in hours.items()}
-                fresh[agent] = {hour: cells for hour, cells in hours.items() if hour >= fine}
+            count += sum(len(cells) for cells in hours.values())
+            blocks[agent] = {hour: _block(cells.items()) if hour >= fine else _coarse(_block(cells.items()))
+                             for hour, cells in hours.items()}
+            fresh[agent] = {hour: cells for hour, cells in hours.items() if hour >= fine}
         with self._lock:
             for agent in set(self._cells) | set(fresh):
                 self._cells[agent] = fresh.get(agent, {})
@@ -260,6 +283,7 @@ class Rollups:
                 self._generation[agent] = self._generation.get(agent, 0) + 1
             self.as_of = self.built_at = started
             self.cells_read += count
+            self.builds += 1
         log.info("dashboard rollups: %d cells of %d agents computed from the rows in %.1f s", count, len(fresh),
                  time.time() - started)
 
@@ -267,6 +291,14 @@ class Rollups:
         """Compute again every cell written or deleted since the last pass began (less the margin),
         and the blocks of their hours; the first pass, an unknown deletion and every ``rebuild_s``
         compute them all."""
+        if self._lacks is None or self._lacks:
+            lacks = schema_lacks(self._engine)
+            if lacks and lacks != self._lacks:
+                log.warning("dashboard rollups off until an Explorer or Trainer of this version has started on the "
+                            "buffer (it lacks %s): the pages read the rows", ", ".join(lacks))
+            self._lacks = lacks
+            if lacks:
+                return
         if self.as_of is None or self.built_at is None or (self.rebuild_s and time.time() - self.built_at >= self.rebuild_s):
             self.build()
             return
@@ -276,13 +308,19 @@ class Rollups:
         whole: dict[tuple[str, int], dict[tuple[int, int], Cell]] = {}  # (agent, old hour): all its cells
         with self._engine.connect() as conn:
             dirty, unknown = changed_cells(conn, self._engine, _at(self.as_of - self.margin_s))
-            if not unknown:
-                old: dict[tuple[str, int], set[int]] = {}  # (agent, hour older than fine): versions in it
+            if unknown is not None and unknown <= self._unknown_handled:
+                unknown = None  # a build after it took it in
+            if unknown is None:
+                with self._lock:  # hours whose block kept no cells are read whole, whatever the boundary says
+                    coarse = {agent: {h for h, b in self._blocks.get(agent, {}).items() if b.minutes is None}
+                              for agent, _ in dirty}
+                whole_hour = lambda agent, m: m * MINUTE // HOUR < fine or m * MINUTE // HOUR in coarse[agent]  # noqa: E731
+                old: dict[tuple[str, int], set[int]] = {}  # (agent, hour read whole): versions in it
                 for (agent, version), minutes in sorted(dirty.items()):
-                    for span in ranges(m for m in minutes if m * MINUTE // HOUR >= fine):
+                    for span in ranges(m for m in minutes if not whole_hour(agent, m)):
                         fresh.append((agent, version, span, read_cells(conn, self._engine, agent, version, span)))
                     for m in minutes:
-                        if m * MINUTE // HOUR < fine:
+                        if whole_hour(agent, m):
                             old.setdefault((agent, m * MINUTE // HOUR), set()).add(version)
                 with self._lock:
                     for (agent, hour), versions in old.items():
@@ -292,9 +330,10 @@ class Rollups:
                     span = (hour * HOUR // MINUTE, (hour + 1) * HOUR // MINUTE - 1)
                     whole[(agent, hour)] = {k: c for v in sorted(versions)
                                             for k, c in read_cells(conn, self._engine, agent, v, span).items()}
-        if unknown:
+        if unknown is not None:
             log.info("dashboard rollups: a deletion by an older Kaizen names no agent: computing every cell again")
             self.build()
+            self._unknown_handled = unknown
             return
         with self._lock:
             touched: dict[str, set[int]] = {}
@@ -332,8 +371,10 @@ class Rollups:
             self.as_of = started
 
     def _fine_from(self) -> int:
-        """The first hour that keeps its cells."""
-        return int(time.time() // HOUR) - self.fine_hours
+        """The first hour that keeps its cells (never earlier than before: a clock set back must not
+        make an hour whose cells were let go look as if it still had them)."""
+        self._fine = max(self._fine, int(time.time() // HOUR) - self.fine_hours)
+        return self._fine
 
     def figures(self, agent: str) -> AgentFigures | None:
         """The agent's figures summed from its hour blocks; None until the first pass, or while no

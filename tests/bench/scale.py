@@ -66,7 +66,8 @@ def _fill(path: Path, rows: int) -> str:
         status = "consumed" if share < 0.90 else "committed" if share < 0.95 else "rewarded" if share < 0.98 else "recorded"
         agent = AGENTS[i % len(AGENTS)]
         version = i // (1000 * len(AGENTS)) + 1
-        created = (start + timedelta(seconds=30 * 86400 * share)).isoformat(sep=" ")
+        # as SQLAlchemy writes a DateTime to SQLite (microseconds always): range bounds compare as strings
+        created = (start + timedelta(seconds=30 * 86400 * share)).strftime("%Y-%m-%d %H:%M:%S.%f")
         batch.append((f"chatcmpl-{i:012d}-0", f"chatcmpl-{i:012d}", agent, version - 1 if status == "consumed" else version,
                       f"task-{i // 8}", str(i % 8), prompt, response, logprobs, messages, answer, sampling,
                       None if status == "recorded" else float(rng.random() < 0.5), status,
@@ -141,7 +142,7 @@ def _measure_rollups(url: str) -> dict[str, float]:
     from services.dashboard.rollups import Rollups
 
     db = buffer.create_buffer_engine(url)
-    rollups = Rollups(db, margin_s=0)
+    rollups = Rollups(db, margin_s=120)  # the default: each pass reads again what was written in the last 2 minutes
     t0 = time.perf_counter()
     rollups.refresh()
     out = {"rollups: first build (every agent)": (time.perf_counter() - t0) * 1e3,

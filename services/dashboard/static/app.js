@@ -125,17 +125,18 @@ async function live(main, load, draw) {
   let shown = null;
   const note = document.getElementById("live");
   const show = (data) => {
-    const at = data.rollups && data.rollups.as_of ? data.rollups.as_of : data.generated_at || Date.now() / 1000;
+    // figures from the rollups are as of their last pass; read from the rows, as of now
+    const at = data.rollups && data.rollups.state === "ready" ? data.rollups.as_of : data.generated_at || Date.now() / 1000;
     note.dataset.value = String(at);
     note.textContent = (refreshS ? "live · " : "") + "figures of " + fmtShortTime(at) + " UTC";
     note.classList.remove("failed");
     const key = JSON.stringify(data, (k, v) => (k === "generated_at" || k === "rollups" ? undefined : v));
     if (key === shown) return;
-    shown = key;
     for (const c of charts.splice(0)) c.destroy();
     const y = window.scrollY;
     main.replaceChildren();
     draw(data);
+    shown = key; // only once drawn: a drawing that failed is tried again on the next tick
     window.scrollTo(0, y);
     document.body.dataset.drawn = String(Number(document.body.dataset.drawn || 0) + 1);
   };
@@ -144,6 +145,12 @@ async function live(main, load, draw) {
   const tick = async () => {
     if (document.visibilityState === "visible") {
       try { show(await load()); } catch (e) {
+        if (e.status === 401 || e.status === 403) { // the key was revoked or narrowed: stop asking
+          note.textContent = "stopped: " + e.message;
+          note.classList.add("failed");
+          if (e.status === 401) { sessionStorage.removeItem(KEY); login(main, e.message); }
+          return;
+        }
         note.textContent = "refresh failed (" + e.message + "); trying again";
         note.classList.add("failed");
       }

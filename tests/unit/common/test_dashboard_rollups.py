@@ -9,10 +9,10 @@ from __future__ import annotations
 from datetime import datetime, timedelta, timezone
 
 import pytest
-from sqlalchemy import update
+from sqlalchemy import delete, insert, text, update
 
 from services.common import buffer
-from services.common.buffer import experiences
+from services.common.buffer import experiences, tombstones
 from services.common.records import Experience
 from services.dashboard import queries
 from services.dashboard.rollups import AgentFigures, Rollups, ranges
@@ -165,6 +165,46 @@ def test_figures_are_cached_until_a_cell_of_the_agent_changes(filled):
     assert rollups.figures("a") is not first and rollups.figures("a").statuses["rewarded"] == 11
     with pytest.raises(ValueError, match="whole minutes"):
         first.over_time(90)
+
+
+def test_a_clock_set_back_never_rebuilds_an_old_hour_from_part_of_its_cells(filled):
+    db, root, _ = filled
+    rollups = Rollups(db, margin_s=0, fine_hours=0)
+    rollups.refresh()  # every hour of the fixture kept its block alone
+    rollups.fine_hours = 10**6  # as if the clock went back past them all
+    buffer.apply_feedback(engine=db, msg_ids=["c59"], reward=0.5, feedback={})
+    rollups.refresh()
+    _check(db, root, rollups)
+
+
+def test_a_deletion_naming_no_cell_rebuilds_once(filled):
+    db, root, _ = filled
+    rollups = Rollups(db, margin_s=120)
+    rollups.refresh()
+    with buffer.write_transaction(db) as conn:  # a deletion by an older Kaizen: its tombstone names no agent
+        conn.execute(delete(experiences).where(experiences.c.experience_id == "c3-0"))
+        conn.execute(insert(tombstones).values(experience_id="c3-0", deleted_at=datetime.now(timezone.utc)))
+    rollups.refresh()
+    assert rollups.builds == 2
+    _check(db, root, rollups)
+    rollups.refresh()
+    rollups.refresh()
+    assert rollups.builds == 2  # the same tombstone, still within the margin, is not taken again
+
+
+def test_a_buffer_an_older_kaizen_made_keeps_the_rollups_off_until_it_is_upgraded(filled):
+    db, root, _ = filled
+    with buffer.write_transaction(db) as conn:
+        conn.execute(text("DROP INDEX ix_experiences_changes"))
+    rollups = Rollups(db, margin_s=120)
+    rollups.refresh()
+    assert rollups.state()["state"] == "off" and "ix_experiences_changes" in rollups.state()["reason"]
+    assert rollups.figures("a") is None and rollups.builds == 0
+    assert queries.overview(db, root, "a", rollups)["statuses"]["consumed"] == 32  # from the rows
+    buffer.create_buffer_engine(str(db.url)).dispose()  # an Explorer of this version starts: the index is added
+    rollups.refresh()
+    assert rollups.state()["state"] == "ready"
+    _check(db, root, rollups)
 
 
 def test_ranges_merge_close_minutes():
