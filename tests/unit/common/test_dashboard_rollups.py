@@ -201,7 +201,7 @@ def test_a_buffer_an_older_kaizen_made_keeps_the_rollups_off_until_it_is_upgrade
     assert rollups.state()["state"] == "off" and "ix_experiences_changes" in rollups.state()["reason"]
     assert rollups.figures("a") is None and rollups.builds == 0
     assert queries.overview(db, root, "a", rollups)["statuses"]["consumed"] == 32  # from the rows
-    buffer.create_buffer_engine(str(db.url)).dispose()  # an Explorer of this version starts: the index is added
+    buffer.create_buffer_engine(db.url.render_as_string(hide_password=False)).dispose()  # an Explorer of this version starts: the index is added
     rollups.refresh()
     assert rollups.state()["state"] == "ready"
     _check(db, root, rollups)
