@@ -65,6 +65,7 @@ from services.common.buffer.schema import (
     release_decisions,
     reward_ledger,
     tombstones,
+    deleted_users,
     trainer_steps,
 )
 from services.common.buffer.training import (
@@ -86,7 +87,7 @@ from services.common.buffer.training import (
 
 __all__ = [
     # schema
-    "metadata", "experiences", "trainer_steps", "release_decisions", "reward_ledger", "feedback_keys", "audit_log", "tombstones", "TERMINAL",
+    "metadata", "experiences", "trainer_steps", "release_decisions", "reward_ledger", "feedback_keys", "audit_log", "tombstones", "deleted_users", "TERMINAL",
     "LATE_PENDING", "BufferError", "UnknownIds", "AlreadyConsumed", "IdempotencyKeyReused", "BatchChanged",
     # engine
     "create_buffer_engine", "write_transaction", "iter_chunks", "utcnow",

@@ -11,6 +11,7 @@ replicas, the Trainer) queue instead of deadlocking.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import logging
 import sqlite3
 import time
@@ -161,6 +162,17 @@ def iter_chunks(items: Sequence[Any], size: int) -> Iterable[Sequence[Any]]:
     """Slices of at most ``size`` items (keeps IN lists under every database's limit)."""
     for i in range(0, len(items), size):
         yield items[i : i + size]
+
+
+def _lock_users(conn: Connection, user_ids: Iterable[str]) -> None:
+    """Serialise, per user, writing a user's new rows with deleting that user's data: on PostgreSQL a
+    transaction-scoped advisory lock per user, taken in one order (SQLite's writers are serialised
+    by BEGIN IMMEDIATE already). Taken before any row lock."""
+    if conn.dialect.name != "postgresql":
+        return
+    keys = sorted({int.from_bytes(hashlib.sha256(u.encode()).digest()[:8], "big", signed=True) for u in user_ids})
+    for key in keys:
+        conn.execute(text("SELECT pg_advisory_xact_lock(:key)"), {"key": key})
 
 
 def _lock_rows(conn: Connection, experience_ids: Iterable[str]) -> dict[str, tuple[str, float | None]]:

@@ -2,15 +2,16 @@
 
 from __future__ import annotations
 
+import logging
 from dataclasses import asdict, dataclass, field
-from datetime import timedelta
+from datetime import datetime, timedelta, timezone
 from typing import Any, Sequence
 
 from sqlalchemy import and_, delete, insert, or_, select, update
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.engine import Connection, Engine
 
-from services.common.buffer.engine import _lock_rows, iter_chunks, utcnow, write_transaction
+from services.common.buffer.engine import _lock_rows, _lock_users, iter_chunks, utcnow, write_transaction
 from services.common.buffer.governance import _audit, _buried
 from services.common.buffer.schema import (
     LATE_PENDING,
@@ -19,11 +20,14 @@ from services.common.buffer.schema import (
     IdempotencyKeyReused,
     UnknownIds,
     _row_to_experience,
+    deleted_users,
     experiences,
     feedback_keys,
     reward_ledger,
 )
 from services.common.records import Experience, ExperienceStatus
+
+log = logging.getLogger(__name__)
 
 
 def _now_row(**values: Any) -> dict:
@@ -31,21 +35,49 @@ def _now_row(**values: Any) -> dict:
     return values
 
 
-def insert_experiences(*, engine: Engine, records: Sequence[Experience], audit: dict[str, Any] | None = None) -> None:
-    """Insert a batch of new experiences in one transaction (never one deleted on request), with
-    ``audit``'s row (actor, action, target, details) in the same transaction."""
+def insert_experiences(*, engine: Engine, records: Sequence[Experience], audit: dict[str, Any] | None = None) -> int:
+    """Insert a batch of new experiences in one transaction, with ``audit``'s row (actor, action,
+    target, details) in the same transaction; returns how many were inserted. Never one deleted on
+    request: neither a row deleted before (its tombstone) nor a user's record created before that
+    user's data was deleted (``deleted_users``: a record still queued on some replica, or replayed)."""
     if not records:
-        return
+        return 0
     with engine.connect() as conn:
         buried = _buried(conn, [r.experience_id for r in records])
     records = [r for r in records if r.experience_id not in buried]
     if not records:
-        return
+        return 0
     now = utcnow()
-    rows = [_row(r, now) for r in records]
     with write_transaction(engine) as conn:
-        conn.execute(insert(experiences), rows)
+        users = {r.user_id for r in records if r.user_id}
+        if users:  # checked under the users' locks: a deletion is wholly before this insert or wholly after it
+            _lock_users(conn, users)
+            records = _not_forgotten(conn, records, now)
+        if records:
+            conn.execute(insert(experiences), [_row(r, now) for r in records])
         _audit(conn, audit)
+    return len(records)
+
+
+def _not_forgotten(conn: Connection, records: Sequence[Experience], now: Any) -> list[Experience]:
+    """``records`` but those of a user whose data was deleted (for their agent) after they were created."""
+    d = deleted_users.c
+    users = sorted({r.user_id for r in records if r.user_id})
+    deletions: dict[str, list[tuple[str | None, datetime]]] = {}
+    for chunk in iter_chunks(users, 500):
+        for user, agent, at in conn.execute(select(d.user_id, d.agent, d.deleted_at).where(d.user_id.in_(chunk))):
+            deletions.setdefault(user, []).append((agent, at if at.tzinfo else at.replace(tzinfo=timezone.utc)))
+
+    def forgotten(r: Experience) -> bool:
+        created = r.created_at or now
+        created = created if created.tzinfo else created.replace(tzinfo=timezone.utc)
+        return any((agent is None or agent == r.agent) and created <= at for agent, at in deletions.get(r.user_id or "", ()))
+
+    kept = [r for r in records if not forgotten(r)]
+    if len(kept) < len(records):
+        log.info("buffer: %d records of users whose data was deleted after they were made were not written",
+                 len(records) - len(kept))
+    return kept
 
 
 def _row(record: Experience, now: Any) -> dict[str, Any]:
@@ -67,8 +99,7 @@ def insert_missing_experiences(*, engine: Engine, records: Sequence[Experience])
         for chunk in iter_chunks(ids, 500):
             have.update(conn.scalars(select(experiences.c.experience_id).where(experiences.c.experience_id.in_(chunk))))
     missing = [r for r in records if r.experience_id not in have]
-    insert_experiences(engine=engine, records=missing)
-    return len(missing)
+    return insert_experiences(engine=engine, records=missing)
 
 
 def _resolve(conn: Connection, msg_ids: Sequence[str], *, lock: bool, agents: Sequence[str] | None = None

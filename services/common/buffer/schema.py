@@ -184,6 +184,17 @@ tombstones = Table(
 )
 Index("ix_tombstones_deleted_at", tombstones.c.deleted_at)
 
+# Users whose data was deleted on request: a record of theirs created before the deletion that some
+# replica writes later (still queued in its recorder, or replayed from a journal) is dropped, not written.
+deleted_users = Table(
+    "deleted_users",
+    metadata,
+    Column("id", _ID, primary_key=True, autoincrement=True),
+    Column("user_id", String(256), nullable=False, index=True),
+    Column("agent", String(128)),  # the agent whose rows went (null: every agent)
+    Column("deleted_at", DateTime(timezone=True), nullable=False),
+)
+
 # API keys' quotas, shared by every replica on this database (services/common/buffer/quotas.py): one token
 # bucket per key and kind ("requests", "tokens"), refilled by wall-clock time, and the tokens that running
 # requests hold until they end (a hold of a replica that died expires at ``expires_at``).

@@ -7,7 +7,8 @@ tests skip and say why), driven by 16 clients with their own keys:
     burst runs, nothing per replica);
   - multi-call episodes keep the version they began on while the balancer sends their calls to
     different replicas and a new version goes live;
-  - a user's deletion sent to two replicas at once deletes the user's rows once;
+  - a user's deletion sent to two replicas at once deletes the user's rows once, and what other
+    replicas still held of that user when it ran is never written after it;
   - kill -9 of one replica under chat + feedback + commit traffic: the others stay healthy, the
     clients' retries go to them, and once a survivor adopted the dead replica's journal, 0
     acknowledged chats, feedbacks or commits are missing from the buffer (without a restart).
@@ -216,8 +217,8 @@ def test_a_users_deletion_sent_to_two_replicas_at_once_acts_once(cluster):
             assert time.monotonic() < deadline, f"only {rows()} of the 12 chats were written"
             time.sleep(0.1)
 
-        def delete(_):
-            return httpx.delete(f"{cluster.url}/experiences", params={"user_id": "lb-user"},
+        def delete(_, user: str = "lb-user"):
+            return httpx.delete(f"{cluster.url}/experiences", params={"user_id": user},
                                 headers={"Authorization": f"Bearer {ADMIN}"}, timeout=60)
 
         with ThreadPoolExecutor(2) as pool:
@@ -228,6 +229,36 @@ def test_a_users_deletion_sent_to_two_replicas_at_once_acts_once(cluster):
         assert rows() == 0
         assert count("SELECT count(*) FROM tombstones WHERE agent = 'default'") == 12
         assert count("SELECT count(*) FROM audit_log WHERE action = 'delete_user_data' AND actor = 'ops'") == 2
+
+        # a user still chatting while the deletion runs: whatever any replica still held then (its
+        # recorder's queue) is not written after it; what the user says afterwards is kept
+        stop = threading.Event()
+        sent = []
+
+        def chatting() -> None:
+            while not stop.is_set():
+                r = httpx.post(f"{cluster.url}/v1/chat/completions", headers=headers, timeout=60, json={
+                    "model": "default", "messages": [{"role": "user", "content": "still here"}], "max_tokens": 2,
+                    "metadata": {"user_id": "lb-user-2"}})
+                sent.append(r.status_code)
+
+        talkers = [threading.Thread(target=chatting, daemon=True) for _ in range(6)]
+        for t in talkers:
+            t.start()
+        while len(sent) < 30:
+            time.sleep(0.05)
+        assert delete(0, "lb-user-2").status_code == 200
+        while len(sent) < 60:
+            time.sleep(0.05)
+        stop.set()
+        for t in talkers:
+            t.join(60)
+        assert set(sent) == {200}
+        time.sleep(3)  # every recorder has written what it held
+        deleted_at = count("SELECT max(deleted_at) FROM deleted_users WHERE user_id = 'lb-user-2'")
+        with db.connect() as conn:
+            kept = [t for t, in conn.execute(text("SELECT created_at FROM experiences WHERE user_id = 'lb-user-2'"))]
+        assert kept and all(t > deleted_at for t in kept), (deleted_at, sorted(kept)[:3])
     finally:
         db.dispose()
 

@@ -303,3 +303,27 @@ def test_an_audit_row_is_written_with_what_it_records_or_neither_is(db):
     assert [x.id for x in buffer.list_decisions(engine=db, agent="a")] == [d.id]
     assert [(r["actor"], r["action"]) for r in buffer.list_audit(engine=db)] == [("ops", "demonstration"),
                                                                                 ("ops", "release_reject")]
+
+
+def test_a_users_record_made_before_their_deletion_is_never_written_after_it(db):
+    """A record another replica still held (queued, or in its journal) when the user's data was
+    deleted is dropped when it arrives; one made after the deletion is kept, as is one for an agent
+    the deletion did not cover."""
+    from datetime import datetime, timedelta, timezone
+
+    def mine(cid: str, agent: str, created: datetime) -> Experience:
+        return _exp(cid, 0).model_copy(update={"user_id": "u1", "agent": agent, "created_at": created})
+
+    before = datetime.now(timezone.utc) - timedelta(seconds=5)
+    assert buffer.insert_experiences(engine=db, records=[mine("u-a", "a", before)]) == 1
+    assert buffer.delete_user_data(engine=db, user_id="u1", agents=["a"])["deleted"] == 1
+    after = datetime.now(timezone.utc) + timedelta(seconds=1)
+    late = [mine("u-late", "a", before), mine("u-b", "b", before), mine("u-new", "a", after), _exp("c9", 0)]
+    assert buffer.insert_experiences(engine=db, records=late) == 3
+    assert buffer.insert_missing_experiences(engine=db, records=[mine("u-replayed", "a", before)]) == 0
+    ids = {x.experience_id for x in buffer.list_experiences(engine=db, limit=100)}
+    assert {"u-b-0", "u-new-0", "c9-0"} <= ids and not ids & {"u-late-0", "u-a-0", "u-replayed-0"}
+    # a deletion for every agent covers b's too (u-new was made "after" the first deletion, in the future)
+    made = datetime.now(timezone.utc)
+    assert buffer.delete_user_data(engine=db, user_id="u1")["deleted"] == 2
+    assert buffer.insert_experiences(engine=db, records=[mine("u-b2", "b", made)]) == 0
