@@ -164,15 +164,19 @@ def iter_chunks(items: Sequence[Any], size: int) -> Iterable[Sequence[Any]]:
         yield items[i : i + size]
 
 
+_USER_LOCK_SPACE = 0x4B5A0001  # "KZ", 1: a user's rows (_lock_users)
+
+
 def _lock_users(conn: Connection, user_ids: Iterable[str]) -> None:
     """Serialise, per user, writing a user's new rows with deleting that user's data: on PostgreSQL a
     transaction-scoped advisory lock per user, taken in one order (SQLite's writers are serialised
     by BEGIN IMMEDIATE already). Taken before any row lock."""
     if conn.dialect.name != "postgresql":
         return
-    keys = sorted({int.from_bytes(hashlib.sha256(u.encode()).digest()[:8], "big", signed=True) for u in user_ids})
+    # the two-key form (a space of its own, apart from the schema lock's single key): users, hash of the id
+    keys = sorted({int.from_bytes(hashlib.sha256(u.encode()).digest()[:4], "big", signed=True) for u in user_ids})
     for key in keys:
-        conn.execute(text("SELECT pg_advisory_xact_lock(:key)"), {"key": key})
+        conn.execute(text("SELECT pg_advisory_xact_lock(:space, :key)"), {"space": _USER_LOCK_SPACE, "key": key})
 
 
 def _lock_rows(conn: Connection, experience_ids: Iterable[str]) -> dict[str, tuple[str, float | None]]:
