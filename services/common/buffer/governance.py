@@ -5,7 +5,7 @@ from __future__ import annotations
 from datetime import datetime, timezone
 from typing import Any, Callable, Sequence
 
-from sqlalchemy import insert, select, update
+from sqlalchemy import and_, insert, select, update
 from sqlalchemy.engine import Connection, Engine
 
 from services.common.buffer.engine import _lock_rows, _lock_users, iter_chunks, utcnow, write_transaction
@@ -73,14 +73,16 @@ def purge_text(*, engine: Engine, before: datetime, limit: int = 5_000) -> int:
             return 0
         locked = _lock_rows(conn, ids)
         now = utcnow()
+        purged = 0
         for chunk in iter_chunks(sorted(locked), 500):
-            base = e.experience_id.in_(chunk)
-            conn.execute(update(experiences).where(base, e.status.in_(TERMINAL))
-                         .values(**_PURGED_TEXT, trainable=False, purged_at=now, updated_at=now))
-            conn.execute(update(experiences).where(base, e.status.notin_(TERMINAL))
-                         .values(**_PURGED_TEXT, trainable=False, purged_at=now, updated_at=now,
-                                 status=ExperienceStatus.DISCARDED.value))
-        return len(locked)
+            # still unpurged once locked: another replica's pass that got there first is not counted twice
+            base = and_(e.experience_id.in_(chunk), e.purged_at.is_(None))
+            purged += conn.execute(update(experiences).where(base, e.status.in_(TERMINAL))
+                                   .values(**_PURGED_TEXT, trainable=False, purged_at=now, updated_at=now)).rowcount
+            purged += conn.execute(update(experiences).where(base, e.status.notin_(TERMINAL))
+                                   .values(**_PURGED_TEXT, trainable=False, purged_at=now, updated_at=now,
+                                           status=ExperienceStatus.DISCARDED.value)).rowcount
+        return purged
 
 
 def delete_user_data(*, engine: Engine, user_id: str, agents: Sequence[str] | None = None,

@@ -327,3 +327,24 @@ def test_a_users_record_made_before_their_deletion_is_never_written_after_it(db)
     made = datetime.now(timezone.utc)
     assert buffer.delete_user_data(engine=db, user_id="u1")["deleted"] == 2
     assert buffer.insert_experiences(engine=db, records=[mine("u-b2", "b", made)]) == 0
+
+
+def test_two_retention_passes_at_once_purge_each_row_once(db, buffer_url):
+    """Every replica runs retention: two passes at once (two engines, as two replicas) count each
+    purged row once between them."""
+    from concurrent.futures import ThreadPoolExecutor
+    from datetime import datetime, timedelta, timezone
+
+    old = datetime.now(timezone.utc) - timedelta(days=40)
+    buffer.insert_experiences(engine=db, records=[_exp(f"old{i}", 0).model_copy(update={"created_at": old})
+                                                  for i in range(200)])
+    engines = [buffer.create_buffer_engine(buffer_url) for _ in range(2)]
+    try:
+        cutoff = datetime.now(timezone.utc) - timedelta(days=30)
+        with ThreadPoolExecutor(2) as pool:
+            counts = list(pool.map(lambda e: sum(iter(lambda: buffer.purge_text(engine=e, before=cutoff, limit=50), 0)),
+                                   engines))
+    finally:
+        for e in engines:
+            e.dispose()
+    assert sum(counts) == 200, counts
