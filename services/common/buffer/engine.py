@@ -167,6 +167,11 @@ def iter_chunks(items: Sequence[Any], size: int) -> Iterable[Sequence[Any]]:
 _USER_LOCK_SPACE = 0x4B5A0001  # "KZ", 1: a user's rows (_lock_users)
 
 
+def user_hash(user_id: str) -> str:
+    """How ``deleted_users`` names a user: the SHA-256 of the id, so the deletion keeps no id in the clear."""
+    return hashlib.sha256(user_id.encode()).hexdigest()
+
+
 def _lock_users(conn: Connection, user_ids: Iterable[str]) -> None:
     """Serialise, per user, writing a user's new rows with deleting that user's data: on PostgreSQL a
     transaction-scoped advisory lock per user, taken in one order (SQLite's writers are serialised

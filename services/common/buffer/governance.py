@@ -8,7 +8,7 @@ from typing import Any, Callable, Sequence
 from sqlalchemy import and_, insert, select, update
 from sqlalchemy.engine import Connection, Engine
 
-from services.common.buffer.engine import _lock_rows, _lock_users, iter_chunks, utcnow, write_transaction
+from services.common.buffer.engine import _lock_rows, _lock_users, iter_chunks, user_hash, utcnow, write_transaction
 from services.common.buffer.schema import TERMINAL, audit_log, deleted_users, experiences, reward_ledger, tombstones
 from services.common.records import ExperienceStatus
 
@@ -95,8 +95,10 @@ def delete_user_data(*, engine: Engine, user_id: str, agents: Sequence[str] | No
     with write_transaction(engine) as conn:
         _lock_users(conn, [user_id])  # an insert of this user's rows is wholly before or wholly after this
         # what some replica writes later, made before now, is dropped on insert (services/common/buffer/recording.py)
-        conn.execute(insert(deleted_users), [{"user_id": user_id, "agent": a, "deleted_at": utcnow()}
-                                             for a in (sorted(set(agents)) if agents is not None else [None])])
+        marks = [{"user_sha256": user_hash(user_id), "agent": a, "deleted_at": utcnow()}
+                 for a in (sorted(set(agents)) if agents is not None else [None])]
+        if marks:  # none for a key limited to no agent: it deletes nothing
+            conn.execute(insert(deleted_users), marks)
         mine = [e.user_id == user_id] + ([e.agent.in_(list(agents))] if agents is not None else [])
         ids = list(conn.scalars(select(e.experience_id).where(*mine)))
         _lock_rows(conn, ids)

@@ -11,7 +11,7 @@ from sqlalchemy import and_, delete, insert, or_, select, update
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.engine import Connection, Engine
 
-from services.common.buffer.engine import _lock_rows, _lock_users, iter_chunks, utcnow, write_transaction
+from services.common.buffer.engine import _lock_rows, _lock_users, iter_chunks, user_hash, utcnow, write_transaction
 from services.common.buffer.governance import _audit, _buried
 from services.common.buffer.schema import (
     LATE_PENDING,
@@ -62,16 +62,17 @@ def insert_experiences(*, engine: Engine, records: Sequence[Experience], audit: 
 def _not_forgotten(conn: Connection, records: Sequence[Experience], now: Any) -> list[Experience]:
     """``records`` but those of a user whose data was deleted (for their agent) after they were created."""
     d = deleted_users.c
-    users = sorted({r.user_id for r in records if r.user_id})
+    hashes = {u: user_hash(u) for u in {r.user_id for r in records if r.user_id}}
     deletions: dict[str, list[tuple[str | None, datetime]]] = {}
-    for chunk in iter_chunks(users, 500):
-        for user, agent, at in conn.execute(select(d.user_id, d.agent, d.deleted_at).where(d.user_id.in_(chunk))):
+    for chunk in iter_chunks(sorted(hashes.values()), 500):
+        for user, agent, at in conn.execute(select(d.user_sha256, d.agent, d.deleted_at).where(d.user_sha256.in_(chunk))):
             deletions.setdefault(user, []).append((agent, at if at.tzinfo else at.replace(tzinfo=timezone.utc)))
 
     def forgotten(r: Experience) -> bool:
         created = r.created_at or now
         created = created if created.tzinfo else created.replace(tzinfo=timezone.utc)
-        return any((agent is None or agent == r.agent) and created <= at for agent, at in deletions.get(r.user_id or "", ()))
+        return any((agent is None or agent == r.agent) and created <= at
+                   for agent, at in deletions.get(hashes.get(r.user_id or "", ""), ()))
 
     kept = [r for r in records if not forgotten(r)]
     if len(kept) < len(records):
@@ -257,6 +258,8 @@ def _apply_feedback(engine: Engine, *, msg_ids: Sequence[str], reward: float | N
                     hints: dict[str, dict[str, Any]] | None, corrections: Sequence[Experience],
                     idempotency: IdempotencyKey | None) -> FeedbackResult:
     with write_transaction(engine) as conn:
+        # a correction holds its user's words: taken before the row locks, as a deletion takes it
+        _lock_users(conn, {c.user_id for c in corrections if c.user_id})
         found = _resolve(conn, msg_ids, lock=True, agents=agents)
         if idempotency is not None and (done := _keyed(conn, idempotency)) is not None:
             return done  # sent again while the first held these rows' locks: its answer, whatever changed since
@@ -301,8 +304,8 @@ def _apply_feedback(engine: Engine, *, msg_ids: Sequence[str], reward: float | N
         if reward is not None:
             statuses = {e: s for rows in found.values() for e, s in rows}  # as they were, locked
             _ledger(conn, statuses, reward=float(reward), feedback=feedback, audit=audit, at=values["updated_at"])
-        if corrections:
-            conn.execute(insert(experiences), [_row(c, values["updated_at"]) for c in corrections])
+        if corrections and (kept := _not_forgotten(conn, corrections, values["updated_at"])):
+            conn.execute(insert(experiences), [_row(c, values["updated_at"]) for c in kept])
         _audit(conn, audit, count=len(targets), **({"demonstrations": [c.experience_id for c in corrections]}
                                                      if corrections else {}))
         result = FeedbackResult(experience_ids=targets if reward is not None or hints is not None else [],

@@ -190,7 +190,7 @@ deleted_users = Table(
     "deleted_users",
     metadata,
     Column("id", _ID, primary_key=True, autoincrement=True),
-    Column("user_id", String(256), nullable=False, index=True),
+    Column("user_sha256", String(64), nullable=False, index=True),  # engine.user_hash: no id kept in the clear
     Column("agent", String(128)),  # the agent whose rows went (null: every agent)
     Column("deleted_at", DateTime(timezone=True), nullable=False),
 )

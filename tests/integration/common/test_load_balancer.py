@@ -17,6 +17,7 @@ The module's replicas are shared by its tests, in file order; the kill comes las
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
@@ -255,7 +256,8 @@ def test_a_users_deletion_sent_to_two_replicas_at_once_acts_once(cluster):
             t.join(60)
         assert set(sent) == {200}
         time.sleep(3)  # every recorder has written what it held
-        deleted_at = count("SELECT max(deleted_at) FROM deleted_users WHERE user_id = 'lb-user-2'")
+        deleted_at = count("SELECT max(deleted_at) FROM deleted_users WHERE user_sha256 = "
+                           f"'{hashlib.sha256(b'lb-user-2').hexdigest()}'")
         with db.connect() as conn:
             kept = [t for t, in conn.execute(text("SELECT created_at FROM experiences WHERE user_id = 'lb-user-2'"))]
         assert kept and all(t > deleted_at for t in kept), (deleted_at, sorted(kept)[:3])

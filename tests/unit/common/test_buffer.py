@@ -327,6 +327,8 @@ def test_a_users_record_made_before_their_deletion_is_never_written_after_it(db)
     made = datetime.now(timezone.utc)
     assert buffer.delete_user_data(engine=db, user_id="u1")["deleted"] == 2
     assert buffer.insert_experiences(engine=db, records=[mine("u-b2", "b", made)]) == 0
+    # a key limited to no agent deletes nothing, and says so
+    assert buffer.delete_user_data(engine=db, user_id="u1", agents=[])["deleted"] == 0
 
 
 def test_two_retention_passes_at_once_purge_each_row_once(db, buffer_url):
