@@ -250,6 +250,7 @@ class Rollups:
         self._fine = 0  # the first hour that keeps its cells: it only moves forward, whatever the clock does
         self._unknown_handled = 0.0  # the last unnamed deletion a build has taken in
         self._lacks: list[str] | None = None  # what the buffer's schema lacks (None: not checked yet)
+        self._rebuilding = False
         self.cells_read = 0  # cells computed from the rows since this process started (all passes)
         self.builds = 0
 
@@ -258,10 +259,19 @@ class Rollups:
             return {"state": "off", "as_of": None, "reason": "the buffer lacks " + ", ".join(self._lacks)}
         if self.as_of is None:
             return {"state": "building", "as_of": None}
-        return {"state": "stale" if time.time() - self.as_of > self.stale_s else "ready", "as_of": self.as_of}
+        # a rebuild (rebuild_s) may take minutes on a large buffer: the figures stay those of the last pass meanwhile
+        stale = time.time() - self.as_of > self.stale_s and not self._rebuilding
+        return {"state": "stale" if stale else "ready", "as_of": self.as_of}
 
     def build(self) -> None:
         """Every agent's cells and blocks, computed afresh from the rows."""
+        self._rebuilding = self.as_of is not None
+        try:
+            self._build()
+        finally:
+            self._rebuilding = False
+
+    def _build(self) -> None:
         started = time.time()
         fine = self._fine_from()
         fresh: dict[str, dict[int, dict[tuple[int, int], Cell]]] = {}

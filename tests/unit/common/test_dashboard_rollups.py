@@ -165,6 +165,11 @@ def test_figures_are_cached_until_a_cell_of_the_agent_changes(filled):
     assert rollups.figures("a") is not first and rollups.figures("a").statuses["rewarded"] == 11
     with pytest.raises(ValueError, match="whole minutes"):
         first.over_time(90)
+    # no pass for longer than stale_s: the pages read the rows, unless a rebuild is what takes that long
+    rollups.as_of -= 3600
+    assert rollups.state()["state"] == "stale" and rollups.figures("a") is None
+    rollups._rebuilding = True
+    assert rollups.state()["state"] == "ready" and rollups.figures("a") is not None
 
 
 def test_a_clock_set_back_never_rebuilds_an_old_hour_from_part_of_its_cells(filled):
