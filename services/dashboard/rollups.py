@@ -169,12 +169,13 @@ def read_cells(conn: Connection, engine: Engine, agent: str, version: int | None
     return {key: Cell(statuses, first, last) for key, (statuses, first, last) in found.items()}
 
 
-def changed_cells(conn: Connection, engine: Engine, since: datetime) -> tuple[dict[tuple[str, int], set[int]], float | None]:
-    """The cells ((agent, version): minutes) whose rows were written or deleted at or after ``since``,
-    and when the last deletion that names no cell was made (a tombstone of an older Kaizen: every
-    cell may have changed), or None."""
+def changed_cells(conn: Connection, engine: Engine, since: datetime
+                  ) -> tuple[dict[tuple[str, int, int], set[float]], float | None]:
+    """The cells ((agent, version, minute): the stamps of the writes and deletions in it) whose rows
+    were written or deleted at or after ``since``, and when the last deletion that names no cell was
+    made (a tombstone of an older Kaizen: every cell may have changed), or None."""
     e, t = experiences.c, tombstones.c
-    dirty: dict[tuple[str, int], set[int]] = {}
+    dirty: dict[tuple[str, int, int], set[float]] = {}
     written = select(e.agent, e.model_version, queries._bucket(engine, e.created_at, MINUTE), e.updated_at).where(
         e.updated_at >= since)
     deleted = select(t.agent, t.model_version, queries._bucket(engine, t.created_at, MINUTE), t.deleted_at).where(
@@ -186,7 +187,7 @@ def changed_cells(conn: Connection, engine: Engine, since: datetime) -> tuple[di
             if agent is None or version is None or minute is None:
                 unknown = max(unknown or 0.0, queries._timestamp(at))
             else:
-                dirty.setdefault((agent, int(version)), set()).add(int(minute))
+                dirty.setdefault((agent, int(version), int(minute)), set()).add(queries._timestamp(at))
     return dirty, unknown
 
 
@@ -251,6 +252,9 @@ class Rollups:
         self._unknown_handled = 0.0  # the last unnamed deletion a build has taken in
         self._lacks: list[str] | None = None  # what the buffer's schema lacks (None: not checked yet)
         self._rebuilding = False
+        # the stamps each cell's changes in the margin had when it was last computed: a pass computes
+        # again only the cells with a stamp not seen yet (a write that became visible since)
+        self._seen: dict[tuple[str, int, int], set[float]] = {}
         self.cells_read = 0  # cells computed from the rows since this process started (all passes)
         self.builds = 0
 
@@ -287,6 +291,7 @@ class Rollups:
                              for hour, cells in hours.items()}
             fresh[agent] = {hour: cells for hour, cells in hours.items() if hour >= fine}
         with self._lock:
+            self._seen = {}  # what the next pass finds in the margin is computed again once
             for agent in set(self._cells) | set(fresh):
                 self._cells[agent] = fresh.get(agent, {})
                 self._blocks[agent] = blocks.get(agent, {})
@@ -317,9 +322,13 @@ class Rollups:
         fresh: list[tuple[str, int, tuple[int, int], dict[tuple[int, int], Cell]]] = []
         whole: dict[tuple[str, int], dict[tuple[int, int], Cell]] = {}  # (agent, old hour): all its cells
         with self._engine.connect() as conn:
-            dirty, unknown = changed_cells(conn, self._engine, _at(self.as_of - self.margin_s))
+            window, unknown = changed_cells(conn, self._engine, _at(self.as_of - self.margin_s))
             if unknown is not None and unknown <= self._unknown_handled:
                 unknown = None  # a build after it took it in
+            dirty: dict[tuple[str, int], set[int]] = {}
+            for (agent, version, minute), stamps in window.items():
+                if stamps - self._seen.get((agent, version, minute), set()):
+                    dirty.setdefault((agent, version), set()).add(minute)
             if unknown is None:
                 with self._lock:  # hours whose block kept no cells are read whole, whatever the boundary says
                     coarse = {agent: {h for h, b in self._blocks.get(agent, {}).items() if b.minutes is None}
@@ -345,6 +354,7 @@ class Rollups:
             self.build()
             self._unknown_handled = unknown
             return
+        self._seen = window  # every change in it is in the cells now: seen before, or just computed again
         with self._lock:
             touched: dict[str, set[int]] = {}
             for agent, version, (lo, hi), cells in fresh:

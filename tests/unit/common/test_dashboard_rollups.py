@@ -107,6 +107,14 @@ def test_a_pass_reads_only_the_changed_cells_and_a_rebuild_reads_all(filled):
     # within the margin every cell written since the build is read again: the whole fixture here
     again = rollups.cells_read - built
     assert 1 <= again <= built
+    # a pass that finds in the margin only changes it has taken in already computes nothing
+    read = rollups.cells_read
+    rollups.refresh()
+    assert rollups.cells_read == read
+    buffer.apply_feedback(engine=db, msg_ids=["c58"], reward=0.5, feedback={})
+    rollups.refresh()
+    assert rollups.cells_read - read == 1  # minute 9 of v2: the one new change
+    _check(db, root, rollups)
     quiet = Rollups(db, margin_s=0, fine_hours=10**6)
     quiet.refresh()
     before = quiet.cells_read
