@@ -170,12 +170,13 @@ def read_cells(conn: Connection, engine: Engine, agent: str, version: int | None
 
 
 def changed_cells(conn: Connection, engine: Engine, since: datetime
-                  ) -> tuple[dict[tuple[str, int, int], set[float]], float | None]:
-    """The cells ((agent, version, minute): the stamps of the writes and deletions in it) whose rows
+                  ) -> tuple[dict[tuple[str, int, int], dict[float, int]], float | None]:
+    """The cells ((agent, version, minute): {stamp: how many rows carry it} of the writes and deletions
+    in it) whose rows
     were written or deleted at or after ``since``, and when the last deletion that names no cell was
     made (a tombstone of an older Kaizen: every cell may have changed), or None."""
     e, t = experiences.c, tombstones.c
-    dirty: dict[tuple[str, int, int], set[float]] = {}
+    dirty: dict[tuple[str, int, int], dict[float, int]] = {}
     written = select(e.agent, e.model_version, queries._bucket(engine, e.created_at, MINUTE), e.updated_at).where(
         e.updated_at >= since)
     deleted = select(t.agent, t.model_version, queries._bucket(engine, t.created_at, MINUTE), t.deleted_at).where(
@@ -187,7 +188,8 @@ def changed_cells(conn: Connection, engine: Engine, since: datetime
             if agent is None or version is None or minute is None:
                 unknown = max(unknown or 0.0, queries._timestamp(at))
             else:
-                dirty.setdefault((agent, int(version), int(minute)), set()).add(queries._timestamp(at))
+                stamps = dirty.setdefault((agent, int(version), int(minute)), {})
+                stamps[queries._timestamp(at)] = stamps.get(queries._timestamp(at), 0) + 1
     return dirty, unknown
 
 
@@ -252,9 +254,10 @@ class Rollups:
         self._unknown_handled = 0.0  # the last unnamed deletion a build has taken in
         self._lacks: list[str] | None = None  # what the buffer's schema lacks (None: not checked yet)
         self._rebuilding = False
-        # the stamps each cell's changes in the margin had when it was last computed: a pass computes
-        # again only the cells with a stamp not seen yet (a write that became visible since)
-        self._seen: dict[tuple[str, int, int], set[float]] = {}
+        # the stamps (and how many rows carry each) of each cell's changes in the margin when it was last
+        # computed: a pass computes again only the cells with a change not seen yet (a write that became
+        # visible since, even one stamped in the same microsecond as another)
+        self._seen: dict[tuple[str, int, int], dict[float, int]] = {}
         self.cells_read = 0  # cells computed from the rows since this process started (all passes)
         self.builds = 0
 
@@ -327,7 +330,8 @@ class Rollups:
                 unknown = None  # a build after it took it in
             dirty: dict[tuple[str, int], set[int]] = {}
             for (agent, version, minute), stamps in window.items():
-                if stamps - self._seen.get((agent, version, minute), set()):
+                seen = self._seen.get((agent, version, minute), {})
+                if any(n > seen.get(stamp, 0) for stamp, n in stamps.items()):
                     dirty.setdefault((agent, version), set()).add(minute)
             if unknown is None:
                 with self._lock:  # hours whose block kept no cells are read whole, whatever the boundary says
@@ -354,7 +358,6 @@ class Rollups:
             self.build()
             self._unknown_handled = unknown
             return
-        self._seen = window  # every change in it is in the cells now: seen before, or just computed again
         with self._lock:
             touched: dict[str, set[int]] = {}
             for agent, version, (lo, hi), cells in fresh:
@@ -388,6 +391,7 @@ class Rollups:
                     if hour in self._blocks.get(agent, {}):
                         self._blocks[agent][hour] = _coarse(self._blocks[agent][hour])
                     self._generation[agent] = self._generation.get(agent, 0) + 1
+            self._seen = window  # every change in it is in the cells now: seen before, or just computed again
             self.as_of = started
 
     def _fine_from(self) -> int:

@@ -9,7 +9,7 @@ from __future__ import annotations
 from datetime import datetime, timedelta, timezone
 
 import pytest
-from sqlalchemy import delete, insert, text, update
+from sqlalchemy import delete, insert, select, text, update
 
 from services.common import buffer
 from services.common.buffer import experiences, tombstones
@@ -178,6 +178,23 @@ def test_figures_are_cached_until_a_cell_of_the_agent_changes(filled):
     assert rollups.state()["state"] == "stale" and rollups.figures("a") is None
     rollups._rebuilding = True
     assert rollups.state()["state"] == "ready" and rollups.figures("a") is not None
+
+
+def test_a_late_write_stamped_in_the_same_microsecond_as_one_taken_in_is_still_seen(filled):
+    db, root, _ = filled
+    rollups = Rollups(db, margin_s=120, fine_hours=10**6)
+    rollups.refresh()
+    buffer.insert_experiences(engine=db, records=[_exp(900, "a", 1, None, seconds=0)])
+    rollups.refresh()  # takes in c900
+    with db.connect() as conn:
+        stamp, created = conn.execute(select(experiences.c.updated_at, experiences.c.created_at)
+                                      .where(experiences.c.experience_id == "c900-0")).one()
+    # another writer's row in the same cell, stamped in the same microsecond, commits after that pass
+    row = buffer.recording._row(_exp(901, "a", 1, None, seconds=0).model_copy(update={"created_at": created}), stamp)
+    with buffer.write_transaction(db) as conn:
+        conn.execute(insert(experiences), [row])
+    rollups.refresh()
+    _check(db, root, rollups)
 
 
 def test_a_clock_set_back_never_rebuilds_an_old_hour_from_part_of_its_cells(filled):
