@@ -70,6 +70,8 @@ class OnlineLoop:
         self.rounds: list[Round] = []
         self.t0 = time.monotonic()
         self._extended = False
+        self.seconds = 0.0  # the loop's wall time, and the Trainer steps it saw (its speed: rates())
+        self.trainer_steps = 0
 
     @property
     def failed_requests(self) -> int:
@@ -77,6 +79,7 @@ class OnlineLoop:
 
     async def run(self) -> None:
         db = buffer.create_buffer_engine(self.stack.db_url, create_tables=False)
+        first = buffer.last_trainer_step(engine=db, agent=self.stack.agent)
         self.t0 = last_print = time.monotonic()
         try:
             while not self.done(db):
@@ -90,8 +93,20 @@ class OnlineLoop:
                 if time.monotonic() - last_print >= self.cfg.progress_every_s:
                     last_print = time.monotonic()
                     self.progress(db)
+            self.seconds = time.monotonic() - self.t0
+            last = buffer.last_trainer_step(engine=db, agent=self.stack.agent)
+            self.trainer_steps = (last.step if last else 0) - (first.step if first else 0)
+            rates = self.rates()
+            say(f"  the loop: {rates['episodes']} episodes in {self.seconds:.0f}s ({rates['episodes_per_s']:.2f} episodes/s), "
+                f"{self.trainer_steps} Trainer steps ({rates['trainer_steps_per_min']:.1f} per minute)")
         finally:
             db.dispose()
+
+    def rates(self) -> dict[str, float]:
+        episodes = sum(r.episodes for r in self.rounds)
+        minutes = max(self.seconds, 1e-9) / 60
+        return {"episodes": episodes, "seconds": self.seconds, "episodes_per_s": episodes / max(self.seconds, 1e-9),
+                "trainer_steps": self.trainer_steps, "trainer_steps_per_min": self.trainer_steps / minutes}
 
     def backlog_full(self, db) -> bool:
         """``max_backlog`` rollouts wait for the Trainer. Demonstrations, a correction's included, stay

@@ -134,6 +134,8 @@ def report(cfg, stack, loop, stages: list[Stage], *, serving: dict, explorer_req
         f"discarded {counts.get('discarded', 0)})",
         f"  trainer steps {last.step if last else 0}, versions published {len(versions) - len(release)}, "
         f"versions hot-loaded by the Explorer {serving['reloads']}, failed requests {loop.failed_requests}",
+        f"  the online loop: {loop.rates()['episodes_per_s']:.2f} episodes/s, "
+        f"{loop.rates()['trainer_steps_per_min']:.1f} Trainer steps per minute",
         f"  wall time {seconds:.0f}s; plot {png}",
         f"  look through it: kaizen dashboard --config {stack.run / 'explorer.yaml'}  (then http://127.0.0.1:8300/)",
     ]
@@ -157,5 +159,6 @@ def report(cfg, stack, loop, stages: list[Stage], *, serving: dict, explorer_req
         "release_check": release,
         "explorer_requests": explorer_requests,
         "wall_seconds": seconds, "rounds": [asdict(r) for r in loop.rounds], "curves": curves or {},
+        "loop_rates": loop.rates(),
     }, indent=2))
     return 0

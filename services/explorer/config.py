@@ -56,6 +56,12 @@ class EngineSection(ConfigModel):
         description="hf: requests admitted together whose prompts share at least this many leading tokens "
         "(and one adapter) compute that prefix once; 0 disables.",
     )
+    prefix_cache_mb: int = Field(
+        default=256, ge=0,
+        description="hf: MiB of keys and values of prompts already computed (a system prompt, the conversation so far "
+        "of a multi-turn episode), reused by later requests on the same adapter that start with the same tokens; "
+        "least recently used dropped first; 0 disables.",
+    )
     replicas: int = Field(default=1, ge=1, description="Engines behind this Explorer, requests spread by load (vllm: one per GPU group).")
     vllm: VLLMSection = Field(default_factory=VLLMSection)
 

@@ -112,6 +112,11 @@ class Policy:
         self.value_heads: dict[str, ValueHead] = {}
         self.active: str | None = None
         self._grammar_cache: grammars.GrammarCache | None = None
+        # Weights in bfloat16 (or float16) with LoRA in float32 (peft keeps adapters in float32, so the
+        # optimizer updates float32 weights): the LoRA products run in the weights' dtype under autocast,
+        # their float32 weights cast once per forward (they are small), rather than peft casting every
+        # activation up to float32 and each sum back down, three copies per adapted layer per pass.
+        self.mixed = self.dtype in (torch.bfloat16, torch.float16)
 
     # ------------------------------------------------------------------ adapters
 
@@ -135,6 +140,12 @@ class Policy:
             self.model = get_peft_model(self.base, self._lora_config(), adapter_name=agent)
         else:
             self.model.add_adapter(agent, self._lora_config())
+        if self.mixed:
+            from peft.tuners.tuners_utils import BaseTunerLayer
+
+            for module in self.model.modules():
+                if isinstance(module, BaseTunerLayer):
+                    module.cast_input_dtype_enabled = False  # autocast does it (_compute)
         if critic:
             self.value_heads[agent] = ValueHead(self.base.config.hidden_size).to(self.device)
         self.activate(agent)
@@ -190,6 +201,10 @@ class Policy:
 
     # ------------------------------------------------------------------ forward passes
 
+    def _compute(self):
+        """The context the model runs in: autocast to the weights' dtype when LoRA is float32 beside them."""
+        return torch.autocast(self.device.type, dtype=self.dtype) if self.mixed else contextlib.nullcontext()
+
     @property
     def _net(self) -> nn.Module:
         return self.base if self.model is None else self.model
@@ -234,7 +249,7 @@ class Policy:
         ``top_k``: the k likeliest tokens at each response position (``top``), e.g. a teacher's."""
         P, R = batch.prompt_len, batch.response_len
         net = self._net  # the base model alone until an agent exists (a teacher model has none)
-        with contextlib.nullcontext() if adapter or self.model is None else self.model.disable_adapter():
+        with contextlib.nullcontext() if adapter or self.model is None else self.model.disable_adapter(), self._compute():
             out = net(**self._inputs(batch), output_hidden_states=need_hidden,
                       logits_to_keep=R + 1)  # positions P-1 .. P+R-1; the last one predicts nothing we need
         # each statistic chunk by chunk from the logits' first R positions (services/trainer/token_stats.py): no

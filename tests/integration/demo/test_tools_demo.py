@@ -33,6 +33,7 @@ AGENT = "calculator"
 COLD_START_STEPS = 8  # enough for most episodes to call the calculator (4, the demo's, gets about half)
 # the demonstrations-only arm's plateau search, small: one measurement after the cold start's
 PLATEAU_STEPS = 2
+GUARD_DEMONSTRATIONS = 8
 GATE_TASKS = 8  # of the gate suite's 32 (each a SmolLM2 episode on both versions, about 1.5 s alone on 2 cores)
 
 
@@ -46,6 +47,8 @@ def demo_run(smollm2_model, ray_address, tmp_path_factory) -> Path:
         "tools.heldout=4", "tools.traffic.tasks_per_batch=2", "tools.traffic.repeat=2", "tools.traffic.concurrency=4",
         f"trainer.algorithm.cold_start_steps={COLD_START_STEPS}", f"trainer.ray.address={ray_address}",
         f"explorer.release.gate.suite.max_tasks={GATE_TASKS}",
+        # the guard scores 8 of the 16 demonstrations around every step (the demo: all 16, half of a cold-start step)
+        f"trainer.guard.demonstrations={GUARD_DEMONSTRATIONS}",
         # the demonstrations-only arm on to its plateau, small: measured every 2 steps on 4 validation problems
         f"tools.plateau.max_steps={PLATEAU_STEPS}", "tools.plateau.every=2", "tools.plateau.validation=4", "tools.plateau.patience=1",
     ]
@@ -88,6 +91,12 @@ def test_three_held_out_measurements_and_the_report(demo_run):
     assert set(summary["gains"]) == {"cold start", "online loop", "GRPO on traffic", "traffic over best"}
     assert summary["failed_requests"] == 0
     assert (demo_run / "reward.png").stat().st_size > 10_000
+    rates = summary["loop_rates"]  # the loop's speed, printed: its episodes per second, the Trainer's steps per minute
+    assert rates["episodes"] == sum(r["episodes"] for r in summary["rounds"]) > 0 and rates["seconds"] > 0
+    assert rates["episodes_per_s"] == pytest.approx(rates["episodes"] / rates["seconds"])
+    # traffic was served by a newer version before the loop ended; the Trainer may finish one more step after it
+    assert 1 <= rates["trainer_steps"] <= versions[2] - COLD_START_STEPS
+    assert rates["trainer_steps_per_min"] == pytest.approx(rates["trainer_steps"] / rates["seconds"] * 60)
 
 
 def test_the_demonstrations_only_arm_was_followed_to_its_plateau_and_its_best_measured(demo_run):

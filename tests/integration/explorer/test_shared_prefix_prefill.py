@@ -1,4 +1,5 @@
-"""Shared-prefix prefill of the hf engine: computing a common prompt prefix once changes no output.
+"""Shared-prefix prefill and the prefix cache of the hf engine: computing a common prompt prefix
+once, or taking it from an earlier request, changes no output.
 
 The engine is driven step by step on this thread (what its own thread does, one step at a time),
 so which requests are admitted together, and when, is fixed by the test rather than by timing.
@@ -21,11 +22,12 @@ PREFIX_LEN = 60
 
 @pytest.fixture(scope="module")
 def engines(tiny_model):
-    """(sharing engine, non-sharing engine), both loaded from the tiny model, float32 on CPU."""
+    """(sharing engine, non-sharing engine, sharing and caching engine), loaded from the tiny model,
+    float32 on CPU; only the third keeps a prefix cache."""
     out = []
-    for min_tokens in (32, 0):
+    for min_tokens, cache_mb in ((32, 0), (0, 0), (32, 64)):
         e = HFEngine(model_path=str(tiny_model), dtype="float32", device="cpu", max_batch_size=32,
-                     shared_prefix_min_tokens=min_tokens)
+                     shared_prefix_min_tokens=min_tokens, prefix_cache_mb=cache_mb)
         e._load()
         assert len(e.tokenizer) > 500  # _ids draws from the first 500 ids
         out.append(e)
@@ -97,7 +99,7 @@ def _assert_same(shared: dict, full: dict) -> None:
 
 
 def test_shared_prefix_prefill_matches_full_prefill(engines):
-    sharing, plain = engines
+    sharing, plain, _ = engines
     rng = random.Random(0)
     prefix = _ids(rng, PREFIX_LEN, sharing._eos)
     group = [
@@ -116,7 +118,7 @@ def test_shared_prefix_prefill_matches_full_prefill(engines):
 
 
 def test_shared_prefix_prefill_merges_into_a_running_batch(engines):
-    sharing, plain = engines
+    sharing, plain, _ = engines
     rng = random.Random(1)
     eos = sharing._eos
     p1, p2 = _ids(rng, PREFIX_LEN, eos), _ids(rng, 40, eos)
@@ -149,3 +151,79 @@ def test_shared_prefix_len_rules():
     assert e._shared_prefix_len([base + [1], base + [2]], [a.name, None]) == 0  # KV depends on the adapter
     e.shared_prefix_min_tokens = 0
     assert e._shared_prefix_len([base + [1], base + [2]], [None, None]) == 0
+
+
+def test_a_later_request_takes_the_prefix_an_earlier_one_computed(engines):
+    """One request at a time, as a client with concurrency 1 sends them: the second starts with the
+    first's 60-token prefix (a system prompt), the third with that prefix too, in a group of two."""
+    _, plain, caching = engines
+    caching._prefix.clear()
+    rng = random.Random(2)
+    eos = caching._eos
+    prefix = _ids(rng, PREFIX_LEN, eos)
+    schedule = {0: [_request("first", prefix + _ids(rng, 5, eos))],
+                20: [_request("second", prefix + _ids(rng, 12, eos))],
+                40: [_request("g1", prefix + _ids(rng, 3, eos)), _request("g2", prefix + _ids(rng, 30, eos))]}
+    hits, reused = caching._prefix.hits, caching._prefix.tokens_reused
+    got = _drive(caching, schedule)
+    assert caching._prefix.hits - hits == 2  # the second request and the group
+    assert caching._prefix.tokens_reused - reused == 2 * PREFIX_LEN  # each shares exactly the prefix with the first
+    _assert_same(got, _drive(plain, schedule))
+    stats = caching.stats().extra
+    assert stats["prefix_cache_hits"] == caching._prefix.hits and stats["prefix_cache_bytes"] > 0
+
+
+def test_the_next_call_of_a_conversation_takes_the_whole_previous_call(engines):
+    """A multi-turn episode: the second call's prompt is the first call's prompt, the tokens it
+    generated and a tool result. All of the first call that was computed is reused: its prompt and
+    its tokens but the last (sampled, never fed back)."""
+    _, plain, caching = engines
+    caching._prefix.clear()
+    rng = random.Random(3)
+    eos = caching._eos
+    first = _ids(rng, 45, eos)
+    out = _drive(caching, {0: [_request("call1", first, max_tokens=10)]})[("call1", 0)][0]
+    second = first + out + _ids(rng, 9, eos)  # the model's call, then the tool's result
+    reused = caching._prefix.tokens_reused
+    got = _drive(caching, {0: [_request("call2", second, max_tokens=10)]})
+    assert caching._prefix.tokens_reused - reused == len(first) + len(out) - 1
+    _assert_same(got, _drive(plain, {0: [_request("call2", second, max_tokens=10)]}))
+
+
+def test_a_group_computes_only_what_the_cache_lacks_of_its_shared_prefix_and_adapters_do_not_mix(engines):
+    """The cache holds 40 of the group's 60 shared tokens: the other 20 are computed on top of them,
+    once, and the whole 60 kept. An entry of the base model never serves an adapter's request."""
+    _, plain, caching = engines
+    caching._prefix.clear()
+    rng = random.Random(4)
+    eos = caching._eos
+    prefix = _ids(rng, PREFIX_LEN, eos)
+    schedule = {0: [_request("short", prefix[:40] + _ids(rng, 4, eos), max_tokens=4)],
+                10: [_request("g1", prefix + _ids(rng, 6, eos)), _request("g2", prefix + _ids(rng, 2, eos), n=2)],
+                30: [_request("again", prefix + _ids(rng, 8, eos))]}
+    reused = caching._prefix.tokens_reused
+    got = _drive(caching, schedule)
+    assert caching._prefix.tokens_reused - reused == 40 + PREFIX_LEN
+    _assert_same(got, _drive(plain, schedule))
+    # the same prompt on an adapter: its keys and values differ, nothing is taken from the base model's
+    assert caching._prefix.lookup("calc-v1", prefix + [5]) == (0, None)
+
+
+def test_next_calls_admitted_together_each_take_their_own_conversation(engines):
+    """Two episodes' second calls arrive together: each is prefilled on top of its own first call
+    (not only on the system prompt the two share), and the outputs are those of a plain engine."""
+    _, plain, caching = engines
+    caching._prefix.clear()
+    rng = random.Random(5)
+    eos = caching._eos
+    system = _ids(rng, PREFIX_LEN, eos)
+    # each conversation holds at least 32 tokens (the cache's minimum) beyond the system prompt: worth a prefill of its own
+    firsts = [system + _ids(rng, 30, eos), system + _ids(rng, 45, eos)]
+    outs = _drive(caching, {0: [_request("a1", firsts[0], max_tokens=10), _request("b1", firsts[1], max_tokens=10)]})
+    seconds = [f + outs[(rid, 0)][0] + _ids(rng, 6, eos) for f, rid in zip(firsts, ("a1", "b1"))]
+    schedule = {0: [_request("a2", seconds[0]), _request("b2", seconds[1])]}
+    reused = caching._prefix.tokens_reused
+    got = _drive(caching, schedule)
+    assert caching._prefix.tokens_reused - reused == sum(len(f) + len(outs[(rid, 0)][0]) - 1
+                                                         for f, rid in zip(firsts, ("a1", "b1")))
+    _assert_same(got, _drive(plain, schedule))

@@ -54,6 +54,7 @@ def _build_one(config, replica: int) -> Engine:
             torch_threads=e.torch_threads,
             seed=e.seed + replica,
             shared_prefix_min_tokens=e.shared_prefix_min_tokens,
+            prefix_cache_mb=e.prefix_cache_mb,
         )
     if e.kind == "vllm":
         from services.explorer.serving.engines.vllm import build_vllm_engine

@@ -36,6 +36,7 @@ from services.explorer.serving.engines.base import (
 )
 from services.explorer.serving.engines.detokenizer import IncrementalDetokenizer
 from services.explorer.serving.engines.hf_batch import QueuedRequest, Row, aborted_update, pad_left
+from services.explorer.serving.engines.prefix_cache import Layers, PrefixCache
 
 log = logging.getLogger(__name__)
 
@@ -59,6 +60,7 @@ class HFEngine:
         torch_threads: int | None = None,
         seed: int = 0,
         shared_prefix_min_tokens: int = 32,
+        prefix_cache_mb: int = 256,
     ):
         self.model_path = model_path
         self._chat_template = chat_template
@@ -73,6 +75,9 @@ class HFEngine:
         # Requests admitted together whose prompts share at least this many leading tokens compute
         # that prefix once (0: never). Agents' prompts share their system prompt and tool list.
         self.shared_prefix_min_tokens = shared_prefix_min_tokens
+        # Keys and values of prompts computed before, reused by later requests that start the same way
+        # (prefix_cache.py): within this many MiB, runs of at least 32 tokens (or the sharing minimum).
+        self._prefix = PrefixCache(prefix_cache_mb << 20, min_tokens=shared_prefix_min_tokens or 32)
         self.tokenizer: Any = None
         self.max_model_len: int = 0
         self._base: Any = None
@@ -138,6 +143,9 @@ class HFEngine:
                 "steps": float(self.steps),
                 "tokens_generated": float(self.tokens_generated),
                 "shared_prefix_tokens_saved": float(self.shared_prefix_tokens_saved),
+                "prefix_cache_hits": float(self._prefix.hits),
+                "prefix_cache_tokens_reused": float(self._prefix.tokens_reused),
+                "prefix_cache_bytes": float(self._prefix.bytes),
             },
         )
 
@@ -200,6 +208,13 @@ class HFEngine:
         else:
             self._peft.load_adapter(ref.path, adapter_name=ref.name)
         self._peft.to(self._device)
+        if self._dtype in (torch.bfloat16, torch.float16):
+            # peft keeps adapters in float32 and casts every activation up to it and each sum back down,
+            # three copies per adapted layer per step; nothing trains here, so the adapter takes the
+            # weights' dtype (the Trainer runs its float32 adapter's products in that dtype too)
+            for name, param in self._peft.named_parameters():
+                if f".{ref.name}." in name and "lora_" in name:
+                    param.data = param.data.to(self._dtype)
         self._active_adapter = None  # peft may have switched the active adapter
         self._adapters[ref.name] = ref
         log.info("loaded adapter %s from %s in %.0f ms", ref.name, ref.path, (time.monotonic() - t0) * 1e3)
@@ -210,6 +225,7 @@ class HFEngine:
         if any(r.adapter_name == ref.name and not r.request.aborted for r in self._rows):
             raise EngineError(f"adapter {ref.name} is still in use by a running request")
         self._peft.delete_adapter(ref.name)
+        self._prefix.drop_adapter(ref.name)
         self._active_adapter = None
         del self._adapters[ref.name]
         log.info("removed adapter %s", ref.name)
@@ -308,8 +324,6 @@ class HFEngine:
 
     def _admit(self) -> None:
         """Prefill waiting requests and merge them into the running batch."""
-        from transformers import DynamicCache
-
         budget = self.prefill_token_budget
         space = self.max_batch_size - len(self._rows)
         admitted: list[QueuedRequest] = []
@@ -327,8 +341,26 @@ class HFEngine:
             space -= st.req.n
             budget -= cost
         admitted = [st for st in admitted if self._grammar_ready(st)]
-        if not admitted:
-            return
+        for group in self._prefill_groups(admitted):
+            self._admit_group(group)
+
+    def _prefill_groups(self, admitted: list[QueuedRequest]) -> list[list[QueuedRequest]]:
+        """The requests to prefill together. A request whose own conversation the prefix cache holds
+        well beyond what the others share with it (the next call of an episode) is prefilled alone, on
+        top of its cached keys and values; the rest together, sharing their common prefix."""
+        if len(admitted) < 2 or not self._prefix.enabled:
+            return [admitted] if admitted else []
+        prompts = [st.req.prompt_token_ids for st in admitted]
+        adapters = [st.req.adapter.name if st.req.adapter else None for st in admitted]
+        common = shared_prefix_len(prompts) if len(set(adapters)) == 1 else 0
+        alone = [self._prefix.peek(a, p[:-1]) - common >= self._prefix.min_tokens for p, a in zip(prompts, adapters)]
+        together = [st for st, a in zip(admitted, alone) if not a]
+        return [[st] for st, a in zip(admitted, alone) if a] + ([together] if together else [])
+
+    def _admit_group(self, admitted: list[QueuedRequest]) -> None:
+        """Prefill ``admitted`` in one batch and merge them into the running batch."""
+        from transformers import DynamicCache
+
         prompts = [st.req.prompt_token_ids for st in admitted]
         adapters = [st.req.adapter.name if st.req.adapter else None for st in admitted]
         try:
@@ -389,16 +421,17 @@ class HFEngine:
     def _prefill(self, prompts: list[list[int]], adapters: list[str | None]):
         """One batched prefill of ``prompts``: (model output, attention mask on the device).
 
-        Prompts are left-padded to one width. When they share a long enough prefix, it is computed
-        once as a (1, L) forward, its KV copied to every row, and only the suffixes (left-padded
-        among themselves) are run on top of it; the mask is then [ones(L), suffix mask], padding in
-        the middle, and positions come from its cumsum, so every token sees exactly what it would
-        have seen in a forward of its whole prompt.
+        Prompts are left-padded to one width. When they share a long enough prefix, or one prompt
+        starts with tokens the prefix cache holds, that prefix is not part of the batch: its keys and
+        values (from the cache, the rest of it computed once as a (1, L) forward on top) join every
+        row, and only the suffixes (left-padded among themselves) are run on top of them; the mask is
+        then [ones(L), suffix mask], padding in the middle, and positions come from its cumsum, so
+        every token sees exactly what it would have seen in a forward of its whole prompt.
         """
         from transformers import DynamicCache
 
         dev = self._device
-        shared = self._shared_prefix_len(prompts, adapters)
+        shared, cached, layers = self._prefix_plan(prompts, adapters)
         suffixes = [p[shared:] for p in prompts]
         pad = self.tokenizer.pad_token_id or 0
         lens = [len(s) for s in suffixes]
@@ -411,21 +444,51 @@ class HFEngine:
         mask = mask.to(dev)
         cache = DynamicCache()
         if shared:
-            prefix = torch.tensor([prompts[0][:shared]], dtype=torch.long, device=dev)
-            pre = self._forward(
-                prefix, torch.ones_like(prefix), torch.arange(shared, device=dev).unsqueeze(0), DynamicCache(),
-                adapters[:1],
-            )
+            if shared > cached:  # what the cache lacks of the prefix, computed once on top of what it has
+                prefix = torch.tensor([prompts[0][cached:shared]], dtype=torch.long, device=dev)
+                past = DynamicCache(ddp_cache_data=layers) if layers else DynamicCache()
+                pre = self._forward(prefix, torch.ones((1, shared), dtype=torch.long, device=dev),
+                                    torch.arange(cached, shared, device=dev).unsqueeze(0), past, adapters[:1])
+                layers = [(k, v) for k, v, *_ in pre.past_key_values]
+                self._prefix.store(adapters[0], prompts[0][:shared], layers)
             rows = torch.zeros(len(prompts), dtype=torch.long, device=dev)
-            cache = DynamicCache(
-                ddp_cache_data=[(k.index_select(0, rows), v.index_select(0, rows)) for k, v, *_ in pre.past_key_values]
-            )
+            cache = DynamicCache(ddp_cache_data=[(k.index_select(0, rows), v.index_select(0, rows)) for k, v in layers])
             mask = torch.cat([mask.new_ones((len(prompts), shared)), mask], dim=1)
         pos = (mask.cumsum(-1) - 1).clamp(min=0)[:, shared:]
         out = self._forward(ids.to(dev), mask, pos, cache, adapters)
         if shared:
             self.shared_prefix_tokens_saved += shared * (len(prompts) - 1)
         return out, mask
+
+    def _prefix_plan(self, prompts: list[list[int]], adapters: list[str | None]) -> tuple[int, int, Layers | None]:
+        """(L, m, layers): the batch's first L tokens are its shared prefix (0: none), of which the
+        prefix cache holds the first m (``layers``: their keys and values, or None)."""
+        shared = self._shared_prefix_len(prompts, adapters)
+        if len(prompts) == 1 and self._prefix.enabled:
+            shared = len(prompts[0]) - 1  # what the cache may hold of one prompt; its last token is computed
+        if shared <= 0 or len(set(adapters)) != 1:
+            return 0, 0, None
+        cached, layers = self._prefix.lookup(adapters[0], prompts[0][:shared])
+        if len(prompts) == 1:
+            return cached, cached, layers  # one prompt: what the cache lacks is its suffix
+        return shared, cached, layers
+
+    def _remember(self, rows: list[Row]) -> None:
+        """Keep the keys and values of each finished row's conversation (its prompt and the tokens it
+        generated, but the last, which was never fed back) in the prefix cache: the next call of a
+        multi-turn episode starts with them."""
+        finished = {id(r) for r in rows}
+        for i, r in enumerate(self._rows):
+            if id(r) not in finished:
+                continue
+            cols = self._attn[i].nonzero().squeeze(-1)  # this row's positions, without padding
+            tokens = list(r.request.req.prompt_token_ids) + r.out_ids[:-1]
+            if len(cols) != len(tokens):  # a finished row holds exactly these; anything else is left out
+                log.warning("prefix cache: row of %s holds %d positions for %d tokens; not kept",
+                            r.request.req.request_id, len(cols), len(tokens))
+                continue
+            self._prefix.store(r.adapter_name, tokens,
+                               [(k[i : i + 1].index_select(2, cols), v[i : i + 1].index_select(2, cols)) for k, v, *_ in self._cache])
 
     def _grammar_ready(self, st: QueuedRequest) -> bool:
         """Compile a constrained request's grammar before it joins the batch; a grammar that fails
@@ -540,6 +603,8 @@ class HFEngine:
         keep = [i for i, r in enumerate(self._rows) if r.finish_reason is None]
         if len(keep) == len(self._rows):
             return
+        if self._prefix.enabled:
+            self._remember([r for r in self._rows if r.finish_reason in ("stop", "length") and not r.request.aborted])
         if not keep:
             self._reset_batch()
             return

@@ -1,0 +1,128 @@
+"""`make bench` section prefix: the hf engine's prefix cache on the demo's own episodes, on and off
+side by side in one process, rounds alternating.
+
+    python -m tests.bench.run prefix     # KAIZEN_BENCH_PREFIX_EPISODES=8 KAIZEN_BENCH_PREFIX_CONCURRENCY=1,4
+
+An episode is the demo's (services/demo/tools_task.py): SmolLM2 gets a word problem with the
+calculator tool in its prompt (about 170 of the first call's tokens are the tool list), answers with
+a call, and is called again with the whole conversation: the first prompt, the tokens it generated
+and the tool's result. Both calls are greedy, at most 48 tokens each, so both sides generate the
+same tokens and do the same decoding work; what differs is the prompt tokens each prefill computes.
+The engine runs at the demo Explorer's thread count (1) in the demo's dtype (bfloat16 where the
+CPU computes it natively, else float32).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import random
+import statistics
+import time
+
+import torch
+
+from services.demo import tools_task
+from services.demo.tools_demo import _dtype
+from services.explorer.serving.engines.base import GenerateRequest, SamplingParams
+from services.explorer.serving.engines.hf import HFEngine
+from tests.bench.common import table
+from tests.bench.smollm2 import MODEL, _csv, _env_int, spread
+
+MAX_TOKENS = 48
+
+
+def _prompts(tokenizer, n: int, seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    out = []
+    for _ in range(n):
+        p = tools_task.make_problem(rng)
+        text = tokenizer.apply_chat_template([{"role": "user", "content": p.question}], tools=tools_task.TOOLS,
+                                             add_generation_prompt=True, tokenize=False)
+        out.append(tokenizer.encode(text, add_special_tokens=False))
+    return out
+
+
+async def _generate(engine: HFEngine, rid: str, prompt: list[int]) -> list[int]:
+    req = GenerateRequest(request_id=rid, prompt_token_ids=prompt, n=1,
+                          params=SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS))
+    ids: list[int] = []
+    async for updates in engine.generate(req):
+        for u in updates:
+            ids += u.token_ids
+    return ids
+
+
+async def _episodes(engine: HFEngine, prompts: list[list[int]], tool_turn: list[int], concurrency: int) -> tuple[float, int]:
+    """(seconds, prompt tokens sent) for every prompt's two-call episode, ``concurrency`` at a time."""
+    sem = asyncio.Semaphore(concurrency)
+    sent = 0
+
+    async def episode(k: int, prompt: list[int]) -> None:
+        nonlocal sent
+        async with sem:
+            first = await _generate(engine, f"e{k}-1", prompt)
+            second = prompt + first + tool_turn  # the conversation so far, then the tool's result
+            await _generate(engine, f"e{k}-2", second)
+            sent += len(prompt) + len(second)
+
+    t0 = time.perf_counter()
+    await asyncio.gather(*(episode(k, p) for k, p in enumerate(prompts)))
+    return time.perf_counter() - t0, sent
+
+
+async def _run(cfg: dict) -> dict:
+    engines = {}
+    for side, mb in (("off", 0), ("on", 256)):
+        e = HFEngine(model_path=cfg["model"], dtype=cfg["dtype"], device="cpu", max_batch_size=32,
+                     torch_threads=cfg["threads"], prefix_cache_mb=mb)
+        await e.start()
+        engines[side] = e
+    tok = engines["on"].tokenizer
+    tool_turn = tok.encode("<|im_end|>\n<|im_start|>tool\n<tool_response>\n42\n</tool_response><|im_end|>\n<|im_start|>assistant\n",
+                           add_special_tokens=False)
+    results: dict = {}
+    try:
+        warm = _prompts(tok, 2, seed=999)
+        for e in engines.values():
+            await _episodes(e, warm, tool_turn, 2)
+        for r in range(cfg["rounds"]):
+            prompts = _prompts(tok, cfg["episodes"], seed=r)  # the same problems on both sides of a round
+            for c in cfg["concurrency"]:
+                for side in (("off", "on") if r % 2 == 0 else ("on", "off")):
+                    e = engines[side]
+                    reused = e._prefix.tokens_reused
+                    seconds, sent = await _episodes(e, prompts, tool_turn, c)
+                    row = results.setdefault((c, side), {"eps": [], "reused": [], "sent": []})
+                    row["eps"].append(len(prompts) / seconds)
+                    row["reused"].append((e._prefix.tokens_reused - reused) / sent)
+                    e._prefix.clear()  # each round starts cold, as a fresh Explorer would
+    finally:
+        for e in engines.values():
+            await e.shutdown()
+    return results
+
+
+def main() -> str:
+    cfg = {"model": os.environ.get("KAIZEN_BENCH_SMOLLM2_MODEL", MODEL), "dtype": _dtype(),
+           "threads": _env_int("KAIZEN_BENCH_PREFIX_THREADS", 1), "rounds": _env_int("KAIZEN_BENCH_ROUNDS", 3),
+           "episodes": _env_int("KAIZEN_BENCH_PREFIX_EPISODES", 8),
+           "concurrency": [int(c) for c in _csv("KAIZEN_BENCH_PREFIX_CONCURRENCY", "1,4")]}
+    if not os.path.exists(os.path.join(cfg["model"], "config.json")):
+        return f"== prefix: skipped, no model at {cfg['model']} (make pretrained)"
+    torch.manual_seed(0)
+    results = asyncio.run(_run(cfg))
+    rows = []
+    for c in cfg["concurrency"]:
+        off, on = results[(c, "off")], results[(c, "on")]
+        ratios = [b / a for a, b in zip(off["eps"], on["eps"])]
+        rows.append([c, spread(off["eps"], "{:.2f}"), spread(on["eps"], "{:.2f}"), spread(ratios, "{:.2f}"),
+                     f"{statistics.median(on['reused']):.0%}"])
+    title = (f"prefix: the hf engine's prefix cache on the demo's two-call episodes (SmolLM2, {cfg['dtype']}, "
+            f"{cfg['threads']} thread(s), {cfg['episodes']} episodes per round, greedy, <= {MAX_TOKENS} tokens a call); "
+            f"median (min..max) of {cfg['rounds']} rounds, sides alternating")
+    return table(title, ["concurrency", "episodes/s off", "episodes/s on", "on / off", "prompt tokens reused"], rows)
+
+
+if __name__ == "__main__":
+    print(main())
