@@ -116,7 +116,8 @@ class Policy:
         # optimizer updates float32 weights): the LoRA products run in the weights' dtype under autocast,
         # their float32 weights cast once per forward (they are small), rather than peft casting every
         # activation up to float32 and each sum back down, three copies per adapted layer per pass.
-        self.mixed = self.dtype in (torch.bfloat16, torch.float16)
+        # Measured and tested on CPU only (on CUDA autocast would also move softmax and norms to float32).
+        self.mixed = self.dtype in (torch.bfloat16, torch.float16) and self.device.type == "cpu"
 
     # ------------------------------------------------------------------ adapters
 

@@ -3,10 +3,11 @@ side by side in one process, rounds alternating.
 
     python -m tests.bench.run prefix     # KAIZEN_BENCH_PREFIX_EPISODES=8 KAIZEN_BENCH_PREFIX_CONCURRENCY=1,4
 
-An episode is the demo's (services/demo/tools_task.py): SmolLM2 gets a word problem with the
-calculator tool in its prompt (about 170 of the first call's tokens are the tool list), answers with
-a call, and is called again with the whole conversation: the first prompt, the tokens it generated
-and the tool's result. Both calls are greedy, at most 48 tokens each, so both sides generate the
+An episode is shaped as the demo's (services/demo/tools_task.py): SmolLM2 gets a word problem with
+the calculator tool in its prompt (about 170 of the first call's tokens are the tool list), answers
+(the base model, as before the demo's cold start: with a call or with text), and is called again
+with the whole conversation: the first prompt, the tokens it generated, the end of its turn and a
+tool's result. Both calls are greedy, at most 48 tokens each, so both sides generate the
 same tokens and do the same decoding work; what differs is the prompt tokens each prefill computes.
 The engine runs at the demo Explorer's thread count (1) in the demo's dtype (bfloat16 where the
 CPU computes it natively, else float32).
@@ -53,7 +54,7 @@ async def _generate(engine: HFEngine, rid: str, prompt: list[int]) -> list[int]:
     return ids
 
 
-async def _episodes(engine: HFEngine, prompts: list[list[int]], tool_turn: list[int], concurrency: int) -> tuple[float, int]:
+async def _episodes(engine: HFEngine, prompts: list[list[int]], tool_turn: list[int], end: int, concurrency: int) -> tuple[float, int]:
     """(seconds, prompt tokens sent) for every prompt's two-call episode, ``concurrency`` at a time."""
     sem = asyncio.Semaphore(concurrency)
     sent = 0
@@ -62,7 +63,8 @@ async def _episodes(engine: HFEngine, prompts: list[list[int]], tool_turn: list[
         nonlocal sent
         async with sem:
             first = await _generate(engine, f"e{k}-1", prompt)
-            second = prompt + first + tool_turn  # the conversation so far, then the tool's result
+            # the conversation so far (its turn closed, as the chat template renders it), then the tool's result
+            second = prompt + first + ([] if first and first[-1] == end else [end]) + tool_turn
             await _generate(engine, f"e{k}-2", second)
             sent += len(prompt) + len(second)
 
@@ -79,24 +81,25 @@ async def _run(cfg: dict) -> dict:
         await e.start()
         engines[side] = e
     tok = engines["on"].tokenizer
-    tool_turn = tok.encode("<|im_end|>\n<|im_start|>tool\n<tool_response>\n42\n</tool_response><|im_end|>\n<|im_start|>assistant\n",
+    tool_turn = tok.encode("\n<|im_start|>tool\n<tool_response>\n42\n</tool_response><|im_end|>\n<|im_start|>assistant\n",
                            add_special_tokens=False)
+    end = tok.convert_tokens_to_ids("<|im_end|>")
     results: dict = {}
     try:
         warm = _prompts(tok, 2, seed=999)
         for e in engines.values():
-            await _episodes(e, warm, tool_turn, 2)
+            await _episodes(e, warm, tool_turn, end, 2)
         for r in range(cfg["rounds"]):
             prompts = _prompts(tok, cfg["episodes"], seed=r)  # the same problems on both sides of a round
             for c in cfg["concurrency"]:
                 for side in (("off", "on") if r % 2 == 0 else ("on", "off")):
                     e = engines[side]
                     reused = e._prefix.tokens_reused
-                    seconds, sent = await _episodes(e, prompts, tool_turn, c)
+                    seconds, sent = await _episodes(e, prompts, tool_turn, end, c)
                     row = results.setdefault((c, side), {"eps": [], "reused": [], "sent": []})
                     row["eps"].append(len(prompts) / seconds)
                     row["reused"].append((e._prefix.tokens_reused - reused) / sent)
-                    e._prefix.clear()  # each round starts cold, as a fresh Explorer would
+                    await e.clear_prefix_cache()  # each round starts cold, as a fresh Explorer would
     finally:
         for e in engines.values():
             await e.shutdown()

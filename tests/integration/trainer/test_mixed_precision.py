@@ -45,6 +45,10 @@ def _run(p: Policy, batch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
 def test_autocast_lora_matches_pefts_float32_casting(tiny_model):
     mixed, cast = _policy(tiny_model, mixed=True), _policy(tiny_model, mixed=False)
     assert mixed.mixed and not cast.mixed
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    tuners = [m for m in mixed.model.modules() if isinstance(m, BaseTunerLayer)]
+    assert tuners and not any(m.cast_input_dtype_enabled for m in tuners)  # autocast, not peft, casts
     assert {q.dtype for q in mixed.adapter_parameters("agent")} == {torch.float32}
     rng = random.Random(0)
     prefix = [rng.randrange(3, 200) for _ in range(40)]
@@ -68,7 +72,8 @@ def test_autocast_lora_matches_pefts_float32_casting(tiny_model):
 def test_the_engine_samples_in_the_trainers_dtype_and_records_what_it_recomputes(tiny_model, tmp_path):
     """The hf engine in bfloat16 takes an adapter the Trainer wrote in float32 as bfloat16 weights
     (nothing trains there); the logprobs it records are the Trainer's teacher-forced ones (mixed
-    precision) to bfloat16's precision, so importance ratios start near 1."""
+    precision) to bfloat16's precision, so importance ratios start near 1: also for the next call of
+    the conversation, served on top of the adapter's cached keys and values, which go with it."""
     import asyncio
 
     from services.explorer.serving.engines.base import AdapterRef, GenerateRequest, SamplingParams
@@ -76,29 +81,55 @@ def test_the_engine_samples_in_the_trainers_dtype_and_records_what_it_recomputes
 
     trainer = _policy(tiny_model, mixed=True)
     trainer.save_adapter("agent", tmp_path)
+    adapter = AdapterRef(agent="agent", version=1, name="agent-v1", int_id=1, path=str(tmp_path))
     rng = random.Random(1)
     prompt = [rng.randrange(3, 200) for _ in range(30)]
 
-    async def sample() -> tuple[list[int], list[float], set]:
-        engine = HFEngine(model_path=str(tiny_model), dtype="bfloat16", device="cpu", max_batch_size=4)
+    async def one(engine: HFEngine, rid: str, ids: list[int], seed: int) -> tuple[list[int], list[float]]:
+        req = GenerateRequest(request_id=rid, prompt_token_ids=ids, n=1, adapter=adapter,
+                              params=SamplingParams(temperature=1.0, max_tokens=12, seed=seed))
+        out, lps = [], []
+        async for updates in engine.generate(req):
+            for u in updates:
+                out += u.token_ids
+                lps += u.logprobs
+        return out, lps
+
+    async def held(engine: HFEngine, ids: list[int]) -> bool:
+        """Whether the cache holds ``ids`` once the engine's thread has kept the finished call (it does so
+        just after sending the call's last tokens; a next call, queued behind that, always finds it)."""
+        for _ in range(500):
+            if engine._prefix.peek("agent-v1", ids) > 0:
+                return True
+            await asyncio.sleep(0.01)
+        return False
+
+    async def sample():
+        # the cache keeps runs of 8 tokens or more
+        engine = HFEngine(model_path=str(tiny_model), dtype="bfloat16", device="cpu", max_batch_size=4, shared_prefix_min_tokens=8)
         await engine.start()
         try:
-            await engine.add_adapter(AdapterRef(agent="agent", version=1, name="agent-v1", int_id=1, path=str(tmp_path)))
+            await engine.add_adapter(adapter)
             dtypes = {q.dtype for n, q in engine._peft.named_parameters() if ".agent-v1." in n and "lora_" in n}
-            req = GenerateRequest(request_id="r", prompt_token_ids=prompt, n=1,
-                                  adapter=AdapterRef(agent="agent", version=1, name="agent-v1", int_id=1, path=str(tmp_path)),
-                                  params=SamplingParams(temperature=1.0, max_tokens=12, seed=3))
-            ids, lps = [], []
-            async for updates in engine.generate(req):
-                for u in updates:
-                    ids += u.token_ids
-                    lps += u.logprobs
-            return ids, lps, dtypes
+            first = await one(engine, "r1", prompt, seed=3)
+            more = prompt + first[0] + [rng.randrange(3, 200) for _ in range(5)]
+            hits = engine._prefix.hits
+            second = await one(engine, "r2", more, seed=4)
+            assert engine._prefix.hits == hits + 1 and await held(engine, more)
+            await engine.clear_prefix_cache()  # on the engine's thread, which alone touches the cache
+            assert len(engine._prefix) == 0 and engine._prefix.bytes == 0
+            await one(engine, "r3", more, seed=5)
+            assert await held(engine, more)
+            await engine.remove_adapter(adapter)
+            assert engine._prefix.peek("agent-v1", more) == 0  # its entries went with it
+            return dtypes, [(prompt, *first), (more, *second)]
         finally:
             await engine.shutdown()
 
-    ids, lps, dtypes = asyncio.run(sample())
-    assert dtypes == {torch.bfloat16} and len(ids) >= 2
-    with torch.no_grad():
-        ref = trainer.forward(pack([prompt], [ids], [1.0], trainer.pad_id), need_hidden=False).logprobs[0]
-    torch.testing.assert_close(torch.tensor(lps), ref, atol=0.05, rtol=0.02)
+    dtypes, calls = asyncio.run(sample())
+    assert dtypes == {torch.bfloat16}
+    for ids, out, lps in calls:
+        assert out
+        with torch.no_grad():
+            ref = trainer.forward(pack([ids], [out], [1.0], trainer.pad_id), need_hidden=False).logprobs[0]
+        torch.testing.assert_close(torch.tensor(lps), ref, atol=0.05, rtol=0.02)

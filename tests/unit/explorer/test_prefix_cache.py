@@ -62,6 +62,8 @@ def test_an_extending_entry_replaces_the_one_it_extends_and_a_held_one_is_not_st
     c.store(None, [1, 2, 3], kv([1, 2, 3]))
     c.store(None, [1, 2, 3, 4, 5], kv([1, 2, 3, 4, 5]))  # the conversation went on
     assert len(c) == 1 and c.bytes == nbytes(5)
+    assert c.holds(None, [1, 2, 3, 4]) and c.holds(None, [1, 2, 3, 4, 5]) and not c.holds(None, [1, 2, 3, 4, 5, 6])
+    assert not c.holds("other", [1, 2, 3]) and c.peek(None, [1, 2, 3, 9]) == 3 and c.hits == 0  # peeking takes nothing
     c.store(None, [1, 2, 3, 4], kv([1, 2, 3, 4]))  # already held within the longer one
     assert len(c) == 1 and c.bytes == nbytes(5)
     c.store(None, [1, 2, 7], kv([1, 2, 7]))  # a branch: both kept
@@ -80,6 +82,8 @@ def test_the_budget_drops_the_least_recently_used_first():
     assert c.bytes == nbytes(8) <= c.max_bytes
     c.store(None, list(range(20, 31)), kv(list(range(20, 31))))  # larger than the whole budget: not kept
     assert len(c) == 2 and c.bytes == nbytes(8)
+    c.store(None, [1] * 11, kv([1] * 11))  # extends the 1s but cannot be held: the 1s stay
+    assert len(c) == 2 and c.lookup(None, [1, 1, 1, 1, 0])[0] == 4
 
 
 def test_a_stored_entry_owns_its_tensors_and_a_mismatch_is_refused():

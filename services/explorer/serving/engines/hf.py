@@ -186,15 +186,25 @@ class HFEngine:
     async def remove_adapter(self, adapter: AdapterRef) -> None:
         await self._call_in_engine("remove", adapter)
 
+    async def clear_prefix_cache(self) -> None:
+        """Drop every entry of the prefix cache (on the engine's thread, which alone touches it)."""
+        await self._call_in_engine("clear", None)
+
     async def _call_in_engine(self, op: str, arg: Any) -> None:
         fut: concurrent.futures.Future = concurrent.futures.Future()
         if self._thread is None:  # not started yet: run inline
-            getattr(self, f"_{op}_adapter")(arg)
+            self._command(op, arg)
             return
         self._cmds.put((op, arg, fut))
         await asyncio.wrap_future(fut)
 
     # ------------------------------------------------------------------ adapters (engine thread)
+
+    def _command(self, op: str, arg: Any) -> None:
+        if op == "clear":
+            self._prefix.clear()
+        else:
+            getattr(self, f"_{op}_adapter")(arg)
 
     def _add_adapter(self, ref: AdapterRef) -> None:
         if ref.name in self._adapters:
@@ -202,13 +212,14 @@ class HFEngine:
         from peft import PeftModel
 
         t0 = time.monotonic()
+        self._prefix.drop_adapter(ref.name)  # keys and values are only ever served for the weights that computed them
         if self._peft is None:
             self._peft = PeftModel.from_pretrained(self._base, ref.path, adapter_name=ref.name)
             self._peft.eval()
         else:
             self._peft.load_adapter(ref.path, adapter_name=ref.name)
         self._peft.to(self._device)
-        if self._dtype in (torch.bfloat16, torch.float16):
+        if self._dtype in (torch.bfloat16, torch.float16) and self._device.type == "cpu":
             # peft keeps adapters in float32 and casts every activation up to it and each sum back down,
             # three copies per adapted layer per step; nothing trains here, so the adapter takes the
             # weights' dtype (the Trainer runs its float32 adapter's products in that dtype too)
@@ -277,10 +288,10 @@ class HFEngine:
                 for st in list(self._waiting) + [r.request for r in self._rows]:
                     if st.req.request_id == cmd[1]:
                         st.aborted = True
-            elif kind in ("add", "remove"):
+            elif kind in ("add", "remove", "clear"):
                 fut = cmd[2]
                 try:
-                    getattr(self, f"_{kind}_adapter")(cmd[1])
+                    self._command(kind, cmd[1])
                     fut.set_result(None)
                 except Exception as e:
                     fut.set_exception(e)
@@ -352,8 +363,12 @@ class HFEngine:
             return [admitted] if admitted else []
         prompts = [st.req.prompt_token_ids for st in admitted]
         adapters = [st.req.adapter.name if st.req.adapter else None for st in admitted]
-        common = shared_prefix_len(prompts) if len(set(adapters)) == 1 else 0
-        alone = [self._prefix.peek(a, p[:-1]) - common >= self._prefix.min_tokens for p, a in zip(prompts, adapters)]
+        by_adapter: dict[str | None, list[list[int]]] = {}
+        for p, a in zip(prompts, adapters):
+            by_adapter.setdefault(a, []).append(p)
+        # what each adapter's requests share among themselves (one request alone shares nothing)
+        common = {a: shared_prefix_len(ps) if len(ps) > 1 else 0 for a, ps in by_adapter.items()}
+        alone = [self._prefix.peek(a, p[:-1]) - common[a] >= self._prefix.min_tokens for p, a in zip(prompts, adapters)]
         together = [st for st, a in zip(admitted, alone) if not a]
         return [[st] for st, a in zip(admitted, alone) if a] + ([together] if together else [])
 
@@ -483,12 +498,14 @@ class HFEngine:
                 continue
             cols = self._attn[i].nonzero().squeeze(-1)  # this row's positions, without padding
             tokens = list(r.request.req.prompt_token_ids) + r.out_ids[:-1]
+            if self._prefix.holds(r.adapter_name, tokens):
+                continue
             if len(cols) != len(tokens):  # a finished row holds exactly these; anything else is left out
                 log.warning("prefix cache: row of %s holds %d positions for %d tokens; not kept",
                             r.request.req.request_id, len(cols), len(tokens))
                 continue
-            self._prefix.store(r.adapter_name, tokens,
-                               [(k[i : i + 1].index_select(2, cols), v[i : i + 1].index_select(2, cols)) for k, v, *_ in self._cache])
+            self._prefix.store(r.adapter_name, tokens, owned=True,  # index_select copies: these tensors are the cache's own
+                               layers=[(k[i : i + 1].index_select(2, cols), v[i : i + 1].index_select(2, cols)) for k, v, *_ in self._cache])
 
     def _grammar_ready(self, st: QueuedRequest) -> bool:
         """Compile a constrained request's grammar before it joins the batch; a grammar that fails
@@ -604,7 +621,10 @@ class HFEngine:
         if len(keep) == len(self._rows):
             return
         if self._prefix.enabled:
-            self._remember([r for r in self._rows if r.finish_reason in ("stop", "length") and not r.request.aborted])
+            try:
+                self._remember([r for r in self._rows if r.finish_reason in ("stop", "length") and not r.request.aborted])
+            except Exception:  # the cache is an optimisation: never fail the batch for it
+                log.exception("prefix cache: keeping finished rows failed; they are not kept")
         if not keep:
             self._reset_batch()
             return

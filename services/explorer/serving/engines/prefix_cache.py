@@ -77,6 +77,10 @@ class PrefixCache:
         layers = self._entries[best_key].layers
         return best, [(k[:, :, :best], v[:, :, :best]) for k, v in layers]
 
+    def holds(self, adapter: str | None, tokens: Sequence[int]) -> bool:
+        """Whether an entry of ``adapter`` already holds all of ``tokens`` (storing them would add nothing)."""
+        return len(tokens) > 0 and self._longest(adapter, tokens)[0] == len(tokens)
+
     def peek(self, adapter: str | None, tokens: Sequence[int]) -> int:
         """What ``lookup`` would return as m, without taking anything or counting a hit."""
         return self._longest(adapter, tokens)[0]
@@ -94,7 +98,7 @@ class PrefixCache:
                     best, best_key = m, key
         return (best, best_key) if best >= self.min_tokens else (0, None)
 
-    def store(self, adapter: str | None, tokens: Sequence[int], layers: Layers) -> None:
+    def store(self, adapter: str | None, tokens: Sequence[int], layers: Layers, *, owned: bool = False) -> None:
         """Keep ``layers`` (each (1, heads, len(tokens), head_dim)) as the keys and values of
         ``tokens`` under ``adapter``. An entry these tokens extend is dropped; when an entry already
         holds them (or more), it is only marked as recently used."""
@@ -102,6 +106,9 @@ class PrefixCache:
             return
         if any(k.shape[2] != len(tokens) or v.shape[2] != len(tokens) for k, v in layers):
             raise ValueError(f"cached keys and values cover {layers[0][0].shape[2]} positions, not the {len(tokens)} tokens given")
+        nbytes = sum(k.numel() * k.element_size() + v.numel() * v.element_size() for k, v in layers)
+        if nbytes > self.max_bytes:  # never held; what it would extend stays
+            return
         new = np.asarray(tokens, dtype=np.int64)
         for key, e in list(self._entries.items()):
             if e.adapter != adapter:
@@ -112,13 +119,12 @@ class PrefixCache:
                 return
             if m == len(e.tokens):  # the new entry extends this one
                 self._drop(key)
-        nbytes = sum(k.numel() * k.element_size() + v.numel() * v.element_size() for k, v in layers)
-        if nbytes > self.max_bytes:
-            return
         while self.bytes + nbytes > self.max_bytes:
             self._drop(next(iter(self._entries)))
-        # own storage: a slice of a batch's cache would keep the whole batch's tensors alive
-        layers = [(k.contiguous().clone(), v.contiguous().clone()) for k, v in layers]
+        # own storage: a slice of a batch's cache would keep the whole batch's tensors alive (``owned``:
+        # the caller made these tensors for the cache alone)
+        if not owned:
+            layers = [(k.contiguous().clone(), v.contiguous().clone()) for k, v in layers]
         self._entries[self._next_key] = _Entry(adapter, new, layers, nbytes)
         self._next_key += 1
         self.bytes += nbytes
