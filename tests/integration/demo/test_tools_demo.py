@@ -33,7 +33,7 @@ AGENT = "calculator"
 COLD_START_STEPS = 8  # enough for most episodes to call the calculator (4, the demo's, gets about half)
 # the demonstrations-only arm's plateau search, small: one measurement after the cold start's
 PLATEAU_STEPS = 2
-GUARD_DEMONSTRATIONS = 8
+GUARD_DEMONSTRATIONS = 4
 GATE_TASKS = 8  # of the gate suite's 32 (each a SmolLM2 episode on both versions, about 1.5 s alone on 2 cores)
 
 
@@ -47,7 +47,7 @@ def demo_run(smollm2_model, ray_address, tmp_path_factory) -> Path:
         "tools.heldout=4", "tools.traffic.tasks_per_batch=2", "tools.traffic.repeat=2", "tools.traffic.concurrency=4",
         f"trainer.algorithm.cold_start_steps={COLD_START_STEPS}", f"trainer.ray.address={ray_address}",
         f"explorer.release.gate.suite.max_tasks={GATE_TASKS}",
-        # the guard scores 8 of the 16 demonstrations around every step (the demo: all 16, half of a cold-start step)
+        # the guard scores 4 of the 16 demonstrations around every step (the demo: all 16, half of a cold-start step)
         f"trainer.guard.demonstrations={GUARD_DEMONSTRATIONS}",
         # the demonstrations-only arm on to its plateau, small: measured every 2 steps on 4 validation problems
         f"tools.plateau.max_steps={PLATEAU_STEPS}", "tools.plateau.every=2", "tools.plateau.validation=4", "tools.plateau.patience=1",
