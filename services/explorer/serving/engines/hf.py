@@ -18,6 +18,7 @@ import queue
 import sys
 import threading
 import time
+import traceback
 from typing import Any, AsyncIterator
 
 import torch
@@ -39,6 +40,7 @@ from services.explorer.serving.engines.hf_batch import QueuedRequest, Row, abort
 from services.explorer.serving.engines.prefix_cache import Layers, PrefixCache
 
 log = logging.getLogger(__name__)
+_STOP_WAIT_S = 30.0  # how long shutdown waits for the engine thread to finish its step and stop
 
 SWITCH_INTERVAL_S = 0.0005
 
@@ -132,7 +134,12 @@ class HFEngine:
             return
         self._stopping = True
         self._cmds.put(("stop",))
-        await asyncio.to_thread(self._thread.join, 30)
+        await asyncio.to_thread(self._thread.join, _STOP_WAIT_S)
+        if self._thread.is_alive():  # left behind (a daemon thread): say so, the shutdown goes on without it
+            frame = sys._current_frames().get(self._thread.ident)
+            log.warning("hf engine: its thread did not stop within %.0f s (%d rows running, %d waiting); it is at\n%s",
+                        _STOP_WAIT_S, len(self._rows), len(self._waiting),
+                        "".join(traceback.format_stack(frame)) if frame is not None else "(no frame)")
         self._thread = None
 
     def stats(self) -> EngineStats:
