@@ -16,9 +16,10 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 def _share_the_cores() -> None:
     """On several test workers (``make test``), every process a test starts (an Explorer, a Trainer's
     learners, torch in the worker itself) gets the workers' share of the cores as its OpenMP threads,
-    unless OMP_NUM_THREADS says otherwise; a test that sets a thread count keeps it. Two workers each
-    starting processes of two threads on 2 cores oversubscribe them, and OpenMP threads spin waiting
-    for each other: one thread each made the whole suite 15 % faster there (1,259 s -> 1,066 s)."""
+    unless OMP_NUM_THREADS says otherwise; a test that sets a thread count keeps it (vLLM's CPU engine
+    binds its own). Two workers each starting processes of two threads on 2 cores oversubscribe them,
+    and OpenMP threads spin waiting for each other: one thread each made the whole suite 15 % faster
+    there (1,259 s -> 1,066 s)."""
     workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT") or 1)
     if workers > 1:
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)

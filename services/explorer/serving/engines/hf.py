@@ -40,9 +40,9 @@ from services.explorer.serving.engines.hf_batch import QueuedRequest, Row, abort
 from services.explorer.serving.engines.prefix_cache import Layers, PrefixCache
 
 log = logging.getLogger(__name__)
-_STOP_WAIT_S = 30.0  # how long shutdown waits for the engine thread to finish its step and stop
 
 SWITCH_INTERVAL_S = 0.0005
+_STOP_WAIT_S = 30.0  # how long shutdown waits for the engine thread to finish its step and stop
 
 
 class HFEngine:
