@@ -197,28 +197,68 @@ class LearnerWorker:
         With ``guard`` (demonstrations, the same on every worker): an update after which their NLL
         per token exceeds ``guard.max_ratio`` x before + ``guard.slack`` is undone (weights and
         optimizer state) and redone at half the learning rate, up to ``guard.retries`` times; when
-        every attempt is refused the step keeps the weights it started from."""
+        every attempt is refused the step keeps the weights it started from. With ``guard.max_kl``,
+        an update that moves the policy on the step's own sampled tokens by more than that (their
+        mean KL, before || after, summed over the learners' shards) is refused the same way."""
         cfg = self.cfg
         self.policy.activate(agent)
         lr = cfg.optim.lr * min(1.0, (step + 1) / cfg.optim.warmup_steps) if cfg.optim.warmup_steps else cfg.optim.lr
-        if not guard:
-            return self._update(agent, items, norms, current_version, lr)
         g = cfg.guard
-        key = tuple(i.experience_id for i in guard)
-        cached = self._guard_nll.get(agent)
-        before = cached[1] if cached is not None and cached[0] == key else self._nll(guard)
+        # every learner takes the same branches (the KL is all-reduced), whatever its shard holds
+        kl_on = g.max_kl is not None
+        if not guard and not kl_on:
+            return self._update(agent, items, norms, current_version, lr)
+        watched = [i for i in items if not i.demonstration and not i.context]
+        key = tuple(i.experience_id for i in guard or ())
+        if guard:
+            cached = self._guard_nll.get(agent)
+            before = cached[1] if cached is not None and cached[0] == key else self._nll(guard)
+        logprobs_before = self._sampled_logprobs(watched) if kl_on else []
         saved = self._snapshot(agent)
         for attempt in range(g.retries + 1):
             stats = self._update(agent, items, norms, current_version, lr * 0.5**attempt)
-            after = self._nll(guard)
-            stats.guard_before, stats.guard_after, stats.guard_attempts = before, after, float(attempt + 1)
-            if after <= g.max_ratio * before + g.slack:
-                self._guard_nll[agent] = (key, after)  # the next step's "before", without scoring again
+            stats.guard_attempts = float(attempt + 1)
+            passed = True
+            if guard:
+                after = self._nll(guard)
+                stats.guard_before, stats.guard_after = before, after
+                passed = after <= g.max_ratio * before + g.slack
+            if kl_on:
+                stats.guard_kl = self._kl_since(logprobs_before, watched)
+                passed = passed and stats.guard_kl <= g.max_kl
+            if passed:
+                if guard:
+                    self._guard_nll[agent] = (key, after)  # the next step's "before", without scoring again
                 return stats
             self._restore(agent, saved)
         stats.guard_refused = 1.0
-        self._guard_nll[agent] = (key, before)
+        if guard:
+            self._guard_nll[agent] = (key, before)
         return stats
+
+    @torch.no_grad()
+    def _sampled_logprobs(self, items: list[TrainItem]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Logprobs of ``items``' sampled tokens under the active adapter, at their sampling
+        temperatures, with their masks (one pair per micro-batch, in ``_length_chunks`` order)."""
+        p, out = self.policy, []
+        for micro in self._length_chunks(items):
+            batch = pack([i.prompt_ids for i in micro], [i.response_ids for i in micro], [i.temperature for i in micro],
+                         p.pad_id, share_prefix_min=self.cfg.trainer.shared_prefix_min_tokens)
+            out.append((p.forward(batch, need_hidden=False).logprobs, batch.response_mask.to(p.device)))
+        return out
+
+    def _kl_since(self, before: list[tuple[torch.Tensor, torch.Tensor]], items: list[TrainItem]) -> float:
+        """Mean per-token KL from the policy that scored ``before`` to the one now, on ``items``'
+        sampled tokens (k3, which is never negative), over every learner's shard: the same on all."""
+        total = torch.zeros(2, dtype=torch.float64)
+        for (old, mask), (new, _) in zip(before, self._sampled_logprobs(items)):
+            # the tokens were sampled from (about) the policy before: k3 of KL(before || after)
+            total += torch.tensor([float(masked_sum(kl_k3(old, new), mask)), float(mask.sum())], dtype=torch.float64)
+        if self.world_size > 1:
+            import torch.distributed as dist
+
+            dist.all_reduce(total, op=dist.ReduceOp.SUM)
+        return float(total[0] / total[1].clamp(min=1.0))
 
     def _update(self, agent: str, items: list[TrainItem], norms: Norms, current_version: int, lr: float) -> StepStats:
         cfg, p, recipe = self.cfg, self.policy, self.recipe

@@ -15,11 +15,15 @@ log = logging.getLogger("kaizen.trainer")
 
 def _guard_note(record: dict[str, Any]) -> str:
     """What the guard did, when it did something."""
+    figures = []
+    if "guard_nll_before" in record:
+        figures.append(f"demonstrations' nll {record['guard_nll_before']:.4f} -> {record['guard_nll_after']:.4f}")
+    if "guard_kl" in record:
+        figures.append(f"kl on its samples {record['guard_kl']:.4f}")
     if record.get("guard_refused"):
-        return (f" | GUARD REFUSED {record['guard_attempts']} update(s): demonstrations' nll "
-                f"{record['guard_nll_before']:.4f} -> {record['guard_nll_after']:.4f}; weights unchanged")
+        return f" | GUARD REFUSED {record['guard_attempts']} update(s): {', '.join(figures)}; weights unchanged"
     if record.get("guard_attempts", 1) > 1:
-        return f" | guard: redone at lr {record['lr']:.2g} (nll {record['guard_nll_before']:.4f} -> {record['guard_nll_after']:.4f})"
+        return f" | guard: redone at lr {record['lr']:.2g} ({', '.join(figures)})"
     return ""
 
 

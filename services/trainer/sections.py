@@ -75,8 +75,9 @@ class ObjectiveSection(ConfigModel):
 
 
 class GuardSection(ConfigModel):
-    """A step that makes the agent much worse at its own demonstrations is undone before it is
-    published: their per-token NLL is measured before and after each update (needs demonstrations)."""
+    """A step that makes the agent much worse at its own demonstrations (their per-token NLL, measured
+    before and after each update) or, with ``max_kl``, moves its policy too far on its own samples is
+    undone before it is published."""
 
     demonstrations: int = Field(
         default=64, ge=0, description="The agent's first this many demonstrations are scored around every step (0: no guard).",
@@ -88,6 +89,11 @@ class GuardSection(ConfigModel):
     retries: int = Field(
         default=1, ge=0, description="A refused update is redone this many times, each at half the learning rate of the "
         "last; when all are refused the step keeps the weights it started from (its data is consumed).",
+    )
+    max_kl: float | None = Field(
+        default=None, gt=0, description="Also refuse an update after which the step's own sampled tokens' mean KL from "
+        "the policy before it (k3, nats per token) exceeds this: a step that throws a policy away, with or without "
+        "demonstrations. Costs two forward passes over the batch. null: off.",
     )
 
 

@@ -13,7 +13,7 @@ from services.trainer.batches import Norms, Selection, episodes_of
 from services.trainer.recipes.base import Recipe
 
 
-_SAME_ON_ALL = {"lr", "guard_before", "guard_after", "guard_attempts", "guard_refused"}
+_SAME_ON_ALL = {"lr", "guard_before", "guard_after", "guard_attempts", "guard_refused", "guard_kl"}
 
 
 @dataclass
@@ -39,6 +39,7 @@ class StepStats:
     guard_after: float | None = None  # of the update kept (or of the last refused one)
     guard_attempts: float | None = None  # updates tried (1: the first passed)
     guard_refused: float | None = None  # 1: every attempt was refused; the weights are those before the step
+    guard_kl: float | None = None  # guard.max_kl: the policy's move on the step's own samples (all-reduced)
 
     def add(self, values: dict[str, float], scale: float = 1.0) -> None:
         """Add ``values`` (StepStats field names; an unknown name is a bug) times ``scale``."""
@@ -100,6 +101,9 @@ def step_record(*, agent: str, step: int, version: int, algorithm: str, recipe: 
         rec["demo_nll"] = total.demo_nll
     if total.guard_before is not None:
         rec["guard_nll_before"], rec["guard_nll_after"] = total.guard_before, total.guard_after
+    if total.guard_kl is not None:
+        rec["guard_kl"] = total.guard_kl
+    if total.guard_attempts is not None:
         rec["guard_attempts"], rec["guard_refused"] = int(total.guard_attempts), bool(total.guard_refused)
     if total.kl_loss is not None:
         rec["kl_loss"] = total.kl_loss

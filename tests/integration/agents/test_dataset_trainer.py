@@ -63,11 +63,14 @@ class TwoAgentEnv:
 async def two_agents(client, n: int) -> tuple[str, str]:
     # The task's number stays out of the prompts: the random tiny model does not generalize across
     # number tokens it was not trained on, so validation tasks differ from training ones only in
-    # their ids and their fresh samples. The verifier reads the proposal's first character: its prompt
-    # varies with the proposal, over few enough prompts for it to learn in the steps it gets (with
-    # the whole proposal, its gain over 72 versions ranged from 0.01 to 0.23).
+    # their ids and their fresh samples. The verifier reads whether the proposal earned its point: its
+    # prompt varies with the proposal, over two prompts, so that it learns on each from the first round.
+    # (With the whole proposal in its prompt, its gain over 72 versions ranged from 0.01 to 0.23; with
+    # the proposal's first character, from 0.09 to 0.53: it met hundreds of prompts until the proposer
+    # settled on one character, sometimes only 35 rounds before the end.)
     proposal = await client.complete("Propose something.", max_tokens=2)
-    check = await client.as_agent("verifier").complete(f"Check {proposal[:1]!r}.", max_tokens=2)
+    parity = "even" if proposal and ord(proposal[0]) % 2 == 0 else "odd"
+    check = await client.as_agent("verifier").complete(f"Check an {parity} proposal.", max_tokens=2)
     return proposal, check
 
 
@@ -81,6 +84,10 @@ def test_two_agents_validation_reward_rises(tiny_model, ray_address, tmp_path: P
                 "trainer": {"config": {"ray": {"address": ray_address}, "algorithm": {"name": "grpo"},
                                        "lora": {"r": 8, "alpha": 16}, "optim": {"lr": 5e-3}, "train_batch_size": 16,
                                        "staleness": {"max_staleness": 100},
+                                       # at lr 5e-3 one update in about 70 once threw the verifier's policy away
+                                       # (its own samples' logprobs fell 9.5 nats a token; an ordinary step moves them
+                                       # 0.1-0.5) and its gain over the run was 0.11: such an update is redone at half
+                                       "guard": {"max_kl": 1.0},
                                        # polls for the next round's rows every 0.2 s: the rounds go in lock step with it
                                        "trainer": {"torch_threads": 1, "poll_interval_s": 0.2}}}})
     report = trainer.train()

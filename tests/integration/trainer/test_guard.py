@@ -1,8 +1,11 @@
 """The Trainer's guard (TrainerConfig.guard): an update that makes the agent much worse at its own
-demonstrations is undone, weights and optimizer state, and redone at half the learning rate; when
-every attempt is refused the step keeps the weights it started from. Real learner, tiny model."""
+demonstrations, or (guard.max_kl) moves its policy too far on the step's own samples, is undone,
+weights and optimizer state, and redone at half the learning rate; when every attempt is refused
+the step keeps the weights it started from. Real learner, tiny model."""
 
 from __future__ import annotations
+
+import math
 
 import pytest
 import torch
@@ -87,3 +90,66 @@ def test_without_demonstrations_there_is_no_guard(worker):
     w, good, _ = worker
     st = w.train_step(AGENT, good, Norms.of(good), 102, 0)
     assert st.guard_before is None and st.guard_attempts is None and st.guard_refused is None
+
+
+def _rollouts(worker: LearnerWorker) -> list[TrainItem]:
+    """Four sampled answers to one question, two rewarded (GRPO's advantages +-1), with the
+    logprobs their policy gave them (the ratio starts at 1, as for traffic from the newest version)."""
+    tok = worker.policy.tokenizer
+    prompt = tok.encode(tok.apply_chat_template([{"role": "user", "content": QUESTIONS[0]}], add_generation_prompt=True,
+                                                tokenize=False), add_special_tokens=False)
+    answers = ["It is 5.", "Five.", "I do not know.", "Maybe 7?"]
+    items = [TrainItem(experience_id=f"r-{k}", task_id="t", model_version=0, prompt_ids=prompt,
+                       response_ids=tok.encode(text, add_special_tokens=False), old_logprobs=[], reward=float(k < 2),
+                       temperature=1.0, seq=k, advantage=1.0 if k < 2 else -1.0, run_id=str(k))
+             for k, text in enumerate(answers)]
+    [(lp, mask)] = worker._sampled_logprobs(items)
+    for row, it in enumerate(items):
+        it.old_logprobs = lp[row, : int(mask[row].sum())].tolist()
+    return items
+
+
+@pytest.fixture(scope="module")
+def kl_worker(tiny_model):
+    # at lr 1e-4 a step moves this random model's policy on the samples below by about 0.007 nats per token
+    # (1e-3: 0.2-0.3; 0.5: 2-2,000)
+    w = LearnerWorker({"model": {"path": str(tiny_model)}, "algorithm": {"name": "grpo"}, "optim": {"lr": 1e-4},
+                       "guard": {"max_kl": 0.05, "retries": 1}, "log_level": "warning"})
+    w.setup()
+    w.ensure_agent(AGENT)
+    return w
+
+
+def test_with_max_kl_an_update_that_throws_the_policy_away_is_refused_without_demonstrations(kl_worker):
+    w = kl_worker
+    items = _rollouts(w)
+    before, opt_steps = _state(w)
+    w.cfg.optim.lr = 0.5  # a huge step: the policy on its own samples moves far
+    try:
+        st = w.train_step(AGENT, items, Norms.of(items), 0, 0)
+    finally:
+        w.cfg.optim.lr = 1e-4
+    assert st.guard_refused == 1.0 and st.guard_attempts == 2.0 and st.guard_before is None
+    assert st.guard_kl > 0.05
+    assert st.lr == pytest.approx(0.25)
+    after, opt_steps_after = _state(w)
+    assert all(torch.equal(before[k], after[k]) for k in before), "a refused step changed the adapter"
+    assert opt_steps_after == opt_steps
+    # measured on the same samples, the weights kept give the logprobs the step started from
+    [(lp, mask)] = w._sampled_logprobs(items)
+    assert lp[0, : int(mask[0].sum())].tolist() == pytest.approx(items[0].old_logprobs, abs=1e-5)
+
+
+def test_with_max_kl_an_ordinary_update_passes_and_reports_its_kl(kl_worker):
+    w = kl_worker
+    items = _rollouts(w)
+    before, opt_steps = _state(w)
+    st = w.train_step(AGENT, items, Norms.of(items), 1, 0)
+    assert st.guard_attempts == 1.0 and st.guard_refused is None
+    assert 0.0 < st.guard_kl <= 0.05
+    # the KL it reports is the mean k3 from the logprobs before the update to those after, by hand
+    [(lp, mask)] = w._sampled_logprobs(items)
+    d = [new - old for row, it in enumerate(items) for old, new in zip(it.old_logprobs, lp[row, : int(mask[row].sum())].tolist())]
+    assert st.guard_kl == pytest.approx(sum(math.exp(x) - x - 1 for x in d) / len(d), rel=1e-3)
+    after, opt_steps_after = _state(w)
+    assert any(not torch.equal(before[k], after[k]) for k in before) and opt_steps_after == opt_steps + 1
