@@ -45,12 +45,12 @@ def _traffic_rows(stack) -> tuple[list[dict], dict, object]:
 
 def guard_counts(run: Path) -> dict[str, int]:
     """What the Trainer's guard did (TrainerConfig.guard), from its metrics log: steps it checked,
-    redid at a lower learning rate, and refused (weights kept)."""
+    redid at a lower learning rate, and refused (weights kept), and those it checked by their KL (max_kl)."""
     path = run / "trainer" / "metrics.jsonl"
     steps = [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
     checked = [s for s in steps if "guard_attempts" in s]
     return {"checked": len(checked), "redone": sum(1 for s in checked if s["guard_attempts"] > 1 and not s["guard_refused"]),
-            "refused": sum(1 for s in checked if s["guard_refused"])}
+            "refused": sum(1 for s in checked if s["guard_refused"]), "kl": sum(1 for s in checked if "guard_kl" in s)}
 
 
 def plot(stages: list[Stage], loop, rows: list[dict], path: Path, *, metric: str, title: str, arms: list[Stage] = ()) -> None:
@@ -141,7 +141,8 @@ def report(cfg, stack, loop, stages: list[Stage], *, serving: dict, explorer_req
     ]
     guard = guard_counts(stack.run)
     if guard["checked"]:
-        lines.insert(-2, f"  guard (an update that makes the demonstrations' NLL jump is undone): {guard['checked']} steps "
+        what = "makes the demonstrations' NLL jump" + (", or moves the policy past guard.max_kl," if guard["kl"] else "")
+        lines.insert(-2, f"  guard (an update that {what} is undone): {guard['checked']} steps "
                          f"checked, {guard['redone']} redone at half the learning rate, {guard['refused']} refused")
     if release:
         lines.insert(-2, "  release check (the gate on hand-published candidates): " + ", ".join(

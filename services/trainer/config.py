@@ -149,6 +149,12 @@ class TrainerLoopSection(ConfigModel):
         default=32, ge=0,
         description="A prompt prefix every sequence of a micro-batch shares (a system prompt, tool descriptions) is "
         "computed once when it is at least this long; same losses and gradients, less work. 0: never.")
+    chain_calls: bool = Field(
+        default=True,
+        description="Score a call whose prompt and response begin another call's sequence (an episode's earlier "
+        "call, inside the next call's prompt) within that call's forward: a multi-call episode costs about one "
+        "forward, not one per call; same losses and gradients. Not for grammar-constrained calls, hints' teacher "
+        "terms or a critic. false: one row per call.")
     epochs: int = Field(default=1, ge=1, description="Optimizer updates per batch.")
     torch_threads: int | None = Field(default=None, ge=1, description="torch intra-op threads of each learner.")
     progress: bool = Field(default=True, description="Show a progress line on a terminal.")

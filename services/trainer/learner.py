@@ -28,7 +28,7 @@ from services.trainer.algorithms.surrogate import kl_k3, kl_penalty
 from services.trainer.algorithms.sft import sft_loss
 from services.trainer.batches import Norms, TrainItem, episode_chunks, length_chunks
 from services.trainer.config import TrainerConfig
-from services.trainer.policy import Policy, pack
+from services.trainer.policy import PackedBatch, Policy, chain_rows, pack
 from services.trainer.recipes import GATHER_IDS, MicroBatch
 from services.trainer.stats import StepStats
 
@@ -204,7 +204,8 @@ class LearnerWorker:
         self.policy.activate(agent)
         lr = cfg.optim.lr * min(1.0, (step + 1) / cfg.optim.warmup_steps) if cfg.optim.warmup_steps else cfg.optim.lr
         g = cfg.guard
-        # every learner takes the same branches (the KL is all-reduced), whatever its shard holds
+        # every learner takes the same branches, whatever its shard holds: the KL and each attempt's verdict
+        # are all-reduced
         kl_on = g.max_kl is not None
         if not guard and not kl_on:
             return self._update(agent, items, norms, current_version, lr)
@@ -224,9 +225,9 @@ class LearnerWorker:
                 stats.guard_before, stats.guard_after = before, after
                 passed = after <= g.max_ratio * before + g.slack
             if kl_on:
-                stats.guard_kl = self._kl_since(logprobs_before, watched)
-                passed = passed and stats.guard_kl <= g.max_kl
-            if passed:
+                stats.guard_kl = self._kl_since(logprobs_before, watched)  # None: no sampled token in the step
+                passed = passed and (stats.guard_kl is None or stats.guard_kl <= g.max_kl)
+            if self._all_agree(passed):
                 if guard:
                     self._guard_nll[agent] = (key, after)  # the next step's "before", without scoring again
                 return stats
@@ -236,29 +237,46 @@ class LearnerWorker:
             self._guard_nll[agent] = (key, before)
         return stats
 
+    def _all_agree(self, passed: bool) -> bool:
+        """Whether every learner passed (each scores the same guard set on the same weights, but float
+        order may differ by device: one verdict for all, so all go on to the same next attempt)."""
+        if self.world_size <= 1:
+            return passed
+        import torch.distributed as dist
+
+        failed = torch.tensor([0.0 if passed else 1.0], device=self.policy.device)
+        dist.all_reduce(failed, op=dist.ReduceOp.MAX)
+        return float(failed) == 0.0
+
     @torch.no_grad()
     def _sampled_logprobs(self, items: list[TrainItem]) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Logprobs of ``items``' sampled tokens under the active adapter, at their sampling
-        temperatures, with their masks (one pair per micro-batch, in ``_length_chunks`` order)."""
+        temperatures (over the whole vocabulary, a grammar's mask aside), with their masks: one pair
+        per micro-batch, in ``_length_chunks`` order."""
         p, out = self.policy, []
         for micro in self._length_chunks(items):
-            batch = pack([i.prompt_ids for i in micro], [i.response_ids for i in micro], [i.temperature for i in micro],
-                         p.pad_id, share_prefix_min=self.cfg.trainer.shared_prefix_min_tokens)
+            batch = self._pack(micro)
             out.append((p.forward(batch, need_hidden=False).logprobs, batch.response_mask.to(p.device)))
         return out
 
-    def _kl_since(self, before: list[tuple[torch.Tensor, torch.Tensor]], items: list[TrainItem]) -> float:
+    def _kl_since(self, before: list[tuple[torch.Tensor, torch.Tensor]], items: list[TrainItem]) -> float | None:
         """Mean per-token KL from the policy that scored ``before`` to the one now, on ``items``'
-        sampled tokens (k3, which is never negative), over every learner's shard: the same on all."""
-        total = torch.zeros(2, dtype=torch.float64)
-        for (old, mask), (new, _) in zip(before, self._sampled_logprobs(items)):
-            # the tokens were sampled from (about) the policy before: k3 of KL(before || after)
-            total += torch.tensor([float(masked_sum(kl_k3(old, new), mask)), float(mask.sum())], dtype=torch.float64)
+        sampled tokens (k3, which is never negative), pooled over every learner's shard: the same on
+        all. None when no learner had a sampled token."""
+        after = self._sampled_logprobs(items)
+        if len(after) != len(before):
+            raise RuntimeError(f"the guard scored {len(before)} micro-batches before the update and {len(after)} after")
+        total = torch.zeros(2, dtype=torch.float64, device=self.policy.device)
+        for (old, mask), (new, _) in zip(before, after):
+            # k3 of KL(before || after): the tokens were sampled from the policy before, or from a version at most
+            # staleness.max_staleness behind it
+            total += torch.stack([masked_sum(kl_k3(old, new), mask).double(), mask.sum().double()])
         if self.world_size > 1:
             import torch.distributed as dist
 
             dist.all_reduce(total, op=dist.ReduceOp.SUM)
-        return float(total[0] / total[1].clamp(min=1.0))
+        kl, tokens = total.tolist()
+        return kl / tokens if tokens else None
 
     def _update(self, agent: str, items: list[TrainItem], norms: Norms, current_version: int, lr: float) -> StepStats:
         cfg, p, recipe = self.cfg, self.policy, self.recipe
@@ -336,8 +354,12 @@ class LearnerWorker:
         the first epoch only). The recipe's extra inputs are computed at the first epoch, before
         any update, and kept for the step's other epochs."""
         a, p, recipe = self.cfg.algorithm, self.policy, self.recipe
-        batch = pack([i.prompt_ids for i in micro], [i.response_ids for i in micro], [i.temperature for i in micro], p.pad_id,
-                     share_prefix_min=self.cfg.trainer.shared_prefix_min_tokens)
+        if ("extra", key) not in cache:  # before this forward: a recipe may ask it for some tokens' logprobs
+            cache[("extra", key)] = recipe.extra_inputs(micro, _Scorer(p, self.cfg.trainer.shared_prefix_min_tokens,
+                                                                       self._other_model))
+        gather = cache[("extra", key)].get(GATHER_IDS)
+        # a chained forward gives logprobs and entropy only: not for grammars' masks, gathered ids or a critic
+        batch = self._pack(micro, chain=gather is None and not recipe.uses_critic and not any(i.grammar for i in micro))
         dev = p.device
         response_mask = batch.response_mask.to(dev)
         has_context = any(it.context for it in micro)
@@ -348,10 +370,6 @@ class LearnerWorker:
         for row, it in enumerate(micro):
             old_lp[row, : len(it.old_logprobs)] = torch.tensor(it.old_logprobs)
         allowed = p.allowed_tokens([i.grammar for i in micro], [i.response_ids for i in micro], batch.response_len)
-        if ("extra", key) not in cache:  # before this forward: a recipe may ask it for some tokens' logprobs
-            cache[("extra", key)] = recipe.extra_inputs(micro, _Scorer(p, self.cfg.trainer.shared_prefix_min_tokens,
-                                                                       self._other_model))
-        gather = cache[("extra", key)].get(GATHER_IDS)
         out = p.forward(batch, need_hidden=recipe.uses_critic, entropy_grad=a.entropy_coef > 0, allowed=allowed,
                         gather=None if gather is None else _widen(gather, batch.response_len))
         stats: dict[str, float] = {"entropy_sum": float(masked_sum(out.entropy.detach(), mask)), "tokens": float(mask.sum())}
@@ -394,8 +412,22 @@ class LearnerWorker:
         return episode_chunks(items, self.cfg.trainer.micro_batch_size) if self.recipe.uses_critic else self._length_chunks(items)
 
     def _length_chunks(self, items: list[TrainItem]) -> list[list[TrainItem]]:
+        """Micro-batches by length (``length_chunks``); with ``trainer.chain_calls`` the calls one row can
+        score (``chain_rows``) stay together, and the micro-batch is sized by its rows."""
         t = self.cfg.trainer
-        return length_chunks(items, t.micro_batch_size, t.micro_batch_tokens)
+        if not t.chain_calls:
+            return length_chunks(items, t.micro_batch_size, t.micro_batch_tokens)
+        rows = chain_rows([i.prompt_ids for i in items], [i.response_ids for i in items], [i.temperature for i in items])
+        calls = {id(items[r[0]]): [items[k] for k in r] for r in rows}  # a row by its longest call
+        return [[c for head in chunk for c in calls[id(head)]]
+                for chunk in length_chunks([items[r[0]] for r in rows], t.micro_batch_size, t.micro_batch_tokens)]
+
+    def _pack(self, micro: list[TrainItem], *, temperature: float | None = None, chain: bool = True) -> PackedBatch:
+        """``micro`` laid out for a forward (at its calls' temperatures, or ``temperature``), its calls
+        chained into shared rows when ``trainer.chain_calls`` and ``chain``."""
+        temperatures = [i.temperature if temperature is None else temperature for i in micro]
+        return pack([i.prompt_ids for i in micro], [i.response_ids for i in micro], temperatures, self.policy.pad_id,
+                    share_prefix_min=self.cfg.trainer.shared_prefix_min_tokens, chain=chain and self.cfg.trainer.chain_calls)
 
     def _demonstration_step(self, micro: list[TrainItem], norms: Norms) -> dict[str, float]:
         """The supervised term: the token-mean NLL of the step's demonstrations and replayed
@@ -410,8 +442,7 @@ class LearnerWorker:
     def _demonstration_logprobs(self, micro: list[TrainItem]) -> tuple[torch.Tensor, torch.Tensor]:
         """Logprobs of the demonstrations' response tokens (with grad unless under no_grad) and their mask."""
         p = self.policy
-        batch = pack([i.prompt_ids for i in micro], [i.response_ids for i in micro], [1.0] * len(micro), p.pad_id,
-                     share_prefix_min=self.cfg.trainer.shared_prefix_min_tokens)
+        batch = self._pack(micro, temperature=1.0)
         return p.forward(batch, need_hidden=False, entropy_grad=False).logprobs, batch.response_mask.to(p.device)
 
     def _all_reduce(self, params: list[torch.nn.Parameter]) -> None:

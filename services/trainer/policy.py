@@ -19,7 +19,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Sequence
 
@@ -55,16 +55,53 @@ class PackedBatch:
     prompt_len: int  # P (after the shared prefix)
     response_len: int  # R
     prefix_ids: torch.Tensor | None = None  # (L,): the prompt tokens every row starts with, computed once
+    # Calls computed inside another's row (``pack(chain=True)``): the model runs the rows below, and each
+    # call's response positions are picked from them. response_ids, response_mask, temperatures and
+    # response_len above stay the calls'; input_ids, attention_mask, position_ids and prompt_len the rows'.
+    chain: "Chain | None" = None
 
     @property
     def prefix_len(self) -> int:
         return 0 if self.prefix_ids is None else int(self.prefix_ids.numel())
 
 
+@dataclass
+class Chain:
+    response_ids: torch.Tensor  # (N, R'): each row's tokens after its prompt (its calls' responses, and what lies between)
+    temperatures: torch.Tensor  # (N,)
+    response_len: int  # R'
+    index: torch.Tensor  # (B, R) long: where each call's response position sits in the rows' (N * R') positions
+
+
+def chain_rows(prompts: Sequence[Sequence[int]], responses: Sequence[Sequence[int]], temperatures: Sequence[float]
+               ) -> list[list[int]]:
+    """Calls that one forward can score together: a call whose prompt and response, token for token,
+    begin another call's (an episode's first call inside its next one, whose prompt holds the first
+    call, its response and the tool's result), at the same temperature. A causal model gives a call's
+    response the same logprobs inside the longer sequence as alone. Rows of call indices, the longest
+    call first; every call in exactly one row; the rows in order of their longest call's index."""
+    order = sorted(range(len(prompts)), key=lambda i: (-(len(prompts[i]) + len(responses[i])), i))
+    rows: list[tuple[list[int], list[int]]] = []  # (the longest call's tokens, the calls)
+    for i in order:
+        full = list(prompts[i]) + list(responses[i])
+        for tokens, calls in rows:
+            if temperatures[calls[0]] == temperatures[i] and tokens[: len(full)] == full:
+                calls.append(i)
+                break
+        else:
+            rows.append((full, [i]))
+    return sorted((calls for _, calls in rows), key=lambda calls: calls[0])
+
+
 def pack(prompts: Sequence[Sequence[int]], responses: Sequence[Sequence[int]], temperatures: Sequence[float], pad_id: int,
-         *, share_prefix_min: int = 0) -> PackedBatch:
+         *, share_prefix_min: int = 0, chain: bool = False) -> PackedBatch:
     """The layout above. With ``share_prefix_min`` > 0 and at least two rows, a common prefix of at
-    least that many tokens is split off into ``prefix_ids`` (the rest is laid out as before)."""
+    least that many tokens is split off into ``prefix_ids`` (the rest is laid out as before). With
+    ``chain``, calls that ``chain_rows`` finds inside another's sequence are computed in its row."""
+    if chain:
+        rows = chain_rows(prompts, responses, temperatures)
+        if len(rows) < len(prompts):
+            return _pack_chained(prompts, responses, temperatures, pad_id, rows, share_prefix_min)
     B = len(prompts)
     L = shared_prefix_len(prompts) if share_prefix_min > 0 and B > 1 else 0
     if L < max(share_prefix_min, 1):
@@ -85,6 +122,28 @@ def pack(prompts: Sequence[Sequence[int]], responses: Sequence[Sequence[int]], t
         rmask[i, : len(r)] = 1.0
     pos = L + (attn.cumsum(-1) - 1).clamp(min=0)
     return PackedBatch(ids, attn, pos, resp, rmask, torch.tensor(list(temperatures), dtype=torch.float32), P, R, prefix)
+
+
+def _pack_chained(prompts, responses, temperatures, pad_id: int, rows: list[list[int]], share_prefix_min: int) -> PackedBatch:
+    """Each row from its shortest prompt to the end of its longest call; the calls' own fields beside."""
+    starts = [min(len(prompts[i]) for i in calls) for calls in rows]
+    fulls = [list(prompts[calls[0]]) + list(responses[calls[0]]) for calls in rows]
+    model = pack([f[:s] for f, s in zip(fulls, starts)], [f[s:] for f, s in zip(fulls, starts)],
+                 [temperatures[calls[0]] for calls in rows], pad_id, share_prefix_min=share_prefix_min)
+    B, R, width = len(prompts), max(len(r) for r in responses), model.response_len
+    resp = torch.full((B, R), pad_id, dtype=torch.long)
+    rmask = torch.zeros((B, R))
+    index = torch.zeros((B, R), dtype=torch.long)
+    for n, (calls, start) in enumerate(zip(rows, starts)):
+        for i in calls:
+            k = len(responses[i])
+            resp[i, :k] = torch.tensor(list(responses[i]), dtype=torch.long)
+            rmask[i, :k] = 1.0
+            offset = n * width + len(prompts[i]) - start
+            index[i, :k] = torch.arange(offset, offset + k)
+    chain = Chain(response_ids=model.response_ids, temperatures=model.temperatures, response_len=width, index=index)
+    return replace(model, response_ids=resp, response_mask=rmask, response_len=R,
+                   temperatures=torch.tensor(list(temperatures), dtype=torch.float32), chain=chain)
 
 
 @dataclass
@@ -248,15 +307,23 @@ class Policy:
         ``allowed`` (B, R, V): score each token over the tokens its grammar allowed, as sampled.
         ``gather`` (B, R, k) token ids: their logprobs at each response position too (``gathered``);
         ``top_k``: the k likeliest tokens at each response position (``top``), e.g. a teacher's."""
-        P, R = batch.prompt_len, batch.response_len
+        chain = batch.chain
+        if chain is not None and (need_hidden or allowed is not None or gather is not None or top_k):
+            raise ValueError("a chained batch gives logprobs and entropy only: pack it without chain")
+        P = batch.prompt_len
+        R = batch.response_len if chain is None else chain.response_len
         net = self._net  # the base model alone until an agent exists (a teacher model has none)
         with contextlib.nullcontext() if adapter or self.model is None else self.model.disable_adapter(), self._compute():
             out = net(**self._inputs(batch), output_hidden_states=need_hidden,
                       logits_to_keep=R + 1)  # positions P-1 .. P+R-1; the last one predicts nothing we need
         # each statistic chunk by chunk from the logits' first R positions (services/trainer/token_stats.py): no
         # (B, R, V) float32 copy per statistic is kept for the backward pass
-        stats = token_stats(out.logits, batch.temperatures, batch.response_ids, allowed=allowed,
+        temperatures, targets = (batch.temperatures, batch.response_ids) if chain is None else (chain.temperatures, chain.response_ids)
+        stats = token_stats(out.logits, temperatures, targets, allowed=allowed,
                             gather=gather, top_k=top_k, entropy_grad=entropy_grad and torch.is_grad_enabled())
         logprobs, entropy, gathered, top = stats.logprobs, stats.entropy, stats.gathered, stats.top
+        if chain is not None:  # each call's positions out of its row's (gradients flow back through the pick)
+            index = chain.index.to(logprobs.device)
+            logprobs, entropy = logprobs.reshape(-1)[index], entropy.reshape(-1)[index]
         hidden = out.hidden_states[-1][:, P - 1 : P - 1 + R, :] if need_hidden else None
         return ForwardOut(logprobs=logprobs, entropy=entropy, hidden=hidden, gathered=gathered, top=top)

@@ -5,16 +5,30 @@ from __future__ import annotations
 
 import pytest
 
+from services.common.config import load_config
+from services.trainer.batches import Norms, Selection
 from services.trainer.config import TrainerConfig
 from services.trainer.metrics import _guard_note
-from services.trainer.stats import StepStats
+from services.trainer.recipes.ppo import PPO, PPOConfig
+from services.trainer.stats import StepStats, step_record
 
 
-def test_the_kl_is_the_same_on_every_learner_and_not_summed():
+def _record(total: StepStats) -> dict:
+    ppo = PPO(PPOConfig(), load_config(TrainerConfig, None, ["model.path=/m", "algorithm.name=ppo"], env={}).algorithm)
+    return step_record(agent="a", step=1, version=1, algorithm="ppo", recipe=ppo, published=0, selection=Selection(),
+                       total=total, norms=Norms(tokens=16.0, sequences=2.0), seconds=1.0)
+
+
+def test_the_kl_is_the_first_learners_not_a_sum_and_reaches_the_record_alone():
+    # every learner holds the pooled KL and the shared verdict (learner.py all-reduces both)
     a = StepStats(tokens=10, guard_kl=0.3, guard_attempts=2.0, guard_refused=1.0)
     b = StepStats(tokens=6, guard_kl=0.3, guard_attempts=2.0, guard_refused=1.0)
     m = StepStats.merged([a, b])
     assert m.tokens == 16 and m.guard_kl == 0.3 and m.guard_attempts == 2.0 and m.guard_refused == 1.0
+    rec = _record(m)  # a KL guard without demonstrations: no NLL figures
+    assert rec["guard_kl"] == 0.3 and rec["guard_attempts"] == 2 and rec["guard_refused"] is True
+    assert "guard_nll_before" not in rec and "guard_nll_after" not in rec
+    assert not {k for k in _record(StepStats(tokens=16)) if k.startswith("guard")}  # no guard: no figures
 
 
 def test_the_log_line_names_each_test_that_ran():

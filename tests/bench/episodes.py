@@ -1,0 +1,106 @@
+"""`make bench` section episodes: the demo's Trainer step on two-call episodes, each episode's calls
+scored in one row (trainer.chain_calls, the default) against one row per call, side by side.
+
+    python -m tests.bench.run episodes      # KAIZEN_BENCH_ROUNDS=3 KAIZEN_BENCH_THREADS=1
+
+The batch is shaped as the demo's (services/demo/tools_demo.py): SmolLM2-135M-Instruct in the demo's
+dtype (bfloat16 where the CPU computes it natively, else float32), LoRA r=16, lr 1e-3, micro-batches
+of 8 rows, one torch thread (the demo's Trainer), GRPO over 2 questions x 8 runs of two calls (the
+calculator call, then the answer after the tool's result: 32 calls), 4 demonstrations replayed (the
+mixed objective) and the guard scoring the 16 demonstrations around the update. Every call is rendered
+by the model's chat template with the calculator tool, as the Explorer's /demonstrations renders
+one (services/explorer/serving/demonstrations.py), so an episode's second prompt holds its first call
+token for token. Both workers start from the same adapter; rounds alternate them.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import statistics
+import time
+
+from services.demo import tools_task
+from services.demo.tools_demo import _dtype
+from services.trainer.batches import Norms, TrainItem
+from services.trainer.learner import LearnerWorker
+from tests.bench.common import table
+from tests.bench.smollm2 import MODEL, spread
+
+AGENT = "calculator"
+
+
+def _render(tok, turn: dict) -> tuple[list[int], list[int]]:
+    prompt = tok.apply_chat_template(turn["messages"], tools=turn["tools"], add_generation_prompt=True, tokenize=False)
+    full = tok.apply_chat_template([*turn["messages"], turn["response"]], tools=turn["tools"], tokenize=False)
+    reply = tok.encode(full[len(prompt):], add_special_tokens=False)
+    if tok.eos_token_id in reply:
+        reply = reply[: len(reply) - reply[::-1].index(tok.eos_token_id)]
+    return tok.encode(prompt, add_special_tokens=False), reply
+
+
+def _episodes(tok, tasks: int, *, runs: int, seed: int) -> list[TrainItem]:
+    """``runs`` episodes of each of ``tasks`` groups, rewarded at random, advantages around the group's
+    mean. Every episode is a different problem (sampled runs differ; identical ones would share a row)."""
+    rng, items = random.Random(seed), []
+    for task in range(tasks):
+        rewards = [float(rng.random() < 0.5) for _ in range(runs)]
+        mean = statistics.fmean(rewards)
+        for run, reward in enumerate(rewards):
+            for turn in tools_task.demonstration_turns(tools_task.make_problem(rng)):
+                prompt, reply = _render(tok, turn)
+                items.append(TrainItem(experience_id=f"{task}-{run}-{len(items)}", task_id=str(task), model_version=0,
+                                       prompt_ids=prompt, response_ids=reply, old_logprobs=[-0.5] * len(reply),
+                                       reward=reward, temperature=1.0, seq=len(items), advantage=reward - mean,
+                                       run_id=str(run), weight=0.5))
+    return items
+
+
+def _demonstrations(tok, n: int) -> list[TrainItem]:
+    out = []
+    for k, turn in enumerate(tools_task.demonstrations(n)):
+        prompt, reply = _render(tok, turn)
+        out.append(TrainItem(experience_id=f"demo-{k}", task_id=None, model_version=0, prompt_ids=prompt, response_ids=reply,
+                             old_logprobs=[], reward=None, temperature=1.0, seq=1000 + k, demonstration=True))
+    return out
+
+
+def main() -> str:
+    rounds = int(os.environ.get("KAIZEN_BENCH_ROUNDS", 3))
+    threads = int(os.environ.get("KAIZEN_BENCH_THREADS", 1))
+    dtype = _dtype()
+    workers = {}
+    for chain in (True, False):
+        w = LearnerWorker({"model": {"path": MODEL, "dtype": dtype}, "algorithm": {"name": "grpo", "kl_metric": False},
+                           "lora": {"r": 16, "alpha": 32}, "optim": {"lr": 1e-3}, "log_level": "warning",
+                           "trainer": {"micro_batch_size": 8, "torch_threads": threads, "chain_calls": chain}})
+        w.setup()
+        w.ensure_agent(AGENT)
+        workers[chain] = w
+    tok = workers[True].policy.tokenizer
+    rollouts = _episodes(tok, 2, runs=8, seed=0)
+    guard = _demonstrations(tok, 16)
+    items = rollouts + guard[:4]
+    norms = Norms.of(items)
+    times: dict[bool, list[float]] = {True: [], False: []}
+    for r in range(rounds + 1):  # the first round warms both up
+        for chain in ((True, False) if r % 2 == 0 else (False, True)):
+            t0 = time.perf_counter()
+            workers[chain].train_step(AGENT, items, norms, r, 0, guard=guard)
+            if r:
+                times[chain].append(time.perf_counter() - t0)
+    rows_of = {chain: sum(w._pack(c).input_ids.shape[0] for c in w._length_chunks(rollouts))
+               for chain, w in workers.items()}
+    tokens = {chain: sum(int(w._pack(c).attention_mask.sum()) + (w._pack(c).prefix_len or 0)
+                         for c in w._length_chunks(rollouts)) for chain, w in workers.items()}
+    ratios = [b / a for a, b in zip(times[True], times[False])]
+    rows = [[("chained (trainer.chain_calls)" if chain else "one row per call"), rows_of[chain], tokens[chain],
+             spread([t * 1000 for t in times[chain]])] for chain in (True, False)]
+    out = table(f"The demo's Trainer step on SmolLM2 ({dtype}, {threads} thread(s)): {len(rollouts)} calls in "
+                f"{len(rollouts) // 2} two-call episodes + 4 demonstrations, guard on 16; median (min..max) of {rounds} "
+                f"alternating rounds after a warm-up", ["layout", "rollout rows", "rollout tokens run", "ms/step"], rows)
+    return out + f"\none row per call / chained, paired by round: {spread(ratios, '{:.2f}')}x"
+
+
+if __name__ == "__main__":
+    print(main())
