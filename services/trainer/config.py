@@ -137,7 +137,8 @@ class TrainerLoopSection(ConfigModel):
     device: str = Field(default="auto", description="cpu, cuda or auto.")
     seed: int = Field(default=0, description="Seed of adapter init and data order.")
     agents: list[str] = Field(default_factory=list, description="Train only these agents (empty: every agent with data).")
-    micro_batch_size: int = Field(default=8, ge=1, description="Sequences per forward/backward (gradient accumulation).")
+    micro_batch_size: int = Field(default=8, ge=1, description="Rows per forward/backward (gradient accumulation): a "
+                                  "sequence each, or an episode's calls scored in one row (chain_calls).")
     micro_batch_tokens: int | None = Field(
         default=None, ge=1,
         description="Also keep each micro-batch within this many padded positions (rows x (longest prompt + longest "
@@ -153,8 +154,12 @@ class TrainerLoopSection(ConfigModel):
         default=True,
         description="Score a call whose prompt and response begin another call's sequence (an episode's earlier "
         "call, inside the next call's prompt) within that call's forward: a multi-call episode costs about one "
-        "forward, not one per call; same losses and gradients. Not for grammar-constrained calls, hints' teacher "
-        "terms or a critic. false: one row per call.")
+        "forward, not one per call; the same losses and gradients up to float rounding. Not for grammar-constrained "
+        "calls, calls with a hint's teacher prompt or a critic's recipe. false: one row per call.")
+    chain_max_gap_tokens: int = Field(
+        default=256, ge=0,
+        description="A call is scored inside a later call's row only if at most this many tokens lie between its "
+        "response and the next response scored in that row (a long tool result): the row's logits cover them.")
     epochs: int = Field(default=1, ge=1, description="Optimizer updates per batch.")
     torch_threads: int | None = Field(default=None, ge=1, description="torch intra-op threads of each learner.")
     progress: bool = Field(default=True, description="Show a progress line on a terminal.")

@@ -17,6 +17,7 @@ import os
 import random
 import socket
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, Callable
 
@@ -358,8 +359,8 @@ class LearnerWorker:
             cache[("extra", key)] = recipe.extra_inputs(micro, _Scorer(p, self.cfg.trainer.shared_prefix_min_tokens,
                                                                        self._other_model))
         gather = cache[("extra", key)].get(GATHER_IDS)
-        # a chained forward gives logprobs and entropy only: not for grammars' masks, gathered ids or a critic
-        batch = self._pack(micro, chain=gather is None and not recipe.uses_critic and not any(i.grammar for i in micro))
+        # a chained forward gives logprobs and entropy only: not for gathered ids or a critic (nor grammars, _chainable)
+        batch = self._pack(micro, chain=gather is None and not recipe.uses_critic)
         dev = p.device
         response_mask = batch.response_mask.to(dev)
         has_context = any(it.context for it in micro)
@@ -412,22 +413,38 @@ class LearnerWorker:
         return episode_chunks(items, self.cfg.trainer.micro_batch_size) if self.recipe.uses_critic else self._length_chunks(items)
 
     def _length_chunks(self, items: list[TrainItem]) -> list[list[TrainItem]]:
-        """Micro-batches by length (``length_chunks``); with ``trainer.chain_calls`` the calls one row can
-        score (``chain_rows``) stay together, and the micro-batch is sized by its rows."""
+        """Micro-batches by length (``length_chunks``). When ``items`` can be chained (``_chainable``),
+        the calls one row scores (``chain_rows``) stay together, and micro_batch_size and
+        micro_batch_tokens count that row as laid out: from its shortest prompt to its longest call's end."""
         t = self.cfg.trainer
-        if not t.chain_calls:
+        if not self._chainable(items):
             return length_chunks(items, t.micro_batch_size, t.micro_batch_tokens)
-        rows = chain_rows([i.prompt_ids for i in items], [i.response_ids for i in items], [i.temperature for i in items])
-        calls = {id(items[r[0]]): [items[k] for k in r] for r in rows}  # a row by its longest call
-        return [[c for head in chunk for c in calls[id(head)]]
-                for chunk in length_chunks([items[r[0]] for r in rows], t.micro_batch_size, t.micro_batch_tokens)]
+        rows = chain_rows([i.prompt_ids for i in items], [i.response_ids for i in items], [i.temperature for i in items],
+                          max_gap=t.chain_max_gap_tokens)
+        priced: dict[int, list[TrainItem]] = {}
+        shapes = []
+        for r in rows:
+            head, start = items[r[0]], min(len(items[k].prompt_ids) for k in r)
+            full = head.prompt_ids + head.response_ids
+            shape = replace(head, prompt_ids=full[:start], response_ids=full[start:])
+            priced[id(shape)] = [items[k] for k in r]
+            shapes.append(shape)
+        return [[c for shape in chunk for c in priced[id(shape)]]
+                for chunk in length_chunks(shapes, t.micro_batch_size, t.micro_batch_tokens)]
+
+    def _chainable(self, items: list[TrainItem]) -> bool:
+        """Whether ``items``' calls may share rows: ``trainer.chain_calls``, and no call whose scoring needs
+        its own row (a grammar's masks, a hint's teacher terms)."""
+        return self.cfg.trainer.chain_calls and not any(i.grammar or i.teacher_prompt_ids for i in items)
 
     def _pack(self, micro: list[TrainItem], *, temperature: float | None = None, chain: bool = True) -> PackedBatch:
         """``micro`` laid out for a forward (at its calls' temperatures, or ``temperature``), its calls
-        chained into shared rows when ``trainer.chain_calls`` and ``chain``."""
+        chained into shared rows when ``chain`` and ``_chainable``."""
         temperatures = [i.temperature if temperature is None else temperature for i in micro]
+        t = self.cfg.trainer
         return pack([i.prompt_ids for i in micro], [i.response_ids for i in micro], temperatures, self.policy.pad_id,
-                    share_prefix_min=self.cfg.trainer.shared_prefix_min_tokens, chain=chain and self.cfg.trainer.chain_calls)
+                    share_prefix_min=t.shared_prefix_min_tokens, chain=chain and self._chainable(micro),
+                    max_gap=t.chain_max_gap_tokens)
 
     def _demonstration_step(self, micro: list[TrainItem], norms: Norms) -> dict[str, float]:
         """The supervised term: the token-mean NLL of the step's demonstrations and replayed

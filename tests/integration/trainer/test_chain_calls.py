@@ -37,16 +37,19 @@ def _episodes(tok) -> list[TrainItem]:
     return items + demo
 
 
-def _worker(tiny_model, chain: bool) -> LearnerWorker:
+def _worker(tiny_model, chain: bool, trainer: dict) -> LearnerWorker:
     w = LearnerWorker({"model": {"path": str(tiny_model), "dtype": "float32"}, "algorithm": {"name": "grpo"},
-                       "optim": {"lr": 1e-3}, "trainer": {"chain_calls": chain}, "log_level": "warning"})
+                       "optim": {"lr": 1e-3}, "trainer": {"chain_calls": chain, **trainer}, "log_level": "warning"})
     w.setup()
     w.ensure_agent(AGENT)
     return w
 
 
-def test_chained_calls_train_exactly_as_one_row_each(tiny_model):
-    plain, chained = _worker(tiny_model, False), _worker(tiny_model, True)
+# the defaults (one micro-batch; the chat prompts share fewer tokens than shared_prefix_min_tokens), then
+# micro-batches of 2 rows, each with its shared prefix split off and computed once
+@pytest.mark.parametrize("trainer", [{}, {"micro_batch_size": 2, "shared_prefix_min_tokens": 1}], ids=["defaults", "prefix-split"])
+def test_chained_calls_train_exactly_as_one_row_each(tiny_model, trainer):
+    plain, chained = _worker(tiny_model, False, trainer), _worker(tiny_model, True, trainer)
     items = _episodes(chained.policy.tokenizer)
     rollouts = [i for i in items if not i.demonstration]
     start = {k: v.clone() for k, v in plain.policy.adapter_state(AGENT).items()}
@@ -56,13 +59,17 @@ def test_chained_calls_train_exactly_as_one_row_each(tiny_model):
     chunks = chained._length_chunks(rollouts)
     assert sum(len(c) for c in chunks) == len(rollouts)
     assert sum(chained._pack(c).input_ids.shape[0] for c in chunks) == 4
+    assert len(chunks) == (1 if not trainer else 2)
+    if trainer:
+        assert all(chained._pack(c).prefix_len > 0 for c in chunks)
     assert plain._pack(rollouts).input_ids.shape[0] == 8 and plain._pack(rollouts).chain is None
 
-    [(a, mask_a)], [(b, mask_b)] = plain._sampled_logprobs(rollouts), chained._sampled_logprobs(rollouts)
-    # the two calls' orders may differ by micro-batch: compare each call's own logprobs
-    by_id = lambda w, lp: {it.experience_id: lp[row, : len(it.response_ids)]  # noqa: E731
-                           for chunk in w._length_chunks(rollouts) for row, it in enumerate(chunk)}
-    pa, pb = by_id(plain, a), by_id(chained, b)
+    # the calls' order may differ by micro-batch: compare each call's own logprobs
+    by_id = lambda w: {it.experience_id: lp[row, : len(it.response_ids)]  # noqa: E731
+                       for chunk, (lp, _) in zip(w._length_chunks(rollouts), w._sampled_logprobs(rollouts))
+                       for row, it in enumerate(chunk)}
+    pa, pb = by_id(plain), by_id(chained)
+    assert len(pa) == len(pb) == len(rollouts)
     for k in pa:
         torch.testing.assert_close(pb[k], pa[k], atol=1e-5, rtol=1e-5)
 
