@@ -200,7 +200,7 @@ class LearnerWorker:
         optimizer state) and redone at half the learning rate, up to ``guard.retries`` times; when
         every attempt is refused the step keeps the weights it started from. With ``guard.max_kl``,
         an update that moves the policy on the step's own sampled tokens by more than that (their
-        mean KL, before || after, summed over the learners' shards) is refused the same way."""
+        mean KL, before || after, pooled over the learners' shards) is refused the same way."""
         cfg = self.cfg
         self.policy.activate(agent)
         lr = cfg.optim.lr * min(1.0, (step + 1) / cfg.optim.warmup_steps) if cfg.optim.warmup_steps else cfg.optim.lr
