@@ -78,8 +78,12 @@ def test_two_agents_validation_reward_rises(tiny_model, ray_address, tmp_path: P
     trainer = AgentTrainer(
         agent=two_agents, env_class=TwoAgentEnv, train_dataset=list(range(24)), val_dataset=list(range(100, 116)),
         config={"model": {"path": str(tiny_model)}, "agents": ["proposer", "verifier"], "run_dir": str(tmp_path),
-                "train": {"epochs": 6, "repeat": 8, "tasks_per_round": 2, "max_backlog": 16},
-                "eval": {"every_versions": 1000, "repeat": 8},
+                # The rounds until an agent takes off vary from run to run: of 16 agents run for 72 rounds, 14
+                # reached 0.9-1.0 and 2 stayed below 0.7 (their gains were 0.13 and 0.12, one run in CI). So each
+                # run trains until the validation reward reaches the target, checked every 12 versions, for at
+                # most 144 rounds: four runs stopped after 24, 60, 60 and 85 rounds (44-114 s alone on 2 cores).
+                "train": {"epochs": 12, "repeat": 8, "tasks_per_round": 2, "max_backlog": 16},
+                "eval": {"every_versions": 12, "repeat": 8, "target": 0.95},
                 "explorer": {"config": {"engine": {"torch_threads": 1}}},
                 "trainer": {"config": {"ray": {"address": ray_address}, "algorithm": {"name": "grpo"},
                                        "lora": {"r": 8, "alpha": 16}, "optim": {"lr": 5e-3}, "train_batch_size": 16,
@@ -92,9 +96,11 @@ def test_two_agents_validation_reward_rises(tiny_model, ray_address, tmp_path: P
                                        "trainer": {"torch_threads": 1, "poll_interval_s": 0.2}}}})
     report = trainer.train()
     first, last = report.evals[0], report.evals[-1]
-    assert first["versions"] == {"proposer": 0, "verifier": 0} and min(last["versions"].values()) >= 66
     gains = {a: last["info"][a] - first["info"][a] for a in ("proposer", "verifier")}
-    (tmp_path / "gains.json").write_text(json.dumps({"first": first, "last": last, "gains": gains}))
+    (tmp_path / "gains.json").write_text(json.dumps({"gains": gains, "stopped": report.stopped, "evals": report.evals}))
+    assert first["versions"] == {"proposer": 0, "verifier": 0} and min(last["versions"].values()) >= 12, report.stopped
+    if report.stopped.startswith("validation reward reached"):
+        assert last["val_reward"] >= 0.95, report.evals
     assert all(g > 0.2 for g in gains.values()), (first["info"], last["info"])
     metrics = [json.loads(line) for line in next(tmp_path.glob("*/trainer/metrics.jsonl")).read_text().splitlines()]
     assert metrics and all(m.get("guard_kl", -1.0) >= 0.0 for m in metrics), metrics[:2]  # every step checked by max_kl
