@@ -154,12 +154,13 @@ class TrainerLoopSection(ConfigModel):
         default=True,
         description="Score a call whose prompt and response begin another call's sequence (an episode's earlier "
         "call, inside the next call's prompt) within that call's forward: a multi-call episode costs about one "
-        "forward, not one per call; the same losses and gradients up to float rounding. Not for grammar-constrained "
-        "calls, calls with a hint's teacher prompt or a critic's recipe. false: one row per call.")
+        "forward, not one per call; the same losses and gradients up to float rounding, for every recipe (grammars, "
+        "hints and critics included). Only on models whose logits are the LM head's product alone (not Gemma 2's "
+        "soft-capping, say). false: one row per call.")
     chain_max_gap_tokens: int = Field(
         default=256, ge=0,
         description="A call is scored inside a later call's row only if at most this many tokens lie between its "
-        "response and the next response scored in that row (a long tool result): the row's logits cover them.")
+        "response and the next response scored in that row (a long tool result): the model's body runs over them.")
     epochs: int = Field(default=1, ge=1, description="Optimizer updates per batch.")
     torch_threads: int | None = Field(default=None, ge=1, description="torch intra-op threads of each learner.")
     progress: bool = Field(default=True, description="Show a progress line on a terminal.")

@@ -359,8 +359,7 @@ class LearnerWorker:
             cache[("extra", key)] = recipe.extra_inputs(micro, _Scorer(p, self.cfg.trainer.shared_prefix_min_tokens,
                                                                        self._other_model))
         gather = cache[("extra", key)].get(GATHER_IDS)
-        # a chained forward gives logprobs and entropy only: not for gathered ids or a critic (nor grammars, _chainable)
-        batch = self._pack(micro, chain=gather is None and not recipe.uses_critic)
+        batch = self._pack(micro)
         dev = p.device
         response_mask = batch.response_mask.to(dev)
         has_context = any(it.context for it in micro)
@@ -433,17 +432,17 @@ class LearnerWorker:
                 for chunk in length_chunks(shapes, t.micro_batch_size, t.micro_batch_tokens)]
 
     def _chainable(self, items: list[TrainItem]) -> bool:
-        """Whether ``items``' calls may share rows: ``trainer.chain_calls``, and no call whose scoring needs
-        its own row (a grammar's masks, a hint's teacher terms)."""
-        return self.cfg.trainer.chain_calls and not any(i.grammar or i.teacher_prompt_ids for i in items)
+        """Whether ``items``' calls may share rows: ``trainer.chain_calls``, on a model whose logits are its
+        LM head's product (``Policy.chains``)."""
+        return self.cfg.trainer.chain_calls and self.policy.chains
 
-    def _pack(self, micro: list[TrainItem], *, temperature: float | None = None, chain: bool = True) -> PackedBatch:
+    def _pack(self, micro: list[TrainItem], *, temperature: float | None = None) -> PackedBatch:
         """``micro`` laid out for a forward (at its calls' temperatures, or ``temperature``), its calls
-        chained into shared rows when ``chain`` and ``_chainable``."""
+        chained into shared rows when ``_chainable``."""
         temperatures = [i.temperature if temperature is None else temperature for i in micro]
         t = self.cfg.trainer
         return pack([i.prompt_ids for i in micro], [i.response_ids for i in micro], temperatures, self.policy.pad_id,
-                    share_prefix_min=t.shared_prefix_min_tokens, chain=chain and self._chainable(micro),
+                    share_prefix_min=t.shared_prefix_min_tokens, chain=self._chainable(micro),
                     max_gap=t.chain_max_gap_tokens)
 
     def _demonstration_step(self, micro: list[TrainItem], norms: Norms) -> dict[str, float]:

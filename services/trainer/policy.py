@@ -32,6 +32,9 @@ from services.trainer.token_stats import token_stats
 
 log = logging.getLogger(__name__)
 
+# config fields of models whose forward changes the logits after the LM head (Gemma 2, Cohere, Granite ...)
+_LOGIT_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "logits_scaling", "output_multiplier_scale")
+
 
 class ValueHead(nn.Module):
     """The critic: a small MLP on the policy's final hidden states (detached)."""
@@ -55,9 +58,10 @@ class PackedBatch:
     prompt_len: int  # P (after the shared prefix)
     response_len: int  # R
     prefix_ids: torch.Tensor | None = None  # (L,): the prompt tokens every row starts with, computed once
-    # Calls computed inside another's row (``pack(chain=True)``): the model runs the rows below, and each
-    # call's response positions are picked from them. response_ids, response_mask, temperatures and
-    # response_len above stay the calls'; input_ids, attention_mask, position_ids and prompt_len the rows'.
+    # Calls computed inside another's row (``pack(chain=True)``): the model's body runs the rows below, and
+    # each call's response positions are picked from its final hidden states before the LM head.
+    # response_ids, response_mask, temperatures and response_len above stay the calls'; input_ids,
+    # attention_mask, position_ids and prompt_len the rows'.
     chain: "Chain | None" = None
 
     @property
@@ -68,7 +72,6 @@ class PackedBatch:
 @dataclass
 class Chain:
     response_ids: torch.Tensor  # (N, R'): each row's tokens after its prompt (its calls' responses, and what lies between)
-    temperatures: torch.Tensor  # (N,)
     response_len: int  # R'
     index: torch.Tensor  # (B, R) long: where each call's response position sits in the rows' (N * R') positions
 
@@ -80,7 +83,7 @@ def chain_rows(prompts: Sequence[Sequence[int]], responses: Sequence[Sequence[in
     call, its response and the tool's result), at the same temperature. A causal model gives a call's
     response the same logprobs inside the longer sequence as alone. With ``max_gap``, a call joins a
     row only if at most that many of the row's positions after its response are scored for no call
-    (a long tool result between two calls): the row's logits cover them. Rows of call indices, the
+    (a long tool result between two calls): the model's body runs over them. Rows of call indices, the
     longest call first; every call in exactly one row; the rows in order of their longest call's index."""
     order = sorted(range(len(prompts)), key=lambda i: (-(len(prompts[i]) + len(responses[i])), i))
     rows: list[tuple[list[int], list[int], list[int]]] = []  # (the longest call's tokens, the calls, their response starts)
@@ -148,7 +151,7 @@ def _pack_chained(prompts, responses, temperatures, pad_id: int, rows: list[list
             rmask[i, :k] = 1.0
             offset = n * width + len(prompts[i]) - start
             index[i, :k] = torch.arange(offset, offset + k)
-    chain = Chain(response_ids=model.response_ids, temperatures=model.temperatures, response_len=width, index=index)
+    chain = Chain(response_ids=model.response_ids, response_len=width, index=index)
     return replace(model, response_ids=resp, response_mask=rmask, response_len=R,
                    temperatures=torch.tensor(list(temperatures), dtype=torch.float32), chain=chain)
 
@@ -184,6 +187,9 @@ class Policy:
         # activation up to float32 and each sum back down, three copies per adapted layer per pass.
         # Measured and tested on CPU only (on CUDA autocast would also move softmax and norms to float32).
         self.mixed = self.dtype in (torch.bfloat16, torch.float16) and self.device.type == "cpu"
+        # A chained batch (pack(chain=True)) applies the LM head to the final hidden states itself: only for
+        # models whose logits are that product alone (no soft-capping or scaling after the head).
+        self.chains = not any(getattr(base.config, k, None) for k in _LOGIT_TRANSFORMS)
 
     # ------------------------------------------------------------------ adapters
 
@@ -314,23 +320,24 @@ class Policy:
         ``allowed`` (B, R, V): score each token over the tokens its grammar allowed, as sampled.
         ``gather`` (B, R, k) token ids: their logprobs at each response position too (``gathered``);
         ``top_k``: the k likeliest tokens at each response position (``top``), e.g. a teacher's."""
-        chain = batch.chain
-        if chain is not None and (need_hidden or allowed is not None or gather is not None or top_k):
-            raise ValueError("a chained batch gives logprobs and entropy only: pack it without chain")
-        P = batch.prompt_len
-        R = batch.response_len if chain is None else chain.response_len
+        P, chain = batch.prompt_len, batch.chain
+        if chain is not None and not self.chains:
+            raise ValueError(f"{self.model_path}: its logits are not the LM head's product alone: pack its batches without chain")
         net = self._net  # the base model alone until an agent exists (a teacher model has none)
         with contextlib.nullcontext() if adapter or self.model is None else self.model.disable_adapter(), self._compute():
-            out = net(**self._inputs(batch), output_hidden_states=need_hidden,
-                      logits_to_keep=R + 1)  # positions P-1 .. P+R-1; the last one predicts nothing we need
+            if chain is None:
+                out = net(**self._inputs(batch), output_hidden_states=need_hidden,
+                          logits_to_keep=batch.response_len + 1)  # positions P-1 .. P+R-1; the last one predicts nothing we need
+                logits = out.logits
+                hidden = out.hidden_states[-1][:, P - 1 : P - 1 + batch.response_len, :] if need_hidden else None
+            else:  # the body over the rows; the LM head only at each call's own positions, picked from them
+                rows = net.get_decoder()(**self._inputs(batch)).last_hidden_state[:, P - 1 : P - 1 + chain.response_len, :]
+                hidden = rows.reshape(-1, rows.shape[-1])[chain.index.to(rows.device)]  # (B, R, H): the calls' layout
+                logits = net.get_output_embeddings()(hidden)
+                hidden = hidden if need_hidden else None
         # each statistic chunk by chunk from the logits' first R positions (services/trainer/token_stats.py): no
         # (B, R, V) float32 copy per statistic is kept for the backward pass
-        temperatures, targets = (batch.temperatures, batch.response_ids) if chain is None else (chain.temperatures, chain.response_ids)
-        stats = token_stats(out.logits, temperatures, targets, allowed=allowed,
+        stats = token_stats(logits, batch.temperatures, batch.response_ids, allowed=allowed,
                             gather=gather, top_k=top_k, entropy_grad=entropy_grad and torch.is_grad_enabled())
         logprobs, entropy, gathered, top = stats.logprobs, stats.entropy, stats.gathered, stats.top
-        if chain is not None:  # each call's positions out of its row's (gradients flow back through the pick)
-            index = chain.index.to(logprobs.device)
-            logprobs, entropy = logprobs.reshape(-1)[index], entropy.reshape(-1)[index]
-        hidden = out.hidden_states[-1][:, P - 1 : P - 1 + R, :] if need_hidden else None
         return ForwardOut(logprobs=logprobs, entropy=entropy, hidden=hidden, gathered=gathered, top=top)

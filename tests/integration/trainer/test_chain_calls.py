@@ -10,6 +10,7 @@ import torch
 
 from services.trainer.batches import Norms, TrainItem
 from services.trainer.learner import LearnerWorker
+from services.trainer.policy import pack
 
 pytestmark = pytest.mark.integration
 
@@ -37,8 +38,8 @@ def _episodes(tok) -> list[TrainItem]:
     return items + demo
 
 
-def _worker(tiny_model, chain: bool, trainer: dict) -> LearnerWorker:
-    w = LearnerWorker({"model": {"path": str(tiny_model), "dtype": "float32"}, "algorithm": {"name": "grpo"},
+def _worker(tiny_model, chain: bool, trainer: dict, algorithm: str = "grpo") -> LearnerWorker:
+    w = LearnerWorker({"model": {"path": str(tiny_model), "dtype": "float32"}, "algorithm": {"name": algorithm},
                        "optim": {"lr": 1e-3}, "trainer": {"chain_calls": chain, **trainer}, "log_level": "warning"})
     w.setup()
     w.ensure_agent(AGENT)
@@ -86,3 +87,60 @@ def test_chained_calls_train_exactly_as_one_row_each(tiny_model, trainer):
         torch.testing.assert_close(gb, ga, atol=1e-6, rtol=1e-4)
     after = plain.policy.adapter_state(AGENT)
     assert any(not torch.equal(start[k], after[k]) for k in start)
+
+
+def test_a_chained_forward_gives_what_one_row_per_call_gives(tiny_model):
+    """Grammar masks, gathered ids (a hint's top-k term), the k likeliest tokens and the critic's hidden
+    states come out of a chained forward as out of the plain layout, and so do the gradients through them."""
+    p = _worker(tiny_model, True, {}).policy
+    items = [i for i in _episodes(p.tokenizer) if not i.demonstration]
+    args = ([i.prompt_ids for i in items], [i.response_ids for i in items], [0.7] * len(items), p.pad_id)
+    plain, chained = pack(*args), pack(*args, chain=True)
+    assert plain.chain is None and chained.chain is not None and chained.input_ids.shape[0] == 4
+    (B, R), V = plain.response_ids.shape, p.base.config.vocab_size
+    g = torch.Generator().manual_seed(0)
+    allowed = torch.rand(B, R, V, generator=g) < 0.5
+    gather = torch.randint(0, V, (B, R, 3), generator=g)
+    allowed.scatter_(-1, plain.response_ids.unsqueeze(-1), True).scatter_(-1, gather, True)  # the sampled and gathered ids allowed
+    mask = plain.response_mask
+    results = []
+    for batch in (plain, chained):
+        params = p.adapter_parameters(AGENT)
+        for q in params:
+            q.grad = None
+        out = p.forward(batch, need_hidden=True, allowed=allowed, gather=gather, top_k=4, entropy_grad=True)
+        loss = ((out.logprobs + out.entropy) * mask).sum() + (out.gathered.sum(-1) * mask).sum() \
+            + (out.hidden.sum(-1) * mask).sum() * 1e-2
+        loss.backward()
+        results.append((out, [q.grad.clone() for q in params]))
+    (a, grads_a), (b, grads_b) = results
+    m3 = mask.unsqueeze(-1)
+    for name, x, y in [("logprobs", a.logprobs * mask, b.logprobs * mask), ("entropy", a.entropy * mask, b.entropy * mask),
+                       ("gathered", a.gathered * m3, b.gathered * m3), ("hidden", a.hidden * m3, b.hidden * m3),
+                       ("top", a.top[0] * m3, b.top[0] * m3)]:
+        torch.testing.assert_close(y, x, atol=1e-5, rtol=1e-5, msg=name)
+    assert float((a.logprobs * mask).abs().sum()) > 0 and any(float(g.abs().max()) > 0 for g in grads_a)
+    for ga, gb in zip(grads_a, grads_b):  # float32 sums in another order: within 1e-5 of each tensor's largest element
+        torch.testing.assert_close(gb, ga, atol=1e-5 * float(ga.abs().max()), rtol=1e-4)
+
+
+def test_a_critics_step_chained_is_the_same_step(tiny_model):
+    """PPO (a value head on the calls' hidden states, whole episodes per micro-batch): the same loss,
+    value loss and gradients, policy and critic, from one row per episode."""
+    plain, chained = _worker(tiny_model, False, {}, "ppo"), _worker(tiny_model, True, {}, "ppo")
+    items = [i for i in _episodes(chained.policy.tokenizer) if not i.demonstration]
+    assert [chained._pack(c).input_ids.shape[0] for c in chained._micro_batches(items)] == [4]
+    for w in (plain, chained):  # the same value head on both (each worker drew its own)
+        w.policy.value_heads[AGENT].load_state_dict(plain.policy.value_heads[AGENT].state_dict())
+    sa = plain.train_step(AGENT, items, Norms.of(items), 0, 0)
+    sb = chained.train_step(AGENT, items, Norms.of(items), 0, 0)
+    assert "value_loss" in sa.objective
+    for f in ("loss", "entropy_sum", "tokens", "grad_norm"):
+        assert getattr(sb, f) == pytest.approx(getattr(sa, f), rel=1e-4, abs=1e-5), f
+    for k, v in sa.objective.items():
+        assert sb.objective[k] == pytest.approx(v, rel=1e-4, abs=1e-5), k
+    for part in (lambda w: w.policy.adapter_parameters(AGENT), lambda w: list(w.policy.value_heads[AGENT].parameters())):
+        ga, gb = [q.grad for q in part(plain)], [q.grad for q in part(chained)]
+        assert ga and all(g is not None for g in ga + gb) and any(float(g.abs().max()) > 0 for g in ga)
+        for x, y in zip(ga, gb):
+            torch.testing.assert_close(y, x, atol=1e-6, rtol=1e-4)
