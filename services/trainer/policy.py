@@ -32,8 +32,30 @@ from services.trainer.token_stats import token_stats
 
 log = logging.getLogger(__name__)
 
-# config fields of models whose forward changes the logits after the LM head (Gemma 2, Cohere, Granite ...)
-_LOGIT_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "logits_scaling", "output_multiplier_scale")
+# config fields (of the model's config or its text config) of models whose forward changes the logits after
+# the LM head: Gemma 2/3n soft-capping, RecurrentGemma's, Cohere's and Granite's scaling, Falcon-H1's multiplier ...
+_LOGIT_TRANSFORMS = ("final_logit_softcapping", "logits_soft_cap", "logit_scale", "logits_scaling",
+                     "lm_head_multiplier", "output_multiplier", "unpadded_vocab_size")
+
+
+def head_is_last(model: nn.Module) -> bool:
+    """Whether ``model``'s logits are its LM head applied to its decoder's last hidden state, nothing
+    after: no known logit transform in its config, and the two agree on a few tokens (a model that
+    does something else there, or has no such parts, keeps one row per call: ``pack(chain=False)``)."""
+    config = model.config
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    if any(getattr(c, k, None) for c in (config, text) for k in _LOGIT_TRANSFORMS):
+        return False
+    try:
+        ids = torch.arange(1, 9, device=model.device).unsqueeze(0) % int(text.vocab_size)
+        with torch.no_grad():
+            whole = model(input_ids=ids, use_cache=False).logits.float()
+            parts = model.get_output_embeddings()(model.get_decoder()(input_ids=ids, use_cache=False).last_hidden_state).float()
+    except Exception as e:  # noqa: BLE001 - any model without these parts simply does not chain
+        log.info("calls are not chained for this model: %s", e)
+        return False
+    # the same operations either way; the tolerance allows a kernel's bfloat16 rounding, not a transform
+    return parts.shape == whole.shape and torch.allclose(parts, whole, rtol=1e-2, atol=1e-2 * max(1.0, float(whole.abs().max())))
 
 
 class ValueHead(nn.Module):
@@ -189,7 +211,7 @@ class Policy:
         self.mixed = self.dtype in (torch.bfloat16, torch.float16) and self.device.type == "cpu"
         # A chained batch (pack(chain=True)) applies the LM head to the final hidden states itself: only for
         # models whose logits are that product alone (no soft-capping or scaling after the head).
-        self.chains = not any(getattr(base.config, k, None) for k in _LOGIT_TRANSFORMS)
+        self.chains = head_is_last(base)
 
     # ------------------------------------------------------------------ adapters
 
@@ -330,14 +352,52 @@ class Policy:
                           logits_to_keep=batch.response_len + 1)  # positions P-1 .. P+R-1; the last one predicts nothing we need
                 logits = out.logits
                 hidden = out.hidden_states[-1][:, P - 1 : P - 1 + batch.response_len, :] if need_hidden else None
-            else:  # the body over the rows; the LM head only at each call's own positions, picked from them
+            else:  # the body over the rows; each call's final hidden states picked from its own positions
                 rows = net.get_decoder()(**self._inputs(batch)).last_hidden_state[:, P - 1 : P - 1 + chain.response_len, :]
                 hidden = rows.reshape(-1, rows.shape[-1])[chain.index.to(rows.device)]  # (B, R, H): the calls' layout
-                logits = net.get_output_embeddings()(hidden)
+                # the LM head on the calls' real tokens alone, packed (no padding scored), at each temperature
+                real = batch.response_mask.to(hidden.device).reshape(-1).nonzero().squeeze(-1)
+                temps = batch.temperatures.to(hidden.device).unsqueeze(-1).expand(batch.response_ids.shape).reshape(-1)[real]
+                groups = [(t, real[temps == t]) for t in temps.unique().tolist()]
+                flat = hidden.reshape(-1, hidden.shape[-1])
+                heads = [(t, at, net.get_output_embeddings()(flat[at]).unsqueeze(0)) for t, at in groups]
                 hidden = hidden if need_hidden else None
+        grad = entropy_grad and torch.is_grad_enabled()
+        if chain is not None:
+            return replace(_scatter_stats(heads, batch, allowed, gather, top_k, grad), hidden=hidden)
         # each statistic chunk by chunk from the logits' first R positions (services/trainer/token_stats.py): no
         # (B, R, V) float32 copy per statistic is kept for the backward pass
-        stats = token_stats(logits, batch.temperatures, batch.response_ids, allowed=allowed,
-                            gather=gather, top_k=top_k, entropy_grad=entropy_grad and torch.is_grad_enabled())
-        logprobs, entropy, gathered, top = stats.logprobs, stats.entropy, stats.gathered, stats.top
-        return ForwardOut(logprobs=logprobs, entropy=entropy, hidden=hidden, gathered=gathered, top=top)
+        stats = token_stats(logits, batch.temperatures, batch.response_ids, allowed=allowed, gather=gather, top_k=top_k,
+                            entropy_grad=grad)
+        return ForwardOut(logprobs=stats.logprobs, entropy=stats.entropy, hidden=hidden, gathered=stats.gathered, top=stats.top)
+
+
+def _scatter_stats(heads, batch: PackedBatch, allowed, gather, top_k: int, entropy_grad: bool) -> ForwardOut:
+    """``token_stats`` of a chained batch's packed logits (``heads``: (temperature, the calls' flat (B x R)
+    positions, (1, n, V) logits) per temperature), laid out (B, R) as the calls' fields; 0 at padding."""
+    B, R = batch.response_ids.shape
+    dev = heads[0][2].device if heads else batch.response_ids.device
+
+    def flat(x: torch.Tensor | None) -> torch.Tensor | None:  # (B, R, ...) -> (B x R, ...)
+        return None if x is None else x.to(dev).reshape(B * R, *x.shape[2:])
+
+    def put(into: torch.Tensor | None, at: torch.Tensor, values: torch.Tensor | None) -> torch.Tensor | None:
+        if values is None:
+            return into
+        base = torch.zeros((B * R, *values.shape[2:]), device=dev, dtype=values.dtype) if into is None else into
+        return base.index_copy(0, at, values[0])  # out of place: gradients reach values
+
+    targets, allowed, gather = flat(batch.response_ids), flat(allowed), flat(gather)
+    out: dict[str, torch.Tensor | None] = dict.fromkeys(("logprobs", "entropy", "gathered", "top_lp", "top_ids"))
+    for temperature, at, logits in heads:
+        st = token_stats(logits, torch.tensor([temperature]), targets[at].unsqueeze(0),
+                         allowed=None if allowed is None else allowed[at].unsqueeze(0),
+                         gather=None if gather is None else gather[at].unsqueeze(0), top_k=top_k, entropy_grad=entropy_grad)
+        for name, values in (("logprobs", st.logprobs), ("entropy", st.entropy), ("gathered", st.gathered),
+                             ("top_lp", st.top and st.top[0]), ("top_ids", st.top and st.top[1])):
+            out[name] = put(out[name], at, values)
+    if out["logprobs"] is None:  # no response token at all
+        return ForwardOut(logprobs=torch.zeros(B, R, device=dev), entropy=torch.zeros(B, R, device=dev), hidden=None)
+    shaped = {k: None if v is None else v.view(B, R, *v.shape[1:]) for k, v in out.items()}
+    top = None if shaped["top_lp"] is None else (shaped["top_lp"], shaped["top_ids"])
+    return ForwardOut(logprobs=shaped["logprobs"], entropy=shaped["entropy"], hidden=None, gathered=shaped["gathered"], top=top)

@@ -93,6 +93,11 @@ def test_a_chained_forward_gives_what_one_row_per_call_gives(tiny_model):
     """Grammar masks, gathered ids (a hint's top-k term), the k likeliest tokens and the critic's hidden
     states come out of a chained forward as out of the plain layout, and so do the gradients through them."""
     p = _worker(tiny_model, True, {}).policy
+    torch.manual_seed(0)
+    with torch.no_grad():  # a trained adapter (a new one's B is 0: with the adapter off, the same model)
+        for name, q in p.model.named_parameters():
+            if "lora_B" in name:
+                q.normal_(0.0, 0.05)
     items = [i for i in _episodes(p.tokenizer) if not i.demonstration]
     args = ([i.prompt_ids for i in items], [i.response_ids for i in items], [0.7] * len(items), p.pad_id)
     plain, chained = pack(*args), pack(*args, chain=True)
@@ -122,6 +127,11 @@ def test_a_chained_forward_gives_what_one_row_per_call_gives(tiny_model):
     assert float((a.logprobs * mask).abs().sum()) > 0 and any(float(g.abs().max()) > 0 for g in grads_a)
     for ga, gb in zip(grads_a, grads_b):  # float32 sums in another order: within 1e-5 of each tensor's largest element
         torch.testing.assert_close(gb, ga, atol=1e-5 * float(ga.abs().max()), rtol=1e-4)
+    # the reference policy (the adapter off: the KL term) as well, and it differs from the policy
+    with torch.no_grad():
+        ref_a, ref_b = (p.forward(batch, need_hidden=False, adapter=False).logprobs * mask for batch in (plain, chained))
+    torch.testing.assert_close(ref_b, ref_a, atol=1e-5, rtol=1e-5)
+    assert float((ref_a - a.logprobs.detach() * mask).abs().max()) > 1e-3
 
 
 def test_a_critics_step_chained_is_the_same_step(tiny_model):

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from services.trainer.policy import chain_rows, pack
+from services.trainer.policy import chain_rows, head_is_last, pack
 
 # an episode: call 0 (prompt [1 2 3], response [4 5]), then the tool's result [6] and call 1
 # (prompt [1 2 3 4 5 6], response [7 8 9]); call 2 is unrelated; call 3 repeats call 0's prompt
@@ -54,3 +54,21 @@ def test_a_long_gap_before_the_next_scored_response_keeps_a_call_in_its_own_row(
     assert chain_rows(PROMPTS, RESPONSES, [1.0] * 4, max_gap=0) == [[0], [1], [2], [3]]
     # a duplicate of a call already in the row scores no new position: no gap
     assert chain_rows([[1, 2], [1, 2, 3, 4, 5], [1, 2]], [[3], [6], [3]], [1.0] * 3, max_gap=0) == [[0, 2], [1]]
+
+
+def test_a_model_that_changes_its_logits_after_the_head_keeps_one_row_per_call():
+    from transformers import Gemma2Config, Gemma2ForCausalLM, LlamaConfig, LlamaForCausalLM
+
+    small = dict(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+                 num_key_value_heads=1, head_dim=8)
+
+    class Scaled(LlamaForCausalLM):  # a transform after the head that its config does not name
+        def forward(self, *args, **kwargs):
+            out = super().forward(*args, **kwargs)
+            out.logits = out.logits * 10
+            return out
+
+    torch.manual_seed(0)
+    assert head_is_last(LlamaForCausalLM(LlamaConfig(**small)))
+    assert not head_is_last(Gemma2ForCausalLM(Gemma2Config(**small)))  # final_logit_softcapping
+    assert not head_is_last(Scaled(LlamaConfig(**small)))
