@@ -358,7 +358,7 @@ class Policy:
                 # the LM head on the calls' real tokens alone, packed (no padding scored), at each temperature
                 real = batch.response_mask.to(hidden.device).reshape(-1).nonzero().squeeze(-1)
                 temps = batch.temperatures.to(hidden.device).unsqueeze(-1).expand(batch.response_ids.shape).reshape(-1)[real]
-                groups = [(t, real[temps == t]) for t in temps.unique().tolist()]
+                groups = [(t, real[temps == t]) for t in temps.unique().tolist()] or [(1.0, real)]  # (no token: one empty group)
                 flat = hidden.reshape(-1, hidden.shape[-1])
                 heads = [(t, at, net.get_output_embeddings()(flat[at]).unsqueeze(0)) for t, at in groups]
                 hidden = hidden if need_hidden else None
@@ -376,7 +376,7 @@ def _scatter_stats(heads, batch: PackedBatch, allowed, gather, top_k: int, entro
     """``token_stats`` of a chained batch's packed logits (``heads``: (temperature, the calls' flat (B x R)
     positions, (1, n, V) logits) per temperature), laid out (B, R) as the calls' fields; 0 at padding."""
     B, R = batch.response_ids.shape
-    dev = heads[0][2].device if heads else batch.response_ids.device
+    dev = heads[0][2].device
 
     def flat(x: torch.Tensor | None) -> torch.Tensor | None:  # (B, R, ...) -> (B x R, ...)
         return None if x is None else x.to(dev).reshape(B * R, *x.shape[2:])
@@ -396,8 +396,6 @@ def _scatter_stats(heads, batch: PackedBatch, allowed, gather, top_k: int, entro
         for name, values in (("logprobs", st.logprobs), ("entropy", st.entropy), ("gathered", st.gathered),
                              ("top_lp", st.top and st.top[0]), ("top_ids", st.top and st.top[1])):
             out[name] = put(out[name], at, values)
-    if out["logprobs"] is None:  # no response token at all
-        return ForwardOut(logprobs=torch.zeros(B, R, device=dev), entropy=torch.zeros(B, R, device=dev), hidden=None)
     shaped = {k: None if v is None else v.view(B, R, *v.shape[1:]) for k, v in out.items()}
     top = None if shaped["top_lp"] is None else (shaped["top_lp"], shaped["top_ids"])
     return ForwardOut(logprobs=shaped["logprobs"], entropy=shaped["entropy"], hidden=None, gathered=shaped["gathered"], top=top)
