@@ -154,3 +154,13 @@ def test_a_critics_step_chained_is_the_same_step(tiny_model):
         assert ga and all(g is not None for g in ga + gb) and any(float(g.abs().max()) > 0 for g in ga)
         for x, y in zip(ga, gb):
             torch.testing.assert_close(y, x, atol=1e-6, rtol=1e-4)
+
+
+def test_a_chained_batch_without_response_tokens_still_gives_every_output(tiny_model):
+    p = _worker(tiny_model, True, {}).policy
+    batch = pack([[1, 2, 3], [1, 2, 3, 4]], [[], []], [1.0, 1.0], p.pad_id, chain=True)
+    assert batch.chain is not None and tuple(batch.response_ids.shape) == (2, 0)
+    out = p.forward(batch, need_hidden=True, gather=torch.zeros(2, 0, 3, dtype=torch.long), top_k=2)
+    assert tuple(out.logprobs.shape) == (2, 0) and tuple(out.gathered.shape) == (2, 0, 3)
+    assert tuple(out.top[0].shape) == (2, 0, 2) and tuple(out.hidden.shape[:2]) == (2, 0)
+    (out.logprobs.sum() + out.gathered.sum()).backward()  # a loss over nothing still backpropagates
