@@ -5,7 +5,9 @@ the memory cost of an agent is its adapter and optimizer state. The reference po
 term is the base model with the adapter disabled, not a second copy.
 
 Batches are laid out with prompts left-padded to a common length P and responses right-padded to
-R, so the logits that score response token t sit at column P - 1 + t for every row.
+R, so the final hidden state that scores response token t sits at column P - 1 + t for every row.
+The LM head runs on those of the real response tokens alone, packed (no padding, no prompt), when
+the model's logits are its head's product (``head_is_last``); else on the model's own logits there.
 
 A prefix every row shares (an agent's system prompt with its tool descriptions is often most of a
 prompt) is computed once: one forward over it builds its keys and values, which are expanded to
@@ -347,34 +349,41 @@ class Policy:
             raise ValueError(f"{self.model_path}: its logits are not the LM head's product alone: pack its batches without chain")
         net = self._net  # the base model alone until an agent exists (a teacher model has none)
         with contextlib.nullcontext() if adapter or self.model is None else self.model.disable_adapter(), self._compute():
-            if chain is None:
+            if not self.chains:  # the model's own logits: its forward changes them after the head
                 out = net(**self._inputs(batch), output_hidden_states=need_hidden,
                           logits_to_keep=batch.response_len + 1)  # positions P-1 .. P+R-1; the last one predicts nothing we need
-                logits = out.logits
                 hidden = out.hidden_states[-1][:, P - 1 : P - 1 + batch.response_len, :] if need_hidden else None
-            else:  # the body over the rows; each call's final hidden states picked from its own positions
-                rows = net.get_decoder()(**self._inputs(batch)).last_hidden_state[:, P - 1 : P - 1 + chain.response_len, :]
-                hidden = rows.reshape(-1, rows.shape[-1])[chain.index.to(rows.device)]  # (B, R, H): the calls' layout
-                # the LM head on the calls' real tokens alone, packed (no padding scored), at each temperature
-                real = batch.response_mask.to(hidden.device).reshape(-1).nonzero().squeeze(-1)
-                temps = batch.temperatures.to(hidden.device).unsqueeze(-1).expand(batch.response_ids.shape).reshape(-1)[real]
-                groups = [(t, real[temps == t]) for t in temps.unique().tolist()] or [(1.0, real)]  # (no token: one empty group)
-                flat = hidden.reshape(-1, hidden.shape[-1])
-                heads = [(t, at, net.get_output_embeddings()(flat[at]).unsqueeze(0)) for t, at in groups]
-                hidden = hidden if need_hidden else None
+            else:  # the body; the final hidden state before each response token; the LM head on those alone
+                body = net.get_decoder()(**self._inputs(batch)).last_hidden_state
+                if chain is None:
+                    hidden = body[:, P - 1 : P - 1 + batch.response_len, :]
+                else:  # each call's positions picked from its row's
+                    rows = body[:, P - 1 : P - 1 + chain.response_len, :]
+                    hidden = rows.reshape(-1, rows.shape[-1])[chain.index.to(rows.device)]  # (B, R, H): the calls' layout
+                heads = _packed_heads(net.get_output_embeddings(), hidden, batch)
         grad = entropy_grad and torch.is_grad_enabled()
-        if chain is not None:
-            return replace(_scatter_stats(heads, batch, allowed, gather, top_k, grad), hidden=hidden)
+        if self.chains:
+            return replace(_scatter_stats(heads, batch, allowed, gather, top_k, grad), hidden=hidden if need_hidden else None)
         # each statistic chunk by chunk from the logits' first R positions (services/trainer/token_stats.py): no
         # (B, R, V) float32 copy per statistic is kept for the backward pass
-        stats = token_stats(logits, batch.temperatures, batch.response_ids, allowed=allowed, gather=gather, top_k=top_k,
+        stats = token_stats(out.logits, batch.temperatures, batch.response_ids, allowed=allowed, gather=gather, top_k=top_k,
                             entropy_grad=grad)
         return ForwardOut(logprobs=stats.logprobs, entropy=stats.entropy, hidden=hidden, gathered=stats.gathered, top=stats.top)
 
 
+def _packed_heads(head: nn.Module, hidden: torch.Tensor, batch: PackedBatch) -> list:
+    """The LM head on the response tokens alone (``hidden`` (B, R, H), before each), packed without
+    padding, one group per sampling temperature: [(temperature, flat (B x R) positions, (1, n, V) logits)]."""
+    real = batch.response_mask.to(hidden.device).reshape(-1).nonzero().squeeze(-1)
+    temps = batch.temperatures.to(hidden.device).unsqueeze(-1).expand(batch.response_ids.shape).reshape(-1)[real]
+    groups = [(t, real[temps == t]) for t in temps.unique().tolist()] or [(1.0, real)]  # (no token: one empty group)
+    flat = hidden.reshape(-1, hidden.shape[-1])
+    return [(t, at, head(flat[at]).unsqueeze(0)) for t, at in groups]
+
+
 def _scatter_stats(heads, batch: PackedBatch, allowed, gather, top_k: int, entropy_grad: bool) -> ForwardOut:
-    """``token_stats`` of a chained batch's packed logits (``heads``: (temperature, the calls' flat (B x R)
-    positions, (1, n, V) logits) per temperature), laid out (B, R) as the calls' fields; 0 at padding."""
+    """``token_stats`` of the packed logits (``_packed_heads``), laid out (B, R) as the batch's (the
+    calls') response fields; 0 at padding."""
     B, R = batch.response_ids.shape
     dev = heads[0][2].device
 

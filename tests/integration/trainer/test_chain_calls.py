@@ -119,6 +119,11 @@ def test_a_chained_forward_gives_what_one_row_per_call_gives(tiny_model):
         loss.backward()
         results.append((out, [q.grad.clone() for q in params]))
     (a, grads_a), (b, grads_b) = results
+    # both run the body, then the LM head on the response tokens alone: the plain one against the model's own logits
+    with torch.no_grad():
+        logits = p.model(**p._inputs(plain), logits_to_keep=R + 1).logits[:, :R].float() / 0.7
+        want = torch.log_softmax(logits.masked_fill(~allowed, float("-inf")), -1).gather(-1, plain.response_ids.unsqueeze(-1))
+    torch.testing.assert_close(a.logprobs.detach() * mask, want.squeeze(-1) * mask, atol=1e-5, rtol=1e-5)
     m3 = mask.unsqueeze(-1)
     for name, x, y in [("logprobs", a.logprobs * mask, b.logprobs * mask), ("entropy", a.entropy * mask, b.entropy * mask),
                        ("gathered", a.gathered * m3, b.gathered * m3), ("hidden", a.hidden * m3, b.hidden * m3),
