@@ -42,8 +42,11 @@ _LOGIT_TRANSFORMS = ("final_logit_softcapping", "logits_soft_cap", "logit_scale"
 
 def head_is_last(model: nn.Module) -> bool:
     """Whether ``model``'s logits are its LM head applied to its decoder's last hidden state, nothing
-    after: no known logit transform in its config, and the two agree on a few tokens (a model that
-    does something else there, or has no such parts, keeps one row per call: ``pack(chain=False)``)."""
+    after: no known logit transform in its config, and the two agree on a few tokens. A model that does
+    something else there, or has no such parts, is scored through its own forward (``logits_to_keep``)
+    with one row per call (``pack(chain=False)``). The check feeds token ids alone: a model whose
+    forward also builds other inputs for its decoder (a vision-language model's positions) is not
+    covered by it."""
     config = model.config
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     if any(getattr(c, k, None) for c in (config, text) for k in _LOGIT_TRANSFORMS):
@@ -211,8 +214,8 @@ class Policy:
         # activation up to float32 and each sum back down, three copies per adapted layer per pass.
         # Measured and tested on CPU only (on CUDA autocast would also move softmax and norms to float32).
         self.mixed = self.dtype in (torch.bfloat16, torch.float16) and self.device.type == "cpu"
-        # A chained batch (pack(chain=True)) applies the LM head to the final hidden states itself: only for
-        # models whose logits are that product alone (no soft-capping or scaling after the head).
+        # forward applies the LM head to the response tokens' final hidden states itself (chained batches too):
+        # only for models whose logits are that product alone (no soft-capping or scaling after the head)
         self.chains = head_is_last(base)
 
     # ------------------------------------------------------------------ adapters

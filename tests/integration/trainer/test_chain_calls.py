@@ -124,6 +124,16 @@ def test_a_chained_forward_gives_what_one_row_per_call_gives(tiny_model):
         logits = p.model(**p._inputs(plain), logits_to_keep=R + 1).logits[:, :R].float() / 0.7
         want = torch.log_softmax(logits.masked_fill(~allowed, float("-inf")), -1).gather(-1, plain.response_ids.unsqueeze(-1))
     torch.testing.assert_close(a.logprobs.detach() * mask, want.squeeze(-1) * mask, atol=1e-5, rtol=1e-5)
+    p.chains = False  # as for a model whose forward changes its logits after the head: its own forward, no chains
+    with torch.no_grad():
+        own = p.forward(plain, need_hidden=True, allowed=allowed, gather=gather, top_k=4)
+        with pytest.raises(ValueError, match="not the LM head's product"):
+            p.forward(chained, need_hidden=False)
+    p.chains = True
+    for x, y in [(own.logprobs, a.logprobs), (own.entropy, a.entropy)]:
+        torch.testing.assert_close(x * mask, y.detach() * mask, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(own.gathered * mask.unsqueeze(-1), a.gathered.detach() * mask.unsqueeze(-1), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(own.hidden * mask.unsqueeze(-1), a.hidden.detach() * mask.unsqueeze(-1), atol=1e-5, rtol=1e-5)
     m3 = mask.unsqueeze(-1)
     for name, x, y in [("logprobs", a.logprobs * mask, b.logprobs * mask), ("entropy", a.entropy * mask, b.entropy * mask),
                        ("gathered", a.gathered * m3, b.gathered * m3), ("hidden", a.hidden * m3, b.hidden * m3),
