@@ -157,11 +157,6 @@ class TrainerLoopSection(ConfigModel):
         "forward, not one per call; the same losses and gradients up to float rounding, for every recipe (grammars, "
         "hints and critics included). Only on models whose logits are the LM head's product alone (not Gemma 2's "
         "soft-capping, say). false: one row per call.")
-    chain_max_gap_tokens: int | None = Field(
-        default=None, ge=0,
-        description="A call is scored inside a later call's row only if at most this many tokens lie between its "
-        "response and the next response scored in that row (a long tool result). null: no limit. The LM head runs at the calls' "
-        "own tokens alone, so what lies between costs the body's forward over it, which the later call's own row runs anyway.")
     epochs: int = Field(default=1, ge=1, description="Optimizer updates per batch.")
     torch_threads: int | None = Field(default=None, ge=1, description="torch intra-op threads of each learner.")
     progress: bool = Field(default=True, description="Show a progress line on a terminal.")

@@ -418,8 +418,7 @@ class LearnerWorker:
         t = self.cfg.trainer
         if not self._chainable(items):
             return length_chunks(items, t.micro_batch_size, t.micro_batch_tokens)
-        rows = chain_rows([i.prompt_ids for i in items], [i.response_ids for i in items], [i.temperature for i in items],
-                          max_gap=t.chain_max_gap_tokens)
+        rows = chain_rows([i.prompt_ids for i in items], [i.response_ids for i in items], [i.temperature for i in items])
         priced: dict[int, list[TrainItem]] = {}
         shapes = []
         for r in rows:
@@ -442,8 +441,7 @@ class LearnerWorker:
         temperatures = [i.temperature if temperature is None else temperature for i in micro]
         t = self.cfg.trainer
         return pack([i.prompt_ids for i in micro], [i.response_ids for i in micro], temperatures, self.policy.pad_id,
-                    share_prefix_min=t.shared_prefix_min_tokens, chain=self._chainable(micro),
-                    max_gap=t.chain_max_gap_tokens)
+                    share_prefix_min=t.shared_prefix_min_tokens, chain=self._chainable(micro))
 
     def _demonstration_step(self, micro: list[TrainItem], norms: Norms) -> dict[str, float]:
         """The supervised term: the token-mean NLL of the step's demonstrations and replayed

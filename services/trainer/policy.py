@@ -103,40 +103,35 @@ class Chain:
     index: torch.Tensor  # (B, R) long: where each call's response position sits in the rows' (N * R') positions
 
 
-def chain_rows(prompts: Sequence[Sequence[int]], responses: Sequence[Sequence[int]], temperatures: Sequence[float],
-               *, max_gap: int | None = None) -> list[list[int]]:
+def chain_rows(prompts: Sequence[Sequence[int]], responses: Sequence[Sequence[int]], temperatures: Sequence[float]
+               ) -> list[list[int]]:
     """Calls that one forward can score together: a call whose prompt and response, token for token,
     begin another call's (an episode's first call inside its next one, whose prompt holds the first
     call, its response and the tool's result), at the same temperature. A causal model gives a call's
-    response the same logprobs inside the longer sequence as alone. With ``max_gap``, a call joins a
-    row only if at most that many of the row's positions after its response are scored for no call
-    (a long tool result between two calls): the model's body runs over them. Rows of call indices, the
-    longest call first; every call in exactly one row; the rows in order of their longest call's index."""
+    response the same logprobs inside the longer sequence as alone (what lies between, a tool's result,
+    costs the body's forward over it, which the later call's own row would run anyway). Rows of call
+    indices, the longest call first; every call in exactly one row; the rows in order of their longest
+    call's index."""
     order = sorted(range(len(prompts)), key=lambda i: (-(len(prompts[i]) + len(responses[i])), i))
-    rows: list[tuple[list[int], list[int], list[int]]] = []  # (the longest call's tokens, the calls, their response starts)
+    rows: list[tuple[list[int], list[int]]] = []  # (the longest call's tokens, the calls)
     for i in order:
         full = list(prompts[i]) + list(responses[i])
-        for tokens, calls, starts in rows:
-            if temperatures[calls[0]] != temperatures[i] or tokens[: len(full)] != full:
-                continue
-            later = [a for a in starts if a >= len(full)]  # the next response scored after this one's end
-            if max_gap is not None and later and min(later) - len(full) > max_gap:
-                continue
-            calls.append(i)
-            starts.append(len(prompts[i]))
-            break
+        for tokens, calls in rows:
+            if temperatures[calls[0]] == temperatures[i] and tokens[: len(full)] == full:
+                calls.append(i)
+                break
         else:
-            rows.append((full, [i], [len(prompts[i])]))
-    return sorted((calls for _, calls, _ in rows), key=lambda calls: calls[0])
+            rows.append((full, [i]))
+    return sorted((calls for _, calls in rows), key=lambda calls: calls[0])
 
 
 def pack(prompts: Sequence[Sequence[int]], responses: Sequence[Sequence[int]], temperatures: Sequence[float], pad_id: int,
-         *, share_prefix_min: int = 0, chain: bool = False, max_gap: int | None = None) -> PackedBatch:
+         *, share_prefix_min: int = 0, chain: bool = False) -> PackedBatch:
     """The layout above. With ``share_prefix_min`` > 0 and at least two rows, a common prefix of at
     least that many tokens is split off into ``prefix_ids`` (the rest is laid out as before). With
     ``chain``, calls that ``chain_rows`` finds inside another's sequence are computed in its row."""
     if chain:
-        rows = chain_rows(prompts, responses, temperatures, max_gap=max_gap)
+        rows = chain_rows(prompts, responses, temperatures)
         if len(rows) < len(prompts):
             return _pack_chained(prompts, responses, temperatures, pad_id, rows, share_prefix_min)
     B = len(prompts)

@@ -48,14 +48,6 @@ def test_without_chains_the_layout_is_the_plain_one():
     assert b.chain is None and b.input_ids.tolist() == [[1, 2, 4, 0], [0, 3, 5, 6]]
 
 
-def test_a_long_gap_before_the_next_scored_response_keeps_a_call_in_its_own_row():
-    # call 0's response ends at position 5; call 1's starts at 6 (one tool token between): a gap of 1
-    assert chain_rows(PROMPTS, RESPONSES, [1.0] * 4, max_gap=1) == [[1, 0], [2], [3]]
-    assert chain_rows(PROMPTS, RESPONSES, [1.0] * 4, max_gap=0) == [[0], [1], [2], [3]]
-    # a duplicate of a call already in the row scores no new position: no gap
-    assert chain_rows([[1, 2], [1, 2, 3, 4, 5], [1, 2]], [[3], [6], [3]], [1.0] * 3, max_gap=0) == [[0, 2], [1]]
-
-
 def test_a_model_that_changes_its_logits_after_the_head_keeps_one_row_per_call():
     from transformers import Gemma2Config, Gemma2ForCausalLM, LlamaConfig, LlamaForCausalLM
 
