@@ -44,12 +44,15 @@ def head_is_last(model: nn.Module) -> bool:
     """Whether ``model``'s logits are its LM head applied to its decoder's last hidden state, nothing
     after: no known logit transform in its config, and the two agree on a few tokens. A model that does
     something else there, or has no such parts, is scored through its own forward (``logits_to_keep``)
-    with one row per call (``pack(chain=False)``). The check feeds token ids alone: a model whose
-    forward also builds other inputs for its decoder (a vision-language model's positions) is not
-    covered by it."""
+    with one row per call (``pack(chain=False)``). The check feeds token ids alone, so a model whose
+    config is made of several (a vision-language model's text and vision parts, whose forward builds
+    other inputs for its decoder: image features, multimodal positions) is refused by its config."""
     config = model.config
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
-    if any(getattr(c, k, None) for c in (config, text) for k in _LOGIT_TRANSFORMS):
+    if text is not config:
+        log.info("calls are not chained for this model: its config %s is made of several", type(config).__name__)
+        return False
+    if any(getattr(config, k, None) for k in _LOGIT_TRANSFORMS):
         return False
     try:
         ids = torch.arange(1, 9, device=model.device).unsqueeze(0) % int(text.vocab_size)
@@ -109,20 +112,25 @@ def chain_rows(prompts: Sequence[Sequence[int]], responses: Sequence[Sequence[in
     begin another call's (an episode's first call inside its next one, whose prompt holds the first
     call, its response and the tool's result), at the same temperature. A causal model gives a call's
     response the same logprobs inside the longer sequence as alone (what lies between, a tool's result,
-    costs the body's forward over it, which the later call's own row would run anyway). Rows of call
-    indices, the longest call first; every call in exactly one row; the rows in order of their longest
-    call's index."""
+    costs the body's forward over it, which the later call's own row would run anyway). A row's calls
+    score at most as many response tokens as the row is long, so the row's length prices its LM head
+    too (micro-batches count rows x length): an episode's calls, each a span of its own, always fit;
+    copies of one call (a group's identical samples) fill a row up to that and then begin another.
+    Rows of call indices, the longest call first; every call in exactly one row; the rows in order of
+    their longest call's index."""
     order = sorted(range(len(prompts)), key=lambda i: (-(len(prompts[i]) + len(responses[i])), i))
-    rows: list[tuple[list[int], list[int]]] = []  # (the longest call's tokens, the calls)
+    rows: list[tuple[list[int], list[int], list[int]]] = []  # (the longest call's tokens, the calls, [tokens scored])
     for i in order:
         full = list(prompts[i]) + list(responses[i])
-        for tokens, calls in rows:
-            if temperatures[calls[0]] == temperatures[i] and tokens[: len(full)] == full:
+        for tokens, calls, scored in rows:
+            if (temperatures[calls[0]] == temperatures[i] and scored[0] + len(responses[i]) <= len(tokens)
+                    and tokens[: len(full)] == full):
                 calls.append(i)
+                scored[0] += len(responses[i])
                 break
         else:
-            rows.append((full, [i]))
-    return sorted((calls for _, calls in rows), key=lambda calls: calls[0])
+            rows.append((full, [i], [len(responses[i])]))
+    return sorted((calls for _, calls, _ in rows), key=lambda calls: calls[0])
 
 
 def pack(prompts: Sequence[Sequence[int]], responses: Sequence[Sequence[int]], temperatures: Sequence[float], pad_id: int,

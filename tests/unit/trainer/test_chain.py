@@ -27,6 +27,13 @@ def test_a_call_equal_to_the_start_of_a_longer_response_is_inside_it():
     assert chain_rows([[1, 2, 3, 4], [1, 2, 3]], [[5, 6, 7], [4, 5]], [1.0, 1.0]) == [[0, 1]]
 
 
+def test_copies_of_one_call_fill_a_row_up_to_its_length_then_begin_another():
+    # a group's identical samples: prompt [1 2 3 4], response [5 6] (a row of 6 tokens scores at most 6,
+    # so three copies a row); an episode's calls, each a span of its own, always share their row
+    assert chain_rows([[1, 2, 3, 4]] * 7, [[5, 6]] * 7, [1.0] * 7) == [[0, 1, 2], [3, 4, 5], [6]]
+    assert chain_rows([[1, 9], [1, 9, 2, 3]], [[2, 3], [4, 5]], [1.0, 1.0]) == [[1, 0]]
+
+
 def test_the_chained_layout_by_hand():
     b = pack(PROMPTS, RESPONSES, [1.0] * 4, pad_id=0, chain=True)
     # three rows; the episode's row runs from call 0's prompt ([1 2 3]) to call 1's end
@@ -64,3 +71,11 @@ def test_a_model_that_changes_its_logits_after_the_head_keeps_one_row_per_call()
     assert head_is_last(LlamaForCausalLM(LlamaConfig(**small)))
     assert not head_is_last(Gemma2ForCausalLM(Gemma2Config(**small)))  # final_logit_softcapping
     assert not head_is_last(Scaled(LlamaConfig(**small)))
+    # a vision-language model: on token ids alone its logits are its head's, but its forward builds other
+    # inputs for its decoder once an image comes, so its config of several parts refuses it
+    from transformers import CLIPVisionConfig, LlavaConfig, LlavaForConditionalGeneration
+
+    vision = CLIPVisionConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2, image_size=8,
+                              patch_size=4, projection_dim=16)
+    llava = LlavaForConditionalGeneration(LlavaConfig(text_config=LlamaConfig(**small), vision_config=vision, image_token_index=63))
+    assert not head_is_last(llava)
