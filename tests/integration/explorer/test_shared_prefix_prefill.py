@@ -1,21 +1,19 @@
 """Shared-prefix prefill and the prefix cache of the hf engine: computing a common prompt prefix
 once, or taking it from an earlier request, changes no output.
 
-The engine is driven step by step on this thread (what its own thread does, one step at a time),
-so which requests are admitted together, and when, is fixed by the test rather than by timing.
+The engine is driven step by step on this thread (engine_steps.py), so which requests are admitted
+together, and when, is fixed by the test rather than by timing.
 """
 
 from __future__ import annotations
 
-import asyncio
 import random
 
 import pytest
-import torch
 
-from services.explorer.serving.engines.base import AdapterRef, GenerateRequest, SamplingParams
+from services.explorer.serving.engines.base import AdapterRef
 from services.explorer.serving.engines.hf import HFEngine
-from services.explorer.serving.engines.hf_batch import QueuedRequest as _Request
+from tests.integration.explorer.engine_steps import assert_same, drive, ids, request
 
 PREFIX_LEN = 60
 
@@ -34,108 +32,44 @@ def engines(tiny_model):
     return out
 
 
-def _ids(rng: random.Random, n: int, eos: set[int], vocab: int = 500) -> list[int]:
-    ids = []
-    while len(ids) < n:
-        t = rng.randrange(3, vocab)
-        if t not in eos:
-            ids.append(t)
-    return ids
-
-
-def _request(rid: str, prompt: list[int], n: int = 1, max_tokens: int = 8) -> GenerateRequest:
-    return GenerateRequest(request_id=rid, prompt_token_ids=prompt, n=n,
-                           params=SamplingParams(temperature=0.0, max_tokens=max_tokens))
-
-
-def _drive(engine: HFEngine, schedule: dict[int, list[GenerateRequest]]) -> dict[tuple[str, int], tuple[list, list]]:
-    """Run the engine's steps here, admitting schedule[step]'s requests (together) at that step.
-
-    Returns (token ids, logprobs) per (request id, choice index).
-    """
-    engine._reset_batch()
-    loop = asyncio.new_event_loop()
-    states: list[_Request] = []
-    step, last = 0, max(schedule)
-    try:
-        while True:
-            for req in schedule.get(step, []):
-                st = _Request(req=req, loop=loop, out=asyncio.Queue())
-                states.append(st)
-                engine._waiting.append(st)
-            if engine._waiting and len(engine._rows) < engine.max_batch_size:
-                engine._admit()
-                assert not engine._waiting, "the test expects each scheduled group to be admitted at once"
-            if not engine._rows and step >= last:
-                break
-            if engine._rows:
-                engine._sample_and_emit()
-                engine._prune()
-                if engine._rows:
-                    engine._decode()
-            step += 1
-        loop.run_until_complete(asyncio.sleep(0))  # deliver what the engine sent
-        results: dict[tuple[str, int], tuple[list, list]] = {}
-        for st in states:
-            while not st.out.empty():
-                item = st.out.get_nowait()
-                if isinstance(item, BaseException):
-                    raise item
-                for u in item:
-                    ids, lps = results.setdefault((st.req.request_id, u.index), ([], []))
-                    ids.extend(u.token_ids)
-                    lps.extend(u.logprobs)
-        assert len(results) == sum(st.req.n for st in states)
-        return results
-    finally:
-        loop.close()
-
-
-def _assert_same(shared: dict, full: dict) -> None:
-    assert shared.keys() == full.keys()
-    for key in full:
-        assert shared[key][0] == full[key][0], key
-        assert torch.allclose(torch.tensor(shared[key][1]), torch.tensor(full[key][1]), atol=1e-4), key
-
-
 def test_shared_prefix_prefill_matches_full_prefill(engines):
     sharing, plain, _ = engines
     rng = random.Random(0)
-    prefix = _ids(rng, PREFIX_LEN, sharing._eos)
+    prefix = ids(rng, PREFIX_LEN, sharing._eos)
     group = [
-        _request("exact", list(prefix)),  # the prompt is the prefix: the shared part stops one token short
-        _request("s3", prefix + _ids(rng, 3, sharing._eos), n=2),
-        _request("s10", prefix + _ids(rng, 10, sharing._eos)),
-        _request("s25", prefix + _ids(rng, 25, sharing._eos)),
+        request("exact", list(prefix)),  # the prompt is the prefix: the shared part stops one token short
+        request("s3", prefix + ids(rng, 3, sharing._eos), n=2),
+        request("s10", prefix + ids(rng, 10, sharing._eos)),
+        request("s25", prefix + ids(rng, 25, sharing._eos)),
     ]
     before = sharing.shared_prefix_tokens_saved
-    got = _drive(sharing, {0: group})
+    got = drive(sharing, {0: group})
     assert sharing.shared_prefix_tokens_saved - before == (PREFIX_LEN - 1) * 3
-    want = _drive(plain, {0: group})
+    want = drive(plain, {0: group})
     assert plain.shared_prefix_tokens_saved == 0
-    _assert_same(got, want)
-    _assert_same({"s3": got[("s3", 0)]}, {"s3": got[("s3", 1)]})  # greedy: both choices of one request agree
+    assert_same(got, want)
+    assert_same({"s3": got[("s3", 0)]}, {"s3": got[("s3", 1)]})  # greedy: both choices of one request agree
 
 
 def test_shared_prefix_prefill_merges_into_a_running_batch(engines):
     sharing, plain, _ = engines
     rng = random.Random(1)
     eos = sharing._eos
-    p1, p2 = _ids(rng, PREFIX_LEN, eos), _ids(rng, 40, eos)
+    p1, p2 = ids(rng, PREFIX_LEN, eos), ids(rng, 40, eos)
     schedule = {
         # running already: one long prompt (wider than the next group) and one short one
-        0: [_request("long", _ids(rng, 120, eos), max_tokens=14), _request("short", _ids(rng, 5, eos), max_tokens=14)],
+        0: [request("long", ids(rng, 120, eos), max_tokens=14), request("short", ids(rng, 5, eos), max_tokens=14)],
         # joins a batch wider than itself
-        2: [_request("a1", p1 + _ids(rng, 2, eos)), _request("a2", p1 + _ids(rng, 9, eos), n=2),
-            _request("a3", list(p1))],
+        2: [request("a1", p1 + ids(rng, 2, eos)), request("a2", p1 + ids(rng, 9, eos), n=2),
+            request("a3", list(p1))],
         # joins a batch narrower than itself (long suffixes), with another prefix
-        4: [_request("b1", p2 + _ids(rng, 100, eos)), _request("b2", p2 + _ids(rng, 7, eos))],
+        4: [request("b1", p2 + ids(rng, 100, eos)), request("b2", p2 + ids(rng, 7, eos))],
     }
     before = sharing.shared_prefix_tokens_saved
-    got = _drive(sharing, schedule)
+    got = drive(sharing, schedule)
     assert sharing.shared_prefix_tokens_saved - before == (PREFIX_LEN - 1) * 2 + 40 * 1
-    want = _drive(plain, schedule)
-    _assert_same(got, want)
+    want = drive(plain, schedule)
+    assert_same(got, want)
 
 
 def test_shared_prefix_len_rules():
@@ -160,15 +94,15 @@ def test_a_later_request_takes_the_prefix_an_earlier_one_computed(engines):
     caching._prefix.clear()
     rng = random.Random(2)
     eos = caching._eos
-    prefix = _ids(rng, PREFIX_LEN, eos)
-    schedule = {0: [_request("first", prefix + _ids(rng, 5, eos))],
-                20: [_request("second", prefix + _ids(rng, 12, eos))],
-                40: [_request("g1", prefix + _ids(rng, 3, eos)), _request("g2", prefix + _ids(rng, 30, eos))]}
+    prefix = ids(rng, PREFIX_LEN, eos)
+    schedule = {0: [request("first", prefix + ids(rng, 5, eos))],
+                20: [request("second", prefix + ids(rng, 12, eos))],
+                40: [request("g1", prefix + ids(rng, 3, eos)), request("g2", prefix + ids(rng, 30, eos))]}
     hits, reused = caching._prefix.hits, caching._prefix.tokens_reused
-    got = _drive(caching, schedule)
+    got = drive(caching, schedule)
     assert caching._prefix.hits - hits == 2  # the second request and the group
     assert caching._prefix.tokens_reused - reused == 2 * PREFIX_LEN  # each shares exactly the prefix with the first
-    _assert_same(got, _drive(plain, schedule))
+    assert_same(got, drive(plain, schedule))
     stats = caching.stats().extra
     assert stats["prefix_cache_hits"] == caching._prefix.hits and stats["prefix_cache_bytes"] > 0
 
@@ -181,13 +115,13 @@ def test_the_next_call_of_a_conversation_takes_the_whole_previous_call(engines):
     caching._prefix.clear()
     rng = random.Random(3)
     eos = caching._eos
-    first = _ids(rng, 45, eos)
-    out = _drive(caching, {0: [_request("call1", first, max_tokens=10)]})[("call1", 0)][0]
-    second = first + out + _ids(rng, 9, eos)  # the model's call, then the tool's result
+    first = ids(rng, 45, eos)
+    out = drive(caching, {0: [request("call1", first, max_tokens=10)]})[("call1", 0)][0]
+    second = first + out + ids(rng, 9, eos)  # the model's call, then the tool's result
     reused = caching._prefix.tokens_reused
-    got = _drive(caching, {0: [_request("call2", second, max_tokens=10)]})
+    got = drive(caching, {0: [request("call2", second, max_tokens=10)]})
     assert caching._prefix.tokens_reused - reused == len(first) + len(out) - 1
-    _assert_same(got, _drive(plain, {0: [_request("call2", second, max_tokens=10)]}))
+    assert_same(got, drive(plain, {0: [request("call2", second, max_tokens=10)]}))
 
 
 def test_a_group_computes_only_what_the_cache_lacks_of_its_shared_prefix_and_adapters_do_not_mix(engines):
@@ -197,14 +131,14 @@ def test_a_group_computes_only_what_the_cache_lacks_of_its_shared_prefix_and_ada
     caching._prefix.clear()
     rng = random.Random(4)
     eos = caching._eos
-    prefix = _ids(rng, PREFIX_LEN, eos)
-    schedule = {0: [_request("short", prefix[:40] + _ids(rng, 4, eos), max_tokens=4)],
-                10: [_request("g1", prefix + _ids(rng, 6, eos)), _request("g2", prefix + _ids(rng, 2, eos), n=2)],
-                30: [_request("again", prefix + _ids(rng, 8, eos))]}
+    prefix = ids(rng, PREFIX_LEN, eos)
+    schedule = {0: [request("short", prefix[:40] + ids(rng, 4, eos), max_tokens=4)],
+                10: [request("g1", prefix + ids(rng, 6, eos)), request("g2", prefix + ids(rng, 2, eos), n=2)],
+                30: [request("again", prefix + ids(rng, 8, eos))]}
     reused = caching._prefix.tokens_reused
-    got = _drive(caching, schedule)
+    got = drive(caching, schedule)
     assert caching._prefix.tokens_reused - reused == 40 + PREFIX_LEN
-    _assert_same(got, _drive(plain, schedule))
+    assert_same(got, drive(plain, schedule))
     # the same prompt on an adapter: its keys and values differ, nothing is taken from the base model's
     assert caching._prefix.lookup("calc-v1", prefix + [5]) == (0, None)
 
@@ -216,14 +150,14 @@ def test_next_calls_admitted_together_each_take_their_own_conversation(engines):
     caching._prefix.clear()
     rng = random.Random(5)
     eos = caching._eos
-    system = _ids(rng, PREFIX_LEN, eos)
+    system = ids(rng, PREFIX_LEN, eos)
     # each conversation holds at least 32 tokens (the cache's minimum) beyond the system prompt: worth a prefill of its own
-    firsts = [system + _ids(rng, 30, eos), system + _ids(rng, 45, eos)]
-    outs = _drive(caching, {0: [_request("a1", firsts[0], max_tokens=10), _request("b1", firsts[1], max_tokens=10)]})
-    seconds = [f + outs[(rid, 0)][0] + _ids(rng, 6, eos) for f, rid in zip(firsts, ("a1", "b1"))]
-    schedule = {0: [_request("a2", seconds[0]), _request("b2", seconds[1])]}
+    firsts = [system + ids(rng, 30, eos), system + ids(rng, 45, eos)]
+    outs = drive(caching, {0: [request("a1", firsts[0], max_tokens=10), request("b1", firsts[1], max_tokens=10)]})
+    seconds = [f + outs[(rid, 0)][0] + ids(rng, 6, eos) for f, rid in zip(firsts, ("a1", "b1"))]
+    schedule = {0: [request("a2", seconds[0]), request("b2", seconds[1])]}
     reused = caching._prefix.tokens_reused
-    got = _drive(caching, schedule)
+    got = drive(caching, schedule)
     assert caching._prefix.tokens_reused - reused == sum(len(f) + len(outs[(rid, 0)][0]) - 1
                                                          for f, rid in zip(firsts, ("a1", "b1")))
-    _assert_same(got, _drive(plain, schedule))
+    assert_same(got, drive(plain, schedule))

@@ -55,6 +55,8 @@ def _build_one(config, replica: int) -> Engine:
             seed=e.seed + replica,
             shared_prefix_min_tokens=e.shared_prefix_min_tokens,
             prefix_cache_mb=e.prefix_cache_mb,
+            packed_weights=e.packed_weights,
+            decode_attention=e.cpu_decode_attention,
         )
     if e.kind == "vllm":
         from services.explorer.serving.engines.vllm import build_vllm_engine

@@ -37,6 +37,7 @@ from services.explorer.serving.engines.base import (
 )
 from services.explorer.serving.engines.detokenizer import IncrementalDetokenizer
 from services.explorer.serving.engines.hf_batch import QueuedRequest, Row, aborted_update, pad_left
+from services.explorer.serving.engines.cpu_paths import pack_linears, packing_helps, use_decode_attention
 from services.explorer.serving.engines.prefix_cache import Layers, PrefixCache
 
 log = logging.getLogger(__name__)
@@ -63,6 +64,8 @@ class HFEngine:
         seed: int = 0,
         shared_prefix_min_tokens: int = 32,
         prefix_cache_mb: int = 256,
+        packed_weights: bool | None = None,
+        decode_attention: bool = True,
     ):
         self.model_path = model_path
         self._chat_template = chat_template
@@ -80,6 +83,14 @@ class HFEngine:
         # Keys and values of prompts computed before, reused by later requests that start the same way
         # (prefix_cache.py): within this many MiB, runs of at least 32 tokens (or the sharing minimum).
         self._prefix = PrefixCache(prefix_cache_mb << 20, min_tokens=shared_prefix_min_tokens or 32)
+        # the CPU's fast paths (cpu_paths.py): linear layers on pre-packed weights (None: decided by the CPU
+        # and dtype) and the decode steps' attention as plain products
+        self._packed_weights = packing_helps(self._dtype, self._device) if packed_weights is None else packed_weights
+        if self._packed_weights and self._device.type != "cpu":
+            raise EngineError(f"engine.packed_weights is for the CPU; this engine runs on {self._device}")
+        self._decode_attention = decode_attention and self._device.type == "cpu"
+        self.packed_linears = 0
+        self.decode_attention = False  # whether the model took it (an SDPA model does)
         self.tokenizer: Any = None
         self.max_model_len: int = 0
         self._base: Any = None
@@ -120,13 +131,18 @@ class HFEngine:
         except ModelLoadError as e:
             raise EngineError(str(e)) from e
         model.eval()
+        if self._packed_weights:
+            self.packed_linears = pack_linears(model)
+        if self._decode_attention:
+            self.decode_attention = use_decode_attention(model)
         self._base = model
         ctx = getattr(model.config, "max_position_embeddings", None) or 2048
         self.max_model_len = min(self._max_model_len_cfg or ctx, ctx)
         self._eos = stop_token_ids(self.tokenizer, model)
         log.info(
-            "hf engine: %s on %s (%s), max_model_len %d, max_batch_size %d",
-            self.model_path, self._device, self._dtype, self.max_model_len, self.max_batch_size,
+            "hf engine: %s on %s (%s), max_model_len %d, max_batch_size %d, %d linear layers on packed weights, "
+            "decode attention %s", self.model_path, self._device, self._dtype, self.max_model_len, self.max_batch_size,
+            self.packed_linears, "as products" if self.decode_attention else "by the model's own",
         )
 
     async def shutdown(self) -> None:
