@@ -49,7 +49,10 @@ class EngineSection(ConfigModel):
     max_batch_size: int = Field(default=32, ge=1, description="Sequences decoded together in one step.")
     max_model_len: int | None = Field(default=None, ge=16, description="Context length; default: the model's.")
     max_waiting: int = Field(default=4096, ge=1, description="Queued requests before new ones get 503.")
-    torch_threads: int | None = Field(default=None, ge=1, description="hf: torch intra-op threads.")
+    torch_threads: int | None = Field(
+        default=None, ge=1,
+        description="hf: torch intra-op threads. Default on CPU: one fewer than the cores this process may use (the "
+        "server's own thread keeps one), or what OMP_NUM_THREADS says.")
     seed: int = Field(default=0, description="Seed of the sampler for requests without a seed.")
     shared_prefix_min_tokens: int = Field(
         default=32, ge=0,

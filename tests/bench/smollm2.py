@@ -15,7 +15,8 @@ smollm2-135m-instruct`, built into .cache/smollm2-135m-instruct if missing):
    of c x (read bandwidth / weight bytes) (every step reads the weights once for the whole batch) and
    the batched-decode compute limit. Attention over short contexts is left out, so these are slightly
    optimistic.
-2. HFEngine vs VLLMEngine (both in-process, as the Explorer runs them; no HTTP, no recording), the
+2. HFEngine (with its CPU fast paths, and without them: hf-stock) vs VLLMEngine (in-process, as the
+   Explorer runs them; no HTTP, no recording), the
    same chat prompts, per-request seeds and max_tokens, at concurrency 1, 8 and 32, in float32 and
    bfloat16 (KAIZEN_BENCH_SMOLLM2_ENGINE_DTYPES). vLLM: enforce_eager, a 1 GiB KV cache, max_model_len
    1024, its OpenMP threads bound to every CPU this process may use (KAIZEN_BENCH_VLLM_BIND; "auto"
@@ -35,7 +36,8 @@ smollm2-135m-instruct`, built into .cache/smollm2-135m-instruct if missing):
 Knobs: KAIZEN_BENCH_ROUNDS (default 3), KAIZEN_BENCH_THREADS (2), KAIZEN_BENCH_SMOLLM2_PARTS
 (engines,trainer; the limits are always measured), KAIZEN_BENCH_SMOLLM2_TOTALS (requests per run,
 "1:2,8:8,32:32": one wave at 8 and 32), KAIZEN_BENCH_SMOLLM2_MAX_TOKENS (64),
-KAIZEN_BENCH_SMOLLM2_ENGINES (hf,vllm), the dtypes above, KAIZEN_BENCH_SMOLLM2_TRAIN_WARMUP (1 step
+KAIZEN_BENCH_SMOLLM2_ENGINES (hf,hf-stock,vllm: hf-stock is the hf engine without its CPU fast paths,
+engines/cpu_paths.py), the dtypes above, KAIZEN_BENCH_SMOLLM2_TRAIN_WARMUP (1 step
 per side), KAIZEN_BENCH_VLLM_BIND, KAIZEN_BENCH_QUICK=1 (everything small: a smoke run, ~4 min).
 On an idle 2-core machine the default run takes about 10-12 minutes and peaks near 10 GB of memory
 (the float32 training steps); pass KAIZEN_BENCH_SMOLLM2_TRAIN_SEQS=8 to halve the trainer's share.
@@ -244,11 +246,12 @@ class EngineTarget:
 
     async def start(self) -> None:
         t0 = time.monotonic()
-        if self.kind == "hf":
+        if self.kind in ("hf", "hf-stock"):
             from services.explorer.serving.engines.hf import HFEngine
 
+            stock = {"packed_weights": False, "decode_attention": False} if self.kind == "hf-stock" else {}
             self.engine = HFEngine(model_path=self.model, dtype=self.dtype, device="cpu", max_batch_size=max(CONCURRENCIES),
-                                   max_model_len=MAX_MODEL_LEN, torch_threads=self.threads, seed=0)
+                                   max_model_len=MAX_MODEL_LEN, torch_threads=self.threads, seed=0, **stock)
         else:
             from services.explorer.config import VLLMSection
             from services.explorer.serving.engines.vllm import VLLMEngine
@@ -387,6 +390,16 @@ def engines_report(results: dict, targets: list[EngineTarget], info: dict, ml: M
                 pairs.append(f"{SHORT[dtype]} c={c} {spread(ratios, '{:.2f}')}")
     if pairs:
         out += "\nvllm/hf tokens/s, paired by round: " + "; ".join(pairs)
+    fast = []
+    for dtype in cfg["engine_dtypes"]:
+        hf = next((t for t in ok if t.kind == "hf" and t.dtype == dtype), None)
+        st = next((t for t in ok if t.kind == "hf-stock" and t.dtype == dtype), None)
+        if hf and st:
+            for c in CONCURRENCIES:
+                ratios = [h.tokens_per_s / s.tokens_per_s for h, s in zip(results[(hf.name, c)], results[(st.name, c)])]
+                fast.append(f"{SHORT[dtype]} c={c} {spread(ratios, '{:.2f}')}")
+    if fast:
+        out += "\nhf/hf-stock tokens/s (the CPU fast paths on / off), paired by round: " + "; ".join(fast)
     starts = ", ".join(f"{t.name} {t.start_s:.0f}s" for t in ok)
     out += (
         f"\n(limit: the roofline, min(concurrency x read bandwidth / weight bytes, GEMM FLOP/s / (2 x params)); "
@@ -620,7 +633,7 @@ def _config() -> dict:
         "parts": _csv("KAIZEN_BENCH_SMOLLM2_PARTS", "engines,trainer"),
         "totals": totals,
         "max_tokens": _env_int("KAIZEN_BENCH_SMOLLM2_MAX_TOKENS", 16 if quick else 64),
-        "engines": _csv("KAIZEN_BENCH_SMOLLM2_ENGINES", "hf,vllm"),
+        "engines": _csv("KAIZEN_BENCH_SMOLLM2_ENGINES", "hf,hf-stock,vllm"),
         "engine_dtypes": _csv("KAIZEN_BENCH_SMOLLM2_ENGINE_DTYPES", "float32,bfloat16"),
         "bind": os.environ.get("KAIZEN_BENCH_VLLM_BIND") or _default_bind(),
         "train_dtypes": _csv("KAIZEN_BENCH_SMOLLM2_TRAIN_DTYPES", "float32,bfloat16"),

@@ -1,4 +1,4 @@
-"""The hf engine's two fast paths on a CPU: pre-packed linear weights and decode-step attention.
+"""The hf engine's fast paths on a CPU: pre-packed linear weights, decode-step attention, its threads.
 
 A decode step runs every sequence's one new token through the model. Two of PyTorch's CPU kernels
 do badly at that shape (measured on an AMD EPYC with AVX-512 BF16, one thread, SmolLM2's shapes):
@@ -23,6 +23,7 @@ tensor, gradients, another dtype, or an attention with extras (soft-capping, sin
 from __future__ import annotations
 
 import logging
+import os
 import types
 
 import torch
@@ -33,6 +34,18 @@ from services.common.models import cpu_has_native_bf16
 log = logging.getLogger(__name__)
 
 DECODE_ATTENTION = "kaizen_cpu_decode"  # the name the attention is registered under with transformers
+
+
+def default_torch_threads(device: torch.device) -> int | None:
+    """The engine's torch threads when ``engine.torch_threads`` is unset: on a CPU, one core fewer than
+    this process may use, left to the server's own thread (HTTP, recording), unless OMP_NUM_THREADS
+    says otherwise (then None: torch's own default, which follows it). With its OpenMP threads on every
+    core, their spinning and the server's thread took turns: on 2 cores SmolLM2 decoded 13 / 82 / 227
+    tokens/s at 1 / 8 / 32 sequences on two threads against 23 / 141 / 268 on one (tests/bench/smollm2.py,
+    docs/ENGINES.md)."""
+    if device.type != "cpu" or os.environ.get("OMP_NUM_THREADS"):
+        return None
+    return max(1, len(os.sched_getaffinity(0)) - 1)
 
 
 def packing_helps(dtype: torch.dtype, device: torch.device | str) -> bool:

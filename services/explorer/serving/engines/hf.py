@@ -37,7 +37,7 @@ from services.explorer.serving.engines.base import (
 )
 from services.explorer.serving.engines.detokenizer import IncrementalDetokenizer
 from services.explorer.serving.engines.hf_batch import QueuedRequest, Row, aborted_update, pad_left
-from services.explorer.serving.engines.cpu_paths import pack_linears, packing_helps, use_decode_attention
+from services.explorer.serving.engines.cpu_paths import default_torch_threads, pack_linears, packing_helps, use_decode_attention
 from services.explorer.serving.engines.prefix_cache import Layers, PrefixCache
 
 log = logging.getLogger(__name__)
@@ -75,7 +75,7 @@ class HFEngine:
         self._max_model_len_cfg = max_model_len
         self.max_waiting = max_waiting
         self.prefill_token_budget = prefill_token_budget
-        self._torch_threads = torch_threads
+        self._torch_threads = torch_threads or default_torch_threads(self._device)
         self._seed = seed
         # Requests admitted together whose prompts share at least this many leading tokens compute
         # that prefix once (0: never). Agents' prompts share their system prompt and tool list.
@@ -141,8 +141,9 @@ class HFEngine:
         self._eos = stop_token_ids(self.tokenizer, model)
         log.info(
             "hf engine: %s on %s (%s), max_model_len %d, max_batch_size %d, %d linear layers on packed weights, "
-            "decode attention %s", self.model_path, self._device, self._dtype, self.max_model_len, self.max_batch_size,
-            self.packed_linears, "as products" if self.decode_attention else "by the model's own",
+            "decode attention %s, %s torch threads", self.model_path, self._device, self._dtype, self.max_model_len,
+            self.max_batch_size, self.packed_linears, "as products" if self.decode_attention else "by the model's own",
+            self._torch_threads or torch.get_num_threads(),
         )
 
     async def shutdown(self) -> None:
