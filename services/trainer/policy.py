@@ -114,8 +114,9 @@ def chain_rows(prompts: Sequence[Sequence[int]], responses: Sequence[Sequence[in
     response the same logprobs inside the longer sequence as alone (what lies between, a tool's result,
     costs the body's forward over it, which the later call's own row would run anyway). A row's calls
     score at most as many response tokens as the row is long, so the row's length prices its LM head
-    too (micro-batches count rows x length): an episode's calls, each a span of its own, always fit;
-    copies of one call (a group's identical samples) fill a row up to that and then begin another.
+    too (micro-batches count rows x length): an episode's calls, each a span of its own, fit; copies of
+    one call (a group's identical samples) fill a row up to that and then begin another (so may the
+    calls of an identical copy of a whole episode: more rows, the same result).
     Rows of call indices, the longest call first; every call in exactly one row; the rows in order of
     their longest call's index."""
     order = sorted(range(len(prompts)), key=lambda i: (-(len(prompts[i]) + len(responses[i])), i))

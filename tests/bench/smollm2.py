@@ -39,7 +39,7 @@ Knobs: KAIZEN_BENCH_ROUNDS (default 3), KAIZEN_BENCH_THREADS (2), KAIZEN_BENCH_S
 KAIZEN_BENCH_SMOLLM2_ENGINES (hf,hf-stock,vllm: hf-stock is the hf engine without its CPU fast paths,
 engines/cpu_paths.py), the dtypes above, KAIZEN_BENCH_SMOLLM2_TRAIN_WARMUP (1 step
 per side), KAIZEN_BENCH_VLLM_BIND, KAIZEN_BENCH_QUICK=1 (everything small: a smoke run, ~4 min).
-On an idle 2-core machine the default run takes about 10-12 minutes and peaks near 10 GB of memory
+On an idle 2-core machine the default run takes about 11-14 minutes (the engines' part about 4-5 of them) and peaks near 10 GB of memory
 (the float32 training steps); pass KAIZEN_BENCH_SMOLLM2_TRAIN_SEQS=8 to halve the trainer's share.
 """
 

@@ -23,25 +23,29 @@ class _Attn(nn.Module):  # what transformers' attention functions read of the ca
 
 
 @pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.bfloat16, None)])
-@pytest.mark.parametrize("mask", ["bool", "additive", "none"])
-def test_decode_attention_gives_sdpas_result(dtype, tol, mask):
+@pytest.mark.parametrize("mask", ["bool", "additive", "none", "one row"])
+@pytest.mark.parametrize("dv", [64, 48])
+def test_decode_attention_gives_sdpas_result(dtype, tol, mask, dv):
     """One query a sequence, 9 query heads on 3 key-value heads, rows padded on the left by different
-    amounts: the products give SDPA's attention; in bfloat16 no further from a float64 reference
-    than SDPA's own result is (times 1.5)."""
+    amounts (or a mask of one row for all, or none), values as wide as the keys or narrower (as in
+    multi-head latent attention): the products give SDPA's attention; in bfloat16 no further from a
+    float64 reference than SDPA's own result is (times 1.5)."""
     torch.manual_seed(0)
     B, H, KV, L, D = 5, 9, 3, 37, 64
-    q, k, v = torch.randn(B, H, 1, D), torch.randn(B, KV, L, D), torch.randn(B, KV, L, D)
+    q, k, v = torch.randn(B, H, 1, D), torch.randn(B, KV, L, D), torch.randn(B, KV, L, dv)
     seen = torch.ones(B, 1, 1, L, dtype=torch.bool)
     for b in range(B):
         seen[b, :, :, : 4 * b] = False  # row b: 4 b tokens of padding
-    attn = {"bool": seen, "additive": torch.zeros(B, 1, 1, L).masked_fill(~seen, torch.finfo(torch.float32).min).to(dtype),
-            "none": None}[mask]
+    if mask == "one row":
+        seen = seen[-1:]
+    attn = {"bool": seen, "one row": seen, "none": None,
+            "additive": torch.zeros(B, 1, 1, L).masked_fill(~seen, torch.finfo(torch.float32).min).to(dtype)}[mask]
     module = _Attn(H // KV)
     with torch.no_grad():
         want, _ = sdpa_attention_forward(module, q.to(dtype), k.to(dtype), v.to(dtype), attn)
         got, _ = decode_attention(module, q.to(dtype), k.to(dtype), v.to(dtype), attn, scaling=D ** -0.5)
         ref, _ = sdpa_attention_forward(module, q.double(), k.double(), v.double(), None if attn is None else seen)
-    assert got.shape == want.shape == (B, 1, H, D) and got.dtype == dtype
+    assert got.shape == want.shape == (B, 1, H, dv) and got.dtype == dtype
     if tol is not None:
         torch.testing.assert_close(got, want, rtol=tol, atol=tol)
     else:
@@ -58,6 +62,15 @@ def test_decode_attention_leaves_the_rest_to_sdpa():
         assert torch.equal(decode_attention(module, q, k, v, None)[0], sdpa_attention_forward(module, q, k, v, None)[0])
     q1 = q[:, :, -1:].clone().requires_grad_()
     assert torch.equal(decode_attention(module, q1, k, v, None)[0], sdpa_attention_forward(module, q1, k, v, None)[0])
+    with torch.no_grad():  # a mask with a head dimension, or an integer one: SDPA's (and its errors), not guessed at
+        for odd in (torch.ones(2, 9, 1, 6, dtype=torch.bool), torch.ones(2, 1, 1, 6, dtype=torch.long)):
+            try:
+                want = sdpa_attention_forward(module, q[:, :, -1:], k, v, odd)[0]
+            except RuntimeError as e:
+                with pytest.raises(RuntimeError, match=str(e)[:20]):
+                    decode_attention(module, q[:, :, -1:], k, v, odd)
+            else:
+                assert torch.equal(decode_attention(module, q[:, :, -1:], k, v, odd)[0], want)
     with torch.no_grad():  # a soft-capped model's call is left to transformers' SDPA attention, as without this path
         assert torch.equal(decode_attention(module, q[:, :, -1:], k, v, None, softcap=30.0)[0],
                            sdpa_attention_forward(module, q[:, :, -1:], k, v, None, softcap=30.0)[0])
@@ -81,6 +94,10 @@ def test_packed_linears_give_the_models_logits_and_step_aside_for_gradients():
     # within bfloat16's rounding where oneDNN emulates it
     torch.testing.assert_close(got, want, rtol=1.6e-2, atol=1e-2)
     lin = model.model.layers[0].mlp.up_proj
+    with torch.no_grad():  # a weight changed in place after packing: the product of the weight as it is now
+        lin.weight.mul_(2)
+        h0 = torch.randn(4, 64, dtype=torch.bfloat16)
+        assert torch.equal(lin(h0), nn.functional.linear(h0, lin.weight))
     h = torch.randn(4, 64, dtype=torch.bfloat16, requires_grad=True)
     out = lin(h)  # under autograd: the stock product, so gradients flow
     out.sum().backward()
@@ -110,11 +127,34 @@ def test_the_engine_decodes_the_same_with_its_fast_paths(engines):
     eos = fast._eos
     schedule = {0: [request("a", ids(rng, 40, eos), max_tokens=12), request("b", ids(rng, 7, eos), n=2, max_tokens=12)],
                 3: [request("c", ids(rng, 90, eos), max_tokens=10), request("d", ids(rng, 3, eos), max_tokens=10)]}
-    got, want = drive(fast, schedule), drive(stock, schedule)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        got = drive(fast, schedule)
+    want = drive(stock, schedule)
     assert got.keys() == want.keys() and len(got) == 5
     for key in want:
         assert got[key][0] == want[key][0], key
         torch.testing.assert_close(torch.tensor(got[key][1]), torch.tensor(want[key][1]), rtol=0, atol=1e-4)
+    ops = {e.key: e.count for e in prof.key_averages()}
+    sdpa = sum(n for k, n in ops.items() if "scaled_dot_product" in k and k.startswith("aten::_"))
+    layers = fast._base.config.num_hidden_layers
+    assert ops.get("mkldnn::_linear_pointwise", 0) > 0  # the packed products ran ...
+    assert 0 < sdpa <= 2 * layers  # ... and SDPA only in the two prefills, not in the ~12 decode steps
+
+
+def test_a_prompt_sent_again_prefills_one_token_through_the_decode_path(engines):
+    """The same prompt twice: the second time the prefix cache holds all of it but its last token,
+    whose prefill is one query over cached keys (the decode path): the same output as the stock engine."""
+    fast, stock = engines
+    rng = random.Random(6)
+    prompt = ids(rng, 50, fast._eos)
+    for e in engines:
+        e._prefix.clear()
+        drive(e, {0: [request("first", prompt, max_tokens=6)]})
+    reused = fast._prefix.tokens_reused
+    got, want = drive(fast, {0: [request("again", prompt, max_tokens=6)]}), drive(stock, {0: [request("again", prompt, max_tokens=6)]})
+    assert fast._prefix.tokens_reused - reused == len(prompt) - 1
+    assert got[("again", 0)][0] == want[("again", 0)][0]
+    torch.testing.assert_close(torch.tensor(got[("again", 0)][1]), torch.tensor(want[("again", 0)][1]), rtol=0, atol=1e-4)
 
 
 def test_packed_weights_are_refused_off_the_cpu(tiny_model):
@@ -166,3 +206,17 @@ def test_adapters_on_packed_weights_decode_the_same(engines, tiny_model, tmp_pat
     base = drive(stock, schedule([None, None, None]))
     assert base[("r2", 0)][0] == want[("r2", 0)][0]  # the base model's row is the base model's
     assert not torch.allclose(torch.tensor(base[("r0", 0)][1]), torch.tensor(want[("r0", 0)][1]), atol=1e-3)  # an adapter's is not
+
+
+def test_forced_packing_that_onednn_refuses_is_a_clear_error(tiny_model):
+    """float16 on this CPU: either oneDNN packs it (then the engine runs) or the engine refuses to
+    start with an error naming the option, never a raw kernel error mid-request."""
+    from services.explorer.serving.engines.base import EngineError
+
+    e = HFEngine(model_path=str(tiny_model), dtype="float16", device="cpu", packed_weights=True)
+    try:
+        e._load()
+    except EngineError as err:
+        assert "engine.packed_weights" in str(err)
+    else:
+        assert e.packed_linears > 0

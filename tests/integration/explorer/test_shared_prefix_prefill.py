@@ -27,7 +27,7 @@ def engines(tiny_model):
         e = HFEngine(model_path=str(tiny_model), dtype="float32", device="cpu", max_batch_size=32,
                      shared_prefix_min_tokens=min_tokens, prefix_cache_mb=cache_mb)
         e._load()
-        assert len(e.tokenizer) > 500  # _ids draws from the first 500 ids
+        assert len(e.tokenizer) > 500  # engine_steps.ids draws from the first 500 ids
         out.append(e)
     return out
 

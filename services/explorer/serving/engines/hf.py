@@ -37,7 +37,9 @@ from services.explorer.serving.engines.base import (
 )
 from services.explorer.serving.engines.detokenizer import IncrementalDetokenizer
 from services.explorer.serving.engines.hf_batch import QueuedRequest, Row, aborted_update, pad_left
-from services.explorer.serving.engines.cpu_paths import default_torch_threads, pack_linears, packing_helps, use_decode_attention
+from services.explorer.serving.engines.cpu_paths import (
+    default_torch_threads, linear_bytes, pack_linears, packing_budget, packing_helps, use_decode_attention,
+)
 from services.explorer.serving.engines.prefix_cache import Layers, PrefixCache
 
 log = logging.getLogger(__name__)
@@ -85,8 +87,8 @@ class HFEngine:
         self._prefix = PrefixCache(prefix_cache_mb << 20, min_tokens=shared_prefix_min_tokens or 32)
         # the CPU's fast paths (cpu_paths.py): linear layers on pre-packed weights (None: decided by the CPU
         # and dtype) and the decode steps' attention as plain products
-        self._packed_weights = packing_helps(self._dtype, self._device) if packed_weights is None else packed_weights
-        if self._packed_weights and self._device.type != "cpu":
+        self._packed_weights = packed_weights  # None: if packing_helps and the copy fits packing_budget
+        if packed_weights and self._device.type != "cpu":
             raise EngineError(f"engine.packed_weights is for the CPU; this engine runs on {self._device}")
         self._decode_attention = decode_attention and self._device.type == "cpu"
         self.packed_linears = 0
@@ -131,8 +133,16 @@ class HFEngine:
         except ModelLoadError as e:
             raise EngineError(str(e)) from e
         model.eval()
+        extra = linear_bytes(model)
+        if self._packed_weights is None:
+            self._packed_weights = packing_helps(self._dtype, self._device) and extra <= packing_budget()
         if self._packed_weights:
-            self.packed_linears = pack_linears(model)
+            try:
+                self.packed_linears = pack_linears(model)
+            except RuntimeError as e:
+                raise EngineError(f"engine.packed_weights: oneDNN cannot pack this model's {self._dtype} weights on this "
+                                  f"CPU ({e}); leave it unset or false") from e
+            log.info("hf engine: %d linear layers on packed weights, %.0f MiB more memory", self.packed_linears, extra / 2**20)
         if self._decode_attention:
             self.decode_attention = use_decode_attention(model)
         self._base = model
