@@ -380,25 +380,20 @@ def engines_report(results: dict, targets: list[EngineTarget], info: dict, ml: M
         rows,
     )
     ok = [t for t in targets if not t.error]
-    pairs = []
-    for dtype in cfg["engine_dtypes"]:
-        hf = next((t for t in ok if t.kind == "hf" and t.dtype == dtype), None)
-        vl = next((t for t in ok if t.kind == "vllm" and t.dtype == dtype), None)
-        if hf and vl:
-            for c in CONCURRENCIES:
-                ratios = [v.tokens_per_s / h.tokens_per_s for h, v in zip(results[(hf.name, c)], results[(vl.name, c)])]
-                pairs.append(f"{SHORT[dtype]} c={c} {spread(ratios, '{:.2f}')}")
-    if pairs:
+
+    def paired(num: str, den: str) -> list[str]:  # engine num's tokens/s over engine den's, paired by round
+        lines = []
+        for dtype in cfg["engine_dtypes"]:
+            a = next((t for t in ok if t.kind == num and t.dtype == dtype), None)
+            b = next((t for t in ok if t.kind == den and t.dtype == dtype), None)
+            for c in CONCURRENCIES if a and b else ():
+                ratios = [x.tokens_per_s / y.tokens_per_s for x, y in zip(results[(a.name, c)], results[(b.name, c)])]
+                lines.append(f"{SHORT[dtype]} c={c} {spread(ratios, '{:.2f}')}")
+        return lines
+
+    if pairs := paired("vllm", "hf"):
         out += "\nvllm/hf tokens/s, paired by round: " + "; ".join(pairs)
-    fast = []
-    for dtype in cfg["engine_dtypes"]:
-        hf = next((t for t in ok if t.kind == "hf" and t.dtype == dtype), None)
-        st = next((t for t in ok if t.kind == "hf-stock" and t.dtype == dtype), None)
-        if hf and st:
-            for c in CONCURRENCIES:
-                ratios = [h.tokens_per_s / s.tokens_per_s for h, s in zip(results[(hf.name, c)], results[(st.name, c)])]
-                fast.append(f"{SHORT[dtype]} c={c} {spread(ratios, '{:.2f}')}")
-    if fast:
+    if fast := paired("hf", "hf-stock"):
         out += "\nhf/hf-stock tokens/s (the CPU fast paths on / off), paired by round: " + "; ".join(fast)
     starts = ", ".join(f"{t.name} {t.start_s:.0f}s" for t in ok)
     out += (
