@@ -37,12 +37,16 @@ class Episode:
 
 async def run_episode(client, problem: tools_task.Problem, *, model: str, task_id: str | None = None,
                       run_id: str | None = None, max_turns: int = 3, max_tokens: int = 48,
-                      temperature: float = 1.0) -> Episode:
+                      temperature: float = 1.0, explore: bool = False) -> Episode:
     """One episode with ``client`` (an ``openai.AsyncOpenAI`` on the Explorer). Never raises: an
-    HTTP error ends the episode with ``error`` set and reward 0."""
+    HTTP error ends the episode with ``error`` set and reward 0. With ``explore`` its calls are
+    exploration runs (``metadata.explore``): the Explorer samples them at the agent's exploration
+    temperature, if it has one, whatever ``temperature`` says."""
     ep = Episode(problem=problem, task_id=task_id, run_id=run_id)
     ep.messages = [{"role": "user", "content": problem.question}]
-    metadata = {"task_id": task_id, "run_id": run_id} if task_id is not None else None
+    metadata = {"task_id": task_id, "run_id": run_id} if task_id is not None else {}
+    if explore:
+        metadata["explore"] = "true"
     try:
         for _ in range(max_turns):
             r = await client.chat.completions.create(

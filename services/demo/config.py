@@ -93,6 +93,11 @@ class ToolsSection(ConfigModel):
     max_turns: int = Field(default=3, ge=2, description="Calls per episode at most; an episode without a final answer scores 0.")
     max_tokens: int = Field(default=40, ge=8, description="Tokens per call at most (a calculator call takes about 25).")
     temperature: float = Field(default=1.0, ge=0, description="Sampling temperature of traffic and of the evaluations.")
+    explore_temperature: float | None = Field(
+        default=None, gt=0, le=2,
+        description="Sample the traffic (never the evaluations) at this temperature: its calls are exploration runs "
+        "(metadata.explore) and the Explorer gets agents.exploration_temperature for the agent, so the records hold "
+        "the temperature sampled at and the Trainer scores them at it. null: the traffic samples at `temperature`.")
     eval_concurrency: int = Field(default=16, ge=1, description="Held-out episodes in flight at once.")
     control: bool = Field(
         default=True,

@@ -90,6 +90,8 @@ class ToolsDemo:
                 "engine": {"kind": "hf", "max_batch_size": 32, "torch_threads": 1}}
         if self.t.control or self.t.plateau.max_steps:  # the arm is served beside the agent, from the same checkpoint root
             base["agents"] = {"names": [self.cfg.agent, self.control_agent], "default": self.cfg.agent}
+        if self.t.explore_temperature is not None:  # the traffic's calls are exploration runs, sampled hotter
+            base.setdefault("agents", {})["exploration_temperature"] = {self.cfg.agent: self.t.explore_temperature}
         if self.cfg.release_check:
             base["release"] = gate_section("services.demo.agent_app:GateEnv", "services.demo.agent_app:gate_problems",
                                            "services.demo.agent_app:gate_agent")
@@ -221,7 +223,8 @@ class ToolsDemo:
             async with sem:
                 ep = await agent_app.run_episode(client, p, model=self.cfg.agent, task_id=f"r{self.rounds}-q{k}",
                                                  run_id=str(run), max_turns=self.t.max_turns, max_tokens=self.t.max_tokens,
-                                                 temperature=self.t.temperature)
+                                                 temperature=self.t.temperature,
+                                                 explore=self.t.explore_temperature is not None)
                 if ep.error is None:
                     wrong = ep.reward < 1.0 and ep.msg_ids
                     try:

@@ -18,7 +18,9 @@ step, `levers` turns on the Trainer's levers (services/demo/tools_demo.py LEVERS
 `no-*` setting is `levers` with one lever off (the ablation), `self-imitation` is `base` with that one lever
 on; `hints` and `corrections` are `base` with the simulated
 users' words after a wrong answer (`tools.words`), to compare with `base` (rewards alone), and
-`hints-centred` is `hints` with the distillation advantage centred per call (`hint_baseline=call`).
+`hints-centred` is `hints` with the distillation advantage centred per call (`hint_baseline=call`);
+`explore` is `base` with the traffic sampled at temperature 1.3 (`tools.explore_temperature`), the
+evaluations still at 1.
 """
 
 from __future__ import annotations
@@ -52,6 +54,8 @@ SETTINGS: dict[str, list[str]] = {
     # hints with the distillation advantage centred per call (algorithm.grpo.hint_baseline=call)
     "hints-centred": ["tools.levers=false", "tools.words=hints", "trainer.algorithm.grpo.hint_baseline=call"],
     "corrections": ["tools.levers=false", "tools.words=corrections"],
+    # `base` with the traffic sampled hotter than the evaluations (exploration runs; the Trainer scores them at 1.3)
+    "explore": ["tools.levers=false", "tools.explore_temperature=1.3"],
 }
 
 

@@ -82,3 +82,12 @@ def test_without_a_task_id_no_metadata_is_sent():
 def test_an_http_error_ends_the_episode_with_the_error_and_no_reward():
     ep = _run(FakeClient(_call("36 * 24"), RuntimeError("503 busy")), task_id="t", run_id="0")
     assert ep.error == "RuntimeError: 503 busy" and ep.reward == 0.0 and ep.msg_ids == ["chatcmpl-1"]
+
+
+def test_an_exploration_episode_marks_every_call_explore():
+    client = FakeClient(_call("36 * 24"), _text("864"))
+    _run(client, task_id="t1", run_id="0", explore=True)
+    assert [s["metadata"] for s in client.sent] == [{"task_id": "t1", "run_id": "0", "explore": "true"}] * 2
+    client = FakeClient(_text("864"))
+    _run(client, explore=True)  # no grouping, still an exploration run
+    assert client.sent[0]["metadata"] == {"explore": "true"}

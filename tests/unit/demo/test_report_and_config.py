@@ -65,3 +65,23 @@ def test_words_hints_give_the_trainer_its_hint_term_and_are_refused_when_unknown
     assert trainer("tools.words=corrections")["algorithm"]["grpo"].get("hint_coef") is None
     with pytest.raises(Exception, match="words"):
         trainer("tools.words=shouts")
+
+
+def test_explore_temperature_gives_the_agent_its_exploration_temperature(tmp_path):
+    from services.common.config import ConfigError
+    from services.common.launch import Stack
+    from services.demo.tools_demo import ToolsDemo
+    from services.explorer.config import ExplorerConfig
+
+    def explorer(*overrides):
+        cfg = load_config(DemoConfig, None, ["task=tools", "release_check=false", *overrides], env={})
+        return ToolsDemo(cfg, Stack(tmp_path, cfg.agent, config_models={"explorer": ExplorerConfig})).explorer_config()
+
+    assert "exploration_temperature" not in explorer()["agents"]
+    hot = explorer("tools.explore_temperature=1.3")["agents"]
+    assert hot["exploration_temperature"] == {"calculator": 1.3} and "calculator" in hot["names"]
+    # without the control arm there is no agents section of the demo's own: the temperature still reaches it
+    alone = explorer("tools.explore_temperature=1.3", "tools.control=false")["agents"]
+    assert alone["exploration_temperature"] == {"calculator": 1.3}
+    with pytest.raises(ConfigError, match="explore_temperature"):
+        load_config(DemoConfig, None, ["tools.explore_temperature=3"])
