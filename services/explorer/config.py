@@ -51,8 +51,9 @@ class EngineSection(ConfigModel):
     max_waiting: int = Field(default=4096, ge=1, description="Queued requests before new ones get 503.")
     torch_threads: int | None = Field(
         default=None, ge=1,
-        description="hf: torch intra-op threads. Default on CPU: one fewer than the cores this process may use (the "
-        "server's own thread keeps one), or what OMP_NUM_THREADS says.")
+        description="hf: torch intra-op threads. Default on CPU: one fewer than torch's own default (the physical "
+        "cores) or the CPUs this process may use, whichever is fewer, so the server's own thread keeps one; torch's "
+        "default when OMP_NUM_THREADS or MKL_NUM_THREADS is set.")
     seed: int = Field(default=0, description="Seed of the sampler for requests without a seed.")
     shared_prefix_min_tokens: int = Field(
         default=32, ge=0,

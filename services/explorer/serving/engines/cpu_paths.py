@@ -29,6 +29,7 @@ import types
 
 import torch
 from torch import nn
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from services.common.models import cpu_has_native_bf16
 
@@ -121,8 +122,6 @@ def decode_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, 
     additive; None for none). One query a sequence on the CPU without gradients: scores and softmax and
     the weighted sum in float32, the query heads grouped by their key-value head (head h on key-value
     head h // (H / KV), as transformers' repeat_kv); anything else: transformers' SDPA attention."""
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
-
     B, H, q_len, D = query.shape
     KV, L, Dv = key.shape[1], key.shape[2], value.shape[-1]
     mask = attention_mask

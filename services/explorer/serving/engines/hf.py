@@ -142,7 +142,6 @@ class HFEngine:
             except RuntimeError as e:
                 raise EngineError(f"engine.packed_weights: oneDNN cannot pack this model's {self._dtype} weights on this "
                                   f"CPU ({e}); leave it unset or false") from e
-            log.info("hf engine: %d linear layers on packed weights, %.0f MiB more memory", self.packed_linears, extra / 2**20)
         if self._decode_attention:
             self.decode_attention = use_decode_attention(model)
         self._base = model
@@ -150,9 +149,10 @@ class HFEngine:
         self.max_model_len = min(self._max_model_len_cfg or ctx, ctx)
         self._eos = stop_token_ids(self.tokenizer, model)
         log.info(
-            "hf engine: %s on %s (%s), max_model_len %d, max_batch_size %d, %d linear layers on packed weights, "
-            "decode attention %s, %s torch threads", self.model_path, self._device, self._dtype, self.max_model_len,
-            self.max_batch_size, self.packed_linears, "as products" if self.decode_attention else "by the model's own",
+            "hf engine: %s on %s (%s), max_model_len %d, max_batch_size %d, %d linear layers on packed weights "
+            "(%.0f MiB more memory), decode attention %s, %s torch threads", self.model_path, self._device, self._dtype,
+            self.max_model_len, self.max_batch_size, self.packed_linears, extra / 2**20 if self.packed_linears else 0.0,
+            "as products" if self.decode_attention else "by the model's own",
             self._torch_threads or torch.get_num_threads(),
         )
 
