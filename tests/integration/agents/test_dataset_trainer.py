@@ -22,8 +22,9 @@ def test_kaizen_train_runs_the_example_and_keeps_validation_out_of_training(tiny
     r = subprocess.run(
         [sys.executable, "-m", "services.cli", "train", "--config", "configs/examples/train-parity.yaml",
          f"model.path={tiny_model}", f"run_dir={tmp_path}", "train.epochs=1", "eval.every_versions=1", "eval.target=null",
+         "train.concurrency=16",  # a step's 16 calls in one wave (the Explorer batches 32)
          f"trainer.config={{ray: {{address: '{ray_address}'}}, algorithm: {{name: grpo}}, lora: {{r: 8, alpha: 16}},"
-         " train_batch_size: 16, trainer: {torch_threads: 1}}"],
+         " train_batch_size: 16, trainer: {torch_threads: 1, poll_interval_s: 0.2}}"],
         cwd=REPO, capture_output=True, text=True, timeout=600, env={**__import__("os").environ, "PYTHONUNBUFFERED": "1"})
     assert r.returncode == 0, (r.stdout + r.stderr)[-4000:]
     assert "1 epochs done; best validation reward" in r.stdout
@@ -82,7 +83,8 @@ def test_two_agents_validation_reward_rises(tiny_model, ray_address, tmp_path: P
                 # reached 0.9-1.0 and 2 stayed below 0.7 (their gains were 0.13 and 0.12, one run in CI). So each
                 # run trains until the validation reward reaches the target, checked every 12 versions, for at
                 # most 144 rounds: four runs stopped after 24, 60, 60 and 85 rounds (44-114 s alone on 2 cores).
-                "train": {"epochs": 12, "repeat": 8, "tasks_per_round": 2, "max_backlog": 16},
+                # a round's 16 episodes (two calls each) in one wave, not two (the Explorer batches 32)
+                "train": {"epochs": 12, "repeat": 8, "tasks_per_round": 2, "max_backlog": 16, "concurrency": 16},
                 "eval": {"every_versions": 12, "repeat": 8, "target": 0.95},
                 "explorer": {"config": {"engine": {"torch_threads": 1}}},
                 "trainer": {"config": {"ray": {"address": ray_address}, "algorithm": {"name": "grpo"},

@@ -39,7 +39,7 @@ def demo_run(tiny_model, ray_address, tmp_path_factory) -> Path:
             "parity.heldout_numbers=8", "parity.eval_samples=2",
             "parity.warm_start.steps=5",
             "parity.traffic.tasks_per_batch=8", "parity.traffic.repeat=4", "parity.traffic.concurrency=16",
-            f"trainer.ray.address={ray_address}",
+            f"trainer.ray.address={ray_address}", "trainer.trainer.poll_interval_s=0.2",
             "explorer.server.log_level=info",  # so explorer.log names every version it hot-loads
         ]
         out = base / "demo.out"
