@@ -46,6 +46,7 @@ class Feedback:
     source: str = "runner_sdk"
     expected: Any = None  # what the run was expected to produce (kept for the release gate's replay)
     hint: str | None = None  # feedback in words: what should have been done
+    correction: dict[str, Any] | None = None  # the assistant message the one call of msg_ids should have answered
     # every retry of this body goes under this key: the Explorer applies it once (a timed-out attempt it took)
     key: str = field(default_factory=lambda: uuid.uuid4().hex)
 
@@ -149,7 +150,7 @@ class FeedbackQueue:
             try:
                 await self._explorer.feedback(msg_ids=list(fb.msg_ids), reward=fb.reward, task_id=fb.task_id,
                                               run_id=fb.run_id, labels=list(fb.labels) or None, comment=fb.comment,
-                                              source=fb.source, expected=fb.expected, hint=fb.hint,
+                                              source=fb.source, expected=fb.expected, hint=fb.hint, correction=fb.correction,
                                               idempotency_key=fb.key)
             except (httpx.HTTPError, ExplorerError) as e:
                 if isinstance(e, ExplorerError) and not e.retryable:

@@ -338,24 +338,31 @@ class TrainingRunner:
 
     def queue_feedback(self, *, msg_ids: Sequence[str], reward: float | None, task_id: str | None = None,
                        run_id: str | None = None, labels: Sequence[str] = (), comment: str | None = None,
-                       source: str = "runner_sdk", expected: Any = None, hint: str | None = None) -> None:
+                       source: str = "runner_sdk", expected: Any = None, hint: str | None = None,
+                       correction: dict[str, Any] | None = None) -> None:
         """Queue one /feedback call, from any thread; it is sent from the runner's loop and its ids are
         committed with this runner's next commit. Oldest entries go first when the queue is full.
-        ``hint``: feedback in words, beside the reward or alone (``reward=None``)."""
+        Feedback in words, beside the reward or alone (``reward=None``): ``hint``, what should have
+        been done; ``correction``, the assistant message (``content`` and/or ``tool_calls``) that the
+        one call ``msg_ids`` names should have answered (it becomes a demonstration of its prompt; a
+        ValueError here for more ids, or for a correction that is not a dict)."""
         if not msg_ids:
             return  # nothing to reward (the Explorer would refuse an empty list)
+        if correction is not None and (len(msg_ids) != 1 or not isinstance(correction, dict)):
+            raise ValueError(f"a correction is an assistant message (a dict) for one call; got "
+                             f"{type(correction).__name__} for {len(msg_ids)} ids")
         if hint is not None and (not hint.strip() or len(hint) > HINT_MAX_CHARS):
             if hint.strip():
                 log.warning("a hint of %d characters is more than the Explorer takes (%d): the reward goes alone",
                             len(hint), HINT_MAX_CHARS)
             hint = None  # so the reward is not refused with it
-        if reward is None and hint is None:
-            log.warning("feedback for %s dropped: no reward and no usable hint", task_id or msg_ids[0])
+        if reward is None and hint is None and correction is None:
+            log.warning("feedback for %s dropped: no reward, no usable hint and no correction", task_id or msg_ids[0])
             return
         self._feedback.put(Feedback(msg_ids=tuple(msg_ids), reward=None if reward is None else float(reward),
                                     task_id=task_id, run_id=None if run_id is None else str(run_id),
                                     labels=tuple(labels or ()), comment=comment, source=source, expected=expected,
-                                    hint=hint))
+                                    hint=hint, correction=correction))
 
     def commit_now(self, timeout: float = 30.0) -> None:
         """Deliver what is pending and commit what this runner delivered, now (blocks up to ``timeout``)."""

@@ -35,6 +35,7 @@ from services.common import buffer, checkpoints
 from services.common.hints import HINT_MAX_CHARS, hint_prompt_ids
 from services.common.ids import experience_id, new_id
 from services.common.records import Experience
+from services.common.replies import ReplyError, assistant_reply, correction_record, render_reply
 
 _PEFT_KEYS = {"r", "lora_alpha", "target_modules", "lora_dropout", "bias"}
 _DEFAULT_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -253,41 +254,71 @@ class LearnableAgent:
 
     # ------------------------------------------------------------------ learning
 
-    def feedback(self, reward: float | None = None, *, hint: str | None = None, run: RunResult | None = None,
-                 commit: bool = True) -> int:
+    def feedback(self, reward: float | None = None, *, hint: str | None = None, correction: dict[str, Any] | None = None,
+                 call: int = 0, run: RunResult | None = None, commit: bool = True) -> int:
         """Reward every call of ``run`` (default: the last one) and, with ``commit``, make them
-        trainable. ``hint``: feedback in words, beside the reward or alone: what the agent should have
-        done (learnt by self-distillation: ``learn(algorithm={"name": "opd"})``, or grpo's hint_coef).
-        Returns how many calls got the feedback."""
+        trainable. Feedback in words, beside the reward or alone: ``hint``, what the agent should have
+        done (learnt by self-distillation: ``learn(algorithm={"name": "opd"})``, or grpo's hint_coef);
+        ``correction``, the assistant message (``content`` and/or ``tool_calls``) that the run's call
+        number ``call`` (0: its first) should have answered: it becomes a demonstration of that call's
+        prompt, trained by the supervised term. Returns how many calls got the reward or the hint
+        (0 for a correction alone)."""
         run = run or self.last_run
         if run is None:
             raise LearnableAgentError("no run to reward yet: call run(task) first")
-        if reward is None and not (hint or "").strip():
-            raise LearnableAgentError("feedback needs a reward or a non-empty hint")
+        if reward is None and not (hint or "").strip() and correction is None:
+            raise LearnableAgentError("feedback needs a reward, a non-empty hint or a correction")
         if hint is not None and len(hint) > HINT_MAX_CHARS:
             raise LearnableAgentError(f"a hint has at most {HINT_MAX_CHARS} characters ({len(hint)} given)")
+        if correction is not None:
+            if not -len(run.experience_ids) <= call < len(run.experience_ids):
+                raise LearnableAgentError(f"correction of call {call}: this run made {len(run.experience_ids)} call(s)")
+            try:
+                correction = assistant_reply(correction)
+            except ReplyError as e:
+                raise LearnableAgentError(f"correction: {e.message}") from None
+        words = reward is not None or bool((hint or "").strip())  # what reaches every call of the run
         if self.endpoint is not None:
             path = "/feedback"
             try:
-                self._explorer.feedback(task_id=run.task_id, run_id=run.run_id, reward=reward, hint=hint)
+                if correction is not None:  # first: a correction the Explorer refuses leaves everything as it was
+                    self._explorer.feedback(msg_ids=[run.experience_ids[call]], correction=correction)
+                if words:
+                    self._explorer.feedback(task_id=run.task_id, run_id=run.run_id, reward=reward, hint=hint)
                 if commit:
                     path = "/commit"
                     self._explorer.commit(task_id=run.task_id)
             except ExplorerError as e:
                 raise LearnableAgentError(f"{path} answered {e.status}: {e.message}") from e
-            return len(run.experience_ids)
+            return len(run.experience_ids) if words else 0
         note = {"labels": [], "comment": None, "source": "learnable-agent"}
+        rows = buffer.feedback_rows(engine=self._db, msg_ids=run.experience_ids)
         hints = None
         if hint is not None:
             tok = self.model.tokenizer
             hints = {r.experience_id: {"text": hint, "source": "learnable-agent", "at": buffer.utcnow().isoformat(),
                                        "prompt_token_ids": hint_prompt_ids(tok, r.messages, r.tools, hint)}
-                     for r in buffer.feedback_rows(engine=self._db, msg_ids=run.experience_ids)}
-        result = buffer.apply_feedback(engine=self._db, msg_ids=run.experience_ids, reward=reward, feedback=note,
-                                       task_id=run.task_id, run_id=run.run_id, hints=hints)
+                     for r in rows}
+        corrections = [] if correction is None else [self._correction(rows, run.experience_ids[call], correction)]
+        result = buffer.apply_feedback(engine=self._db, msg_ids=run.experience_ids if words else [run.experience_ids[call]],
+                                       reward=reward, feedback=note, task_id=run.task_id, run_id=run.run_id, hints=hints,
+                                       corrections=corrections)
         if commit:
             buffer.commit_experiences(engine=self._db, msg_ids=run.experience_ids)
-        return len(result.experience_ids)
+        return len(result.experience_ids) if words else 0
+
+    def _correction(self, rows: list[Experience], corrected: str, reply: dict[str, Any]) -> Experience:
+        """The demonstration a correction of the call ``corrected`` becomes, rendered as the Explorer
+        renders one (services/common/replies.py)."""
+        exp = next(r for r in rows if r.experience_id == corrected)
+        config = self.model.base_model.config
+        try:
+            prompt_ids, reply_ids = render_reply(self.model.tokenizer, exp.messages, reply, exp.tools,
+                                                 max_len=getattr(config, "max_position_embeddings", None) or 2048,
+                                                 check_conversation=False)
+        except ReplyError as e:
+            raise LearnableAgentError(f"correction: {e.message.replace('response', 'correction', 1)}") from None
+        return correction_record(exp, reply, prompt_ids, reply_ids, comment=None)
 
     def learn(self, steps: int = 1, *, ray_address: str | None = None, timeout_s: float = 3600, **overrides: Any) -> int:
         """Train the adapter for ``steps`` Trainer steps on the committed experiences (the real

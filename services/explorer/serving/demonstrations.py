@@ -7,7 +7,6 @@ never sampled, so they carry no sampling logprobs): a new agent starts from a ha
 from __future__ import annotations
 
 import asyncio
-import json
 from datetime import datetime, timezone
 from typing import Any
 
@@ -17,32 +16,12 @@ from services.common import buffer
 from services.common.http.errors import APIError
 from services.common.hints import hint_prompt_ids
 from services.common.ids import experience_id, new_id
-from services.common.records import CORRECTION_LABEL, DEMONSTRATION_KIND, Experience, ExperienceStatus
+from services.common.records import DEMONSTRATION_KIND, Experience, ExperienceStatus
+from services.common.replies import DEMONSTRATION_LABEL, ReplyError, correction_record, render_reply
 from services.explorer.protocol import Demonstration, DemonstrationRequest, Message
 from services.explorer.serving.adapters import AdapterRegistry, UnknownModel
 from services.explorer.serving.prepare import normalize_messages
 from services.explorer.serving.engines.base import Engine
-
-DEMONSTRATION_LABEL = "demonstration"
-
-
-def _check_tool_calls(messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> None:
-    names = {t["function"]["name"] for t in tools or []}
-    for i, m in enumerate(messages):
-        where = "response" if i == len(messages) - 1 else f"messages.{i}"
-        for j, call in enumerate(m.get("tool_calls") or []):
-            name = call["function"]["name"]
-            if name not in names:
-                known = f"the tools offered are {', '.join(sorted(names))}" if names else "no tools were offered"
-                raise APIError(400, f"{where}.tool_calls.{j} calls unknown tool {name!r}: {known}",
-                               param=f"{where}.tool_calls.{j}.function.name", code="unknown_tool")
-            try:
-                ok = isinstance(json.loads(call["function"]["arguments"]), dict)
-            except ValueError:
-                ok = False
-            if not ok:
-                raise APIError(400, f"{where}.tool_calls.{j}.function.arguments must be a JSON object",
-                               param=f"{where}.tool_calls.{j}.function.arguments")
 
 
 class DemonstrationService:
@@ -61,28 +40,13 @@ class DemonstrationService:
 
     def render_reply(self, messages: list[dict], reply: dict, tools: list[dict] | None, *,
                      check_conversation: bool = True) -> tuple[list[int], list[int]]:
-        """(prompt ids, reply ids) of normalized messages and an assistant reply (``render``). The
-        reply's tool calls are checked against ``tools``; the conversation's too unless it was recorded
-        (a sampled call may have made a bad one: it is what happened)."""
-        _check_tool_calls([*messages, reply] if check_conversation else [reply], tools)
-        tok = self.engine.tokenizer
+        """(prompt ids, reply ids) of normalized messages and an assistant reply
+        (services/common/replies.py), a 400 naming the field for what cannot be rendered."""
         try:
-            prompt = tok.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=False)
-            full = tok.apply_chat_template([*messages, reply], tools=tools, add_generation_prompt=False, tokenize=False)
-        except Exception as e:
-            raise APIError(400, f"the model's chat template rejected this demonstration: {e}", param="messages") from None
-        if not full.startswith(prompt):
-            raise APIError(400, "the chat template does not render this reply as a continuation of the prompt "
-                           "(is the last message an assistant turn?)", param="messages")
-        prompt_ids = tok.encode(prompt, add_special_tokens=False)
-        reply_ids = tok.encode(full[len(prompt):], add_special_tokens=False)
-        if tok.eos_token_id in reply_ids:  # drop what the template adds after the turn's end
-            reply_ids = reply_ids[: len(reply_ids) - reply_ids[::-1].index(tok.eos_token_id)]
-        limit = self.engine.max_model_len
-        if len(prompt_ids) + len(reply_ids) > limit:
-            raise APIError(400, f"this model's maximum context length is {limit} tokens; the demonstration takes "
-                           f"{len(prompt_ids) + len(reply_ids)}", param="messages", code="context_length_exceeded")
-        return prompt_ids, reply_ids
+            return render_reply(self.engine.tokenizer, messages, reply, tools, max_len=self.engine.max_model_len,
+                                check_conversation=check_conversation)
+        except ReplyError as e:
+            raise APIError(400, e.message, param=e.param, code=e.code) from None
 
     def hint_prompt(self, exp: Experience, hint: str, *, template: str, role: str) -> list[int]:
         """The teacher's prompt of on-policy self-distillation: ``exp``'s conversation with the hint as
@@ -109,17 +73,7 @@ class DemonstrationService:
             raise APIError(e.status, e.message.replace("response", "correction", 1),
                            param=(e.param or "").replace("response", "correction", 1) or "correction",
                            code=e.code) from None
-        cid = new_id(DEMONSTRATION_KIND)
-        return Experience(
-            experience_id=experience_id(cid, 0), completion_id=cid, agent=exp.agent, model_version=0,
-            task_id=exp.task_id, prompt_token_ids=prompt_ids, response_token_ids=reply_ids, response_logprobs=[],
-            messages=exp.messages, response=reply, tools=exp.tools, finish_reason="stop", sampling={},
-            feedback={"labels": [DEMONSTRATION_LABEL, CORRECTION_LABEL], "source": "correction", "comment": comment,
-                      "corrects": exp.experience_id, "prompt_as_recorded": prompt_ids == exp.prompt_token_ids,
-                      "at": datetime.now(timezone.utc).isoformat()},
-            status=ExperienceStatus.COMMITTED, user_id=exp.user_id, trainable=exp.trainable,
-            created_at=exp.created_at,  # the user's conversation, as old as the call: retention purges both at once
-        )
+        return correction_record(exp, reply, prompt_ids, reply_ids, comment=comment)
 
     async def add(self, req: DemonstrationRequest, audit: dict[str, Any] | None = None) -> Demonstration:
         """Store the demonstration (and ``audit``'s row, with the key's name, in the same transaction)."""

@@ -83,7 +83,7 @@ def test_marsys_surface_and_a_recorded_tool_loop(tiny_model, tmp_path, calling_a
         torch.testing.assert_close(torch.tensor(row.response_logprobs), expected, atol=1e-4, rtol=1e-4)
 
     # a hint alone: each call keeps the teacher's prompt, its conversation and the note, by the same template
-    with pytest.raises(LearnableAgentError, match="needs a reward or a non-empty hint"):
+    with pytest.raises(LearnableAgentError, match="needs a reward, a non-empty hint or a correction"):
         agent.feedback(hint=" ")
     assert agent.feedback(hint="Look the key up first.", commit=False) == 2
     db = buffer.create_buffer_engine(agent.buffer_url)
@@ -94,6 +94,26 @@ def test_marsys_surface_and_a_recorded_tool_loop(tiny_model, tmp_path, calling_a
         teacher = agent.model.tokenizer.decode(row.hint["prompt_token_ids"])
         assert teacher.startswith(agent.model.tokenizer.decode(row.prompt_token_ids).rsplit("<|im_start|>", 1)[0])
         assert "A note on how to answer, from a reviewer: Look the key up first." in teacher
+
+    # a correction of the run's second call (its answer): a demonstration of that very prompt, linked and labelled
+    answer = {"role": "assistant", "content": "The value of a is 42."}
+    with pytest.raises(LearnableAgentError, match="correction of call 2: this run made 2 call"):
+        agent.feedback(correction=answer, call=2)
+    with pytest.raises(LearnableAgentError, match="correction: correction.tool_calls.0 calls unknown tool 'search'"):
+        agent.feedback(correction={"tool_calls": [{"function": {"name": "search", "arguments": {"q": "a"}}}]})
+    with pytest.raises(LearnableAgentError, match="correction: a reply needs content or tool_calls"):
+        agent.feedback(correction={"role": "assistant"})
+    db = buffer.create_buffer_engine(agent.buffer_url)
+    assert buffer.fetch_committed(engine=db, agent="helper", limit=10, demonstrations=True) == []  # nothing stored
+    assert agent.feedback(correction=answer, call=1, commit=False) == 0  # no reward, no hint: the calls are as they were
+    (demo,) = buffer.fetch_committed(engine=db, agent="helper", limit=10, demonstrations=True)
+    corrected = buffer.get_experience(engine=db, experience_id=run.experience_ids[1])
+    db.dispose()
+    assert demo.feedback["corrects"] == corrected.experience_id and demo.feedback["prompt_as_recorded"] is True
+    assert demo.feedback["labels"] == ["demonstration", "correction"] and demo.prompt_token_ids == corrected.prompt_token_ids
+    tok = agent.model.tokenizer
+    assert tok.decode(demo.response_token_ids).startswith("The value of a is 42.") and demo.response_logprobs == []
+    assert demo.response_token_ids[-1] == tok.eos_token_id and corrected.hint["text"] == "Look the key up first."
 
     agent.save_pretrained(tmp_path / "saved")
     assert {"adapter_config.json", "adapter_model.safetensors"} <= {p.name for p in (tmp_path / "saved").iterdir()}
@@ -143,6 +163,15 @@ def test_the_same_agent_through_an_explorer(explorer, tmp_path):
     assert {(r["run_id"], r["reward"], (r["hint"] or {}).get("text")) for r in hinted} == {
         ("1", 1.0, None), ("2", None, "Use the lookup tool.")}
     assert rows[0]["tools"][0]["function"]["name"] == "lookup"
+    # a correction of run 2's first call, through the Explorer: a demonstration of its prompt
+    with pytest.raises(LearnableAgentError, match="/feedback answered 400: correction.tool_calls.0 calls unknown tool 'search'"):
+        agent.feedback(correction={"tool_calls": [{"function": {"name": "search", "arguments": {"q": "a"}}}]}, commit=False)
+    assert agent.feedback(correction={"tool_calls": [{"function": {"name": "lookup", "arguments": {"key": "a"}}}]},
+                          commit=False) == 0
+    corrections = [r for r in explorer.http.get("/experiences", params={"task_id": "remote"}).json()["data"]
+                   if "correction" in ((r.get("feedback") or {}).get("labels") or [])]
+    assert [(c["feedback"]["corrects"], c["response"]["tool_calls"][0]["function"]["arguments"]) for c in corrections] == [
+        (agent.last_run.experience_ids[0], json.dumps({"key": "a"}))]
     with pytest.raises(LearnableAgentError, match="its weights are there"):
         agent.model
     with pytest.raises(LearnableAgentError, match="learns through the service"):

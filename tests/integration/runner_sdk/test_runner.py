@@ -269,3 +269,13 @@ def test_a_reward_calculator_may_give_a_hint_beside_its_reward_or_alone(explorer
         runner.queue_feedback(msg_ids=[r.id], reward=0.5, hint="x" * 5000)
         runner.commit_now()
     assert _experiences(explorer, completion_id=r.id)[0]["reward"] == 0.5
+    # a correction of one call, queued like any feedback: it becomes a demonstration of that call's prompt
+    with pytest.raises(ValueError, match="a correction is an assistant message .a dict. for one call"):
+        runner.queue_feedback(msg_ids=[ids[0], ids[1]], reward=None, correction={"content": "Paris."})
+    with runner:
+        runner.queue_feedback(msg_ids=[r.id], reward=None, correction={"role": "assistant", "content": "Paris."})
+        runner.commit_now()
+    corrected = _experiences(explorer, completion_id=r.id)[0]["experience_id"]
+    (demo,) = [row for row in _experiences(explorer) if (row.get("feedback") or {}).get("corrects") == corrected]
+    assert demo["response"]["content"] == "Paris." and demo["status"] == "committed"
+    assert runner.stats.feedback_dropped == 0

@@ -77,7 +77,7 @@ def test_commit_names_exactly_the_delivered_ids_in_chunks():
     assert len(set(keys)) == 3 and all(len(k) == 32 for k in keys)  # one key per feedback
     assert ex.feedback_calls[0] == {"msg_ids": [f"chatcmpl-{i}" for i in range(COMMIT_CHUNK + 10)], "reward": 1.0,
                                     "task_id": "t", "run_id": "0", "labels": ["gold"], "comment": None,
-                                    "source": "runner_sdk", "expected": None, "hint": None}
+                                    "source": "runner_sdk", "expected": None, "hint": None, "correction": None}
     assert (stats.feedback_sent, stats.commits, stats.commit_failures) == (3, 3, 0)
     assert stats.committed == 2 * COMMIT_CHUNK + 500
 
