@@ -225,6 +225,10 @@ def test_a_late_reward_waits_in_the_ledger_until_a_step_handles_it_once(db):
     history = buffer.reward_history(engine=db, experience_id="c1-0")
     assert [(h["reward"], h["outcome"]) for h in history] == [(1.0, "applied"), (0.0, "retrained in v2"),
                                                               (0.5, "retrained in v2")]
+    # the release gate and the canary read the latest reward, late or revised, not the one trained on
+    assert sorted(buffer.version_rewards(engine=db, agent="a", version=0)) == [0.5, 0.5, 1.0]
+    assert {r.experience_id: r.reward for r in buffer.recent_rewarded(engine=db, agent="a", limit=10)} == {
+        "c1-0": 0.5, "c1-1": 1.0, "c2-0": 0.5}
 
 
 def test_a_hint_that_arrives_while_a_step_trains_its_call_redoes_the_step(db):
