@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import contextvars
+import copy
 import inspect
 import logging
 import threading
@@ -345,12 +346,13 @@ class TrainingRunner:
         Feedback in words, beside the reward or alone (``reward=None``): ``hint``, what should have
         been done; ``correction``, the assistant message (``content`` and/or ``tool_calls``) that the
         one call ``msg_ids`` names should have answered (it becomes a demonstration of its prompt; a
-        ValueError here for more ids, or for a correction that is not a dict)."""
+        ValueError here for more ids, or for a correction that is not a dict; it is sent as a body of
+        its own, so an Explorer that refuses it still takes the reward)."""
         if not msg_ids:
             return  # nothing to reward (the Explorer would refuse an empty list)
-        if correction is not None and (len(msg_ids) != 1 or not isinstance(correction, dict)):
-            raise ValueError(f"a correction is an assistant message (a dict) for one call; got "
-                             f"{type(correction).__name__} for {len(msg_ids)} ids")
+        if correction is not None and (len(set(msg_ids)) != 1 or not isinstance(correction, dict)):
+            raise ValueError(f"a correction is an assistant message (a dict) for one call; got a "
+                             f"{type(correction).__name__} for {len(set(msg_ids))} calls")
         if hint is not None and (not hint.strip() or len(hint) > HINT_MAX_CHARS):
             if hint.strip():
                 log.warning("a hint of %d characters is more than the Explorer takes (%d): the reward goes alone",
@@ -359,10 +361,13 @@ class TrainingRunner:
         if reward is None and hint is None and correction is None:
             log.warning("feedback for %s dropped: no reward, no usable hint and no correction", task_id or msg_ids[0])
             return
-        self._feedback.put(Feedback(msg_ids=tuple(msg_ids), reward=None if reward is None else float(reward),
-                                    task_id=task_id, run_id=None if run_id is None else str(run_id),
-                                    labels=tuple(labels or ()), comment=comment, source=source, expected=expected,
-                                    hint=hint, correction=correction))
+        common = dict(task_id=task_id, run_id=None if run_id is None else str(run_id), labels=tuple(labels or ()),
+                      comment=comment, source=source)
+        if correction is not None:  # a body of its own: an Explorer that refuses it still takes the reward
+            self._feedback.put(Feedback(msg_ids=(msg_ids[0],), reward=None, correction=copy.deepcopy(correction), **common))
+        if reward is not None or hint is not None:
+            self._feedback.put(Feedback(msg_ids=tuple(msg_ids), reward=None if reward is None else float(reward),
+                                        expected=expected, hint=hint, **common))
 
     def commit_now(self, timeout: float = 30.0) -> None:
         """Deliver what is pending and commit what this runner delivered, now (blocks up to ``timeout``)."""

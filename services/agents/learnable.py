@@ -21,6 +21,7 @@ With ``endpoint=URL`` the same agent runs through a Kaizen Explorer instead (the
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import inspect
 import json
 import subprocess
@@ -260,52 +261,71 @@ class LearnableAgent:
         trainable. Feedback in words, beside the reward or alone: ``hint``, what the agent should have
         done (learnt by self-distillation: ``learn(algorithm={"name": "opd"})``, or grpo's hint_coef);
         ``correction``, the assistant message (``content`` and/or ``tool_calls``) that the run's call
-        number ``call`` (0: its first) should have answered: it becomes a demonstration of that call's
-        prompt, trained by the supervised term. Returns how many calls got the reward or the hint
-        (0 for a correction alone)."""
+        ``call`` (an index into its calls: 0 the first, -1 the last) should have answered: it becomes a
+        demonstration of that call's prompt, committed at once (``commit`` aside) and trained by the
+        supervised term. Embedded, the reward, the hint and the correction are written in one
+        transaction; through an Explorer they are too for a run of one call, and otherwise the
+        correction goes first, under an idempotency key (a retry of this feedback stores it once).
+        Returns how many calls got the reward or the hint (0 for a correction alone)."""
         run = run or self.last_run
         if run is None:
             raise LearnableAgentError("no run to reward yet: call run(task) first")
         if reward is None and not (hint or "").strip() and correction is None:
             raise LearnableAgentError("feedback needs a reward, a non-empty hint or a correction")
+        if hint is not None and not hint.strip():
+            raise LearnableAgentError("a hint must not be empty (leave it out to send the rest alone)")
         if hint is not None and len(hint) > HINT_MAX_CHARS:
             raise LearnableAgentError(f"a hint has at most {HINT_MAX_CHARS} characters ({len(hint)} given)")
+        ids = run.experience_ids
         if correction is not None:
-            if not -len(run.experience_ids) <= call < len(run.experience_ids):
-                raise LearnableAgentError(f"correction of call {call}: this run made {len(run.experience_ids)} call(s)")
+            if isinstance(call, bool) or not isinstance(call, int) or not -len(ids) <= call < len(ids):
+                raise LearnableAgentError(f"correction of call {call!r}: this run made {len(ids)} call(s), "
+                                          f"0 to {len(ids) - 1} (or -{len(ids)} to -1 from the end)")
             try:
                 correction = assistant_reply(correction)
             except ReplyError as e:
                 raise LearnableAgentError(f"correction: {e.message}") from None
-        words = reward is not None or bool((hint or "").strip())  # what reaches every call of the run
+        words = reward is not None or hint is not None  # what reaches every call of the run
         if self.endpoint is not None:
-            path = "/feedback"
-            try:
-                if correction is not None:  # first: a correction the Explorer refuses leaves everything as it was
-                    self._explorer.feedback(msg_ids=[run.experience_ids[call]], correction=correction)
-                if words:
-                    self._explorer.feedback(task_id=run.task_id, run_id=run.run_id, reward=reward, hint=hint)
-                if commit:
-                    path = "/commit"
-                    self._explorer.commit(task_id=run.task_id)
-            except ExplorerError as e:
-                raise LearnableAgentError(f"{path} answered {e.status}: {e.message}") from e
-            return len(run.experience_ids) if words else 0
+            return self._send_feedback(run, reward, hint, correction, call, commit=commit, words=words)
         note = {"labels": [], "comment": None, "source": "learnable-agent"}
-        rows = buffer.feedback_rows(engine=self._db, msg_ids=run.experience_ids)
+        rows = buffer.feedback_rows(engine=self._db, msg_ids=ids) if hint is not None or correction is not None else []
         hints = None
         if hint is not None:
             tok = self.model.tokenizer
             hints = {r.experience_id: {"text": hint, "source": "learnable-agent", "at": buffer.utcnow().isoformat(),
                                        "prompt_token_ids": hint_prompt_ids(tok, r.messages, r.tools, hint)}
                      for r in rows}
-        corrections = [] if correction is None else [self._correction(rows, run.experience_ids[call], correction)]
-        result = buffer.apply_feedback(engine=self._db, msg_ids=run.experience_ids if words else [run.experience_ids[call]],
-                                       reward=reward, feedback=note, task_id=run.task_id, run_id=run.run_id, hints=hints,
+        corrections = [] if correction is None else [self._correction(rows, ids[call], correction)]
+        result = buffer.apply_feedback(engine=self._db, msg_ids=ids if words else [ids[call]], reward=reward,
+                                       feedback=note, task_id=run.task_id, run_id=run.run_id, hints=hints,
                                        corrections=corrections)
         if commit:
-            buffer.commit_experiences(engine=self._db, msg_ids=run.experience_ids)
+            buffer.commit_experiences(engine=self._db, msg_ids=ids)
         return len(result.experience_ids) if words else 0
+
+    def _send_feedback(self, run: RunResult, reward: float | None, hint: str | None, correction: dict[str, Any] | None,
+                       call: int, *, commit: bool, words: bool) -> int:
+        """``feedback`` through the Explorer: one /feedback body where it can be (a correction names one
+        call, a reward or a hint the whole episode)."""
+        ids = run.experience_ids
+        path = "/feedback"
+        try:
+            if correction is not None and words and len(ids) == 1:
+                self._explorer.feedback(msg_ids=ids, reward=reward, hint=hint, correction=correction)
+            else:
+                if correction is not None:  # first: a correction the Explorer refuses leaves everything as it was
+                    key = hashlib.sha256(json.dumps([run.task_id, run.run_id, ids[call], correction],
+                                                    sort_keys=True).encode()).hexdigest()
+                    self._explorer.feedback(msg_ids=[ids[call]], correction=correction, idempotency_key=key)
+                if words:
+                    self._explorer.feedback(task_id=run.task_id, run_id=run.run_id, reward=reward, hint=hint)
+            if commit:
+                path = "/commit"
+                self._explorer.commit(task_id=run.task_id)
+        except ExplorerError as e:
+            raise LearnableAgentError(f"{path} answered {e.status}: {e.message}") from e
+        return len(ids) if words else 0
 
     def _correction(self, rows: list[Experience], corrected: str, reply: dict[str, Any]) -> Experience:
         """The demonstration a correction of the call ``corrected`` becomes, rendered as the Explorer
@@ -317,7 +337,7 @@ class LearnableAgent:
                                                  max_len=getattr(config, "max_position_embeddings", None) or 2048,
                                                  check_conversation=False)
         except ReplyError as e:
-            raise LearnableAgentError(f"correction: {e.message.replace('response', 'correction', 1)}") from None
+            raise LearnableAgentError(e.message.replace("response", "correction", 1)) from None
         return correction_record(exp, reply, prompt_ids, reply_ids, comment=None)
 
     def learn(self, steps: int = 1, *, ray_address: str | None = None, timeout_s: float = 3600, **overrides: Any) -> int:

@@ -17,6 +17,7 @@ from pydantic import BaseModel, Field
 # Demonstrations (POST /demonstrations) are experiences whose completion id is ``demo-...``: never
 # sampled, trained by supervised terms only, replayed by the Trainer rather than consumed.
 DEMONSTRATION_KIND = "demo"
+DEMONSTRATION_LABEL = "demonstration"  # the label of every demonstration (POST /demonstrations, a correction)
 CORRECTION_LABEL = "correction"  # the label of a demonstration made from feedback's correction of a sampled call
 
 # Evaluation traffic's task ids start with this (the release gate's calls): never rewarded, never

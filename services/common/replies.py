@@ -10,9 +10,7 @@ from datetime import datetime, timezone
 from typing import Any
 
 from services.common.ids import experience_id, new_id
-from services.common.records import CORRECTION_LABEL, DEMONSTRATION_KIND, Experience, ExperienceStatus
-
-DEMONSTRATION_LABEL = "demonstration"
+from services.common.records import CORRECTION_LABEL, DEMONSTRATION_KIND, DEMONSTRATION_LABEL, Experience, ExperienceStatus
 
 
 class ReplyError(ValueError):
@@ -40,7 +38,7 @@ def assistant_reply(message: dict[str, Any]) -> dict[str, Any]:
         args = fn.get("arguments", {})
         calls.append({"id": c.get("id") or new_id("call"), "type": "function",
                       "function": {"name": fn["name"], "arguments": args if isinstance(args, str) else json.dumps(args)}})
-    if content is None and not calls:
+    if not content and not calls:
         raise ReplyError("a reply needs content or tool_calls", param="content")
     return {"role": "assistant", "content": content, **({"tool_calls": calls} if calls else {})}
 
@@ -91,7 +89,7 @@ def render_reply(tokenizer: Any, messages: list[dict], reply: dict, tools: list[
     return prompt_ids, reply_ids
 
 
-def correction_record(exp: Any, reply: dict[str, Any], prompt_ids: list[int], reply_ids: list[int], *,
+def correction_record(exp: Experience, reply: dict[str, Any], prompt_ids: list[int], reply_ids: list[int], *,
                       comment: str | None) -> Experience:
     """The demonstration a correction of the recorded call ``exp`` becomes: its prompt, ``reply``
     rendered (``render_reply``), committed, labelled and linked to the call it corrects."""

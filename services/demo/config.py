@@ -92,7 +92,7 @@ class ToolsSection(ConfigModel):
         "others are learnt from traffic alone, and the report splits held-out success by them.")
     max_turns: int = Field(default=3, ge=2, description="Calls per episode at most; an episode without a final answer scores 0.")
     max_tokens: int = Field(default=40, ge=8, description="Tokens per call at most (a calculator call takes about 25).")
-    temperature: float = Field(default=1.0, ge=0, description="Sampling temperature of traffic and of the evaluations.")
+    temperature: float = Field(default=1.0, ge=0, description="Sampling temperature of the evaluations, and of the traffic unless explore_temperature is set.")
     explore_temperature: float | None = Field(
         default=None, gt=0, le=2,
         description="Sample the traffic (never the evaluations) at this temperature: its calls are exploration runs "

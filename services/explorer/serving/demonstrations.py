@@ -16,8 +16,8 @@ from services.common import buffer
 from services.common.http.errors import APIError
 from services.common.hints import hint_prompt_ids
 from services.common.ids import experience_id, new_id
-from services.common.records import DEMONSTRATION_KIND, Experience, ExperienceStatus
-from services.common.replies import DEMONSTRATION_LABEL, ReplyError, correction_record, render_reply
+from services.common.records import DEMONSTRATION_KIND, DEMONSTRATION_LABEL, Experience, ExperienceStatus
+from services.common.replies import ReplyError, correction_record, render_reply
 from services.explorer.protocol import Demonstration, DemonstrationRequest, Message
 from services.explorer.serving.adapters import AdapterRegistry, UnknownModel
 from services.explorer.serving.prepare import normalize_messages

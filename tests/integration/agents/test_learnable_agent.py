@@ -99,13 +99,15 @@ def test_marsys_surface_and_a_recorded_tool_loop(tiny_model, tmp_path, calling_a
     answer = {"role": "assistant", "content": "The value of a is 42."}
     with pytest.raises(LearnableAgentError, match="correction of call 2: this run made 2 call"):
         agent.feedback(correction=answer, call=2)
-    with pytest.raises(LearnableAgentError, match="correction: correction.tool_calls.0 calls unknown tool 'search'"):
+    with pytest.raises(LearnableAgentError, match="^correction.tool_calls.0 calls unknown tool 'search'"):
         agent.feedback(correction={"tool_calls": [{"function": {"name": "search", "arguments": {"q": "a"}}}]})
     with pytest.raises(LearnableAgentError, match="correction: a reply needs content or tool_calls"):
         agent.feedback(correction={"role": "assistant"})
     db = buffer.create_buffer_engine(agent.buffer_url)
     assert buffer.fetch_committed(engine=db, agent="helper", limit=10, demonstrations=True) == []  # nothing stored
-    assert agent.feedback(correction=answer, call=1, commit=False) == 0  # no reward, no hint: the calls are as they were
+    with pytest.raises(LearnableAgentError, match="a hint must not be empty"):
+        agent.feedback(hint=" ", correction=answer)
+    assert agent.feedback(correction=answer, call=-1, commit=False) == 0  # the last call; no reward, no hint: as they were
     (demo,) = buffer.fetch_committed(engine=db, agent="helper", limit=10, demonstrations=True)
     corrected = buffer.get_experience(engine=db, experience_id=run.experience_ids[1])
     db.dispose()

@@ -273,9 +273,11 @@ def test_a_reward_calculator_may_give_a_hint_beside_its_reward_or_alone(explorer
     with pytest.raises(ValueError, match="a correction is an assistant message .a dict. for one call"):
         runner.queue_feedback(msg_ids=[ids[0], ids[1]], reward=None, correction={"content": "Paris."})
     with runner:
+        # a correction the Explorer refuses (no tools were offered) is dropped alone: the reward beside it lands
+        runner.queue_feedback(msg_ids=[r.id], reward=0.25, correction={"tool_calls": [{"function": {"name": "search"}}]})
         runner.queue_feedback(msg_ids=[r.id], reward=None, correction={"role": "assistant", "content": "Paris."})
         runner.commit_now()
-    corrected = _experiences(explorer, completion_id=r.id)[0]["experience_id"]
-    (demo,) = [row for row in _experiences(explorer) if (row.get("feedback") or {}).get("corrects") == corrected]
+    corrected = _experiences(explorer, completion_id=r.id)[0]
+    assert corrected["reward"] == 0.25 and runner.stats.feedback_dropped == 1
+    (demo,) = [row for row in _experiences(explorer) if (row.get("feedback") or {}).get("corrects") == corrected["experience_id"]]
     assert demo["response"]["content"] == "Paris." and demo["status"] == "committed"
-    assert runner.stats.feedback_dropped == 0

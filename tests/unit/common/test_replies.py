@@ -28,6 +28,7 @@ def test_a_reply_takes_openais_shape_with_arguments_as_a_string_or_an_object():
     ("864", "role 'assistant'"),
     ({"content": ["864"]}, "content is a string or null"),
     ({"content": None}, "needs content or tool_calls"),
+    ({"content": "", "tool_calls": []}, "needs content or tool_calls"),
     ({"tool_calls": [{"function": {"arguments": "{}"}}]}, "tool_calls.0 needs a function with a name"),
 ])
 def test_a_reply_that_is_not_an_assistant_message_is_refused(message, error):
