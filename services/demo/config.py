@@ -61,6 +61,10 @@ class ParitySection(ConfigModel):
     fill_traffic = _traffic_over(_PARITY_TRAFFIC)
 
 
+# The traffic's sampling temperature by default: the agent's own traffic paid at 1.3 and not at 1 (python -m
+# tests.bench.learning --settings base explore, seeds 3-6; docs/DEMO.md)
+EXPLORE_TEMPERATURE = 1.3
+
 # Whether `make demo` turns the levers on: off until `python -m tests.bench.learning` shows they pay (see the issue 29 note).
 LEVERS_DEFAULT = False
 
@@ -94,10 +98,11 @@ class ToolsSection(ConfigModel):
     max_tokens: int = Field(default=40, ge=8, description="Tokens per call at most (a calculator call takes about 25).")
     temperature: float = Field(default=1.0, ge=0, description="Sampling temperature of the evaluations, and of the traffic unless explore_temperature is set.")
     explore_temperature: float | None = Field(
-        default=None, gt=0, le=2,
+        default=EXPLORE_TEMPERATURE, gt=0, le=2,
         description="Sample the traffic (never the evaluations) at this temperature: its calls are exploration runs "
         "(metadata.explore) and the Explorer gets agents.exploration_temperature for the agent, so the records hold "
-        "the temperature sampled at and the Trainer scores them at it. null: the traffic samples at `temperature`.")
+        "the temperature sampled at and the Trainer scores them at it. null: the traffic samples at `temperature`. "
+        "The demo's traffic is all repeated runs that no user reads: a production agent explores in its shadow runs.")
     eval_concurrency: int = Field(default=16, ge=1, description="Held-out episodes in flight at once.")
     control: bool = Field(
         default=True,

@@ -376,7 +376,9 @@ def run_tools(cfg: DemoConfig) -> int:
     stages = [
         Stage(evals[0], None),
         Stage(evals[1], "cold start", f"{cold_steps} supervised steps on {len(demo.demos)} demonstrations"),
-        Stage(evals[2], "online loop", f"v{cold_steps} -> v{final_version}: GRPO on its own traffic plus "
+        Stage(evals[2], "online loop", f"v{cold_steps} -> v{final_version}: GRPO on its own traffic"
+              + (f" (sampled at temperature {cfg.tools.explore_temperature:g})" if cfg.tools.explore_temperature else "")
+              + " plus "
               + ("the levers (its successes replayed, the demonstrations where groups failed; docs/TRAINER.md)"
                  if cfg.tools.levers else "the demonstrations replayed in every step (the mixed objective)")
               + ", same run, through the Explorer"),

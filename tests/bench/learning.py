@@ -19,8 +19,9 @@ step, `levers` turns on the Trainer's levers (services/demo/tools_demo.py LEVERS
 on; `hints` and `corrections` are `base` with the simulated
 users' words after a wrong answer (`tools.words`), to compare with `base` (rewards alone), and
 `hints-centred` is `hints` with the distillation advantage centred per call (`hint_baseline=call`);
-`explore` is `base` with the traffic sampled at temperature 1.3 (`tools.explore_temperature`), the
-evaluations still at 1.
+`explore` is `base` with the traffic sampled at temperature 1.3 (`tools.explore_temperature`, the
+demo's default since it paid over seeds 3-6), the evaluations still at 1; every other setting samples
+the traffic at 1, as it was measured.
 """
 
 from __future__ import annotations
@@ -38,22 +39,22 @@ REPO = Path(__file__).resolve().parents[2]
 
 # demo overrides of each setting (dotted keys of configs/demo.yaml; trainer.* reach the Trainer's config)
 SETTINGS: dict[str, list[str]] = {
-    "base": ["tools.levers=false"],  # plain GRPO, the demonstrations replayed every step
-    "levers": ["tools.levers=true"],  # services/demo/tools_demo.py LEVERS
-    "no-self-imitation": ["tools.levers=true", "trainer.algorithm.self_imitation.coef=0"],
-    "no-flat-baseline": ["tools.levers=true", "trainer.algorithm.grpo.flat_groups=keep"],
-    "no-demo-schedule": ["tools.levers=true", "trainer.algorithm.sft_coef_final=null",
+    "base": ["tools.explore_temperature=null", "tools.levers=false"],  # plain GRPO, the demonstrations replayed every step
+    "levers": ["tools.explore_temperature=null", "tools.levers=true"],  # services/demo/tools_demo.py LEVERS
+    "no-self-imitation": ["tools.explore_temperature=null", "tools.levers=true", "trainer.algorithm.self_imitation.coef=0"],
+    "no-flat-baseline": ["tools.explore_temperature=null", "tools.levers=true", "trainer.algorithm.grpo.flat_groups=keep"],
+    "no-demo-schedule": ["tools.explore_temperature=null", "tools.levers=true", "trainer.algorithm.sft_coef_final=null",
                          "trainer.algorithm.demo_replay=every_step"],
-    "no-importance": ["tools.levers=true", "trainer.algorithm.grpo.importance=off"],
+    "no-importance": ["tools.explore_temperature=null", "tools.levers=true", "trainer.algorithm.grpo.importance=off"],
     # `base` plus one lever: the agent's own successes replayed beside the demonstrations (which stay every step)
-    "self-imitation": ["tools.levers=false", "trainer.algorithm.self_imitation.coef=1.0",
+    "self-imitation": ["tools.explore_temperature=null", "tools.levers=false", "trainer.algorithm.self_imitation.coef=1.0",
                        "trainer.algorithm.self_imitation.ramp_steps=4", "trainer.algorithm.self_imitation.batch_size=8",
                        "trainer.algorithm.self_imitation.per_task=1"],
     # feedback in words on wrong answers, beside the rewards (issue 30): against `base`, rewards alone
-    "hints": ["tools.levers=false", "tools.words=hints"],
+    "hints": ["tools.explore_temperature=null", "tools.levers=false", "tools.words=hints"],
     # hints with the distillation advantage centred per call (algorithm.grpo.hint_baseline=call)
-    "hints-centred": ["tools.levers=false", "tools.words=hints", "trainer.algorithm.grpo.hint_baseline=call"],
-    "corrections": ["tools.levers=false", "tools.words=corrections"],
+    "hints-centred": ["tools.explore_temperature=null", "tools.levers=false", "tools.words=hints", "trainer.algorithm.grpo.hint_baseline=call"],
+    "corrections": ["tools.explore_temperature=null", "tools.levers=false", "tools.words=corrections"],
     # `base` with the traffic sampled hotter than the evaluations (exploration runs; the Trainer scores them at 1.3)
     "explore": ["tools.levers=false", "tools.explore_temperature=1.3"],
 }

@@ -77,7 +77,8 @@ def test_explore_temperature_gives_the_agent_its_exploration_temperature(tmp_pat
         cfg = load_config(DemoConfig, None, ["task=tools", "release_check=false", *overrides], env={})
         return ToolsDemo(cfg, Stack(tmp_path, cfg.agent, config_models={"explorer": ExplorerConfig})).explorer_config()
 
-    assert "exploration_temperature" not in explorer()["agents"]
+    assert "exploration_temperature" not in explorer("tools.explore_temperature=null")["agents"]
+    assert explorer()["agents"]["exploration_temperature"] == {"calculator": 1.3}  # the demo's default
     hot = explorer("tools.explore_temperature=1.3")["agents"]
     assert hot["exploration_temperature"] == {"calculator": 1.3} and "calculator" in hot["names"]
     # without the control arm there is no agents section of the demo's own: the temperature still reaches it
