@@ -68,6 +68,12 @@ def _commit() -> str:
     return r.stdout.strip() or "unknown"
 
 
+def _plain(overrides: list[str]) -> list[str]:
+    """Overrides as compared for resuming: the traffic's temperature pinned to null (the demo's default
+    before 1.3) is what a run made without it did too."""
+    return [o for o in overrides if o != "tools.explore_temperature=null"]
+
+
 def run_demo(seed: int, setting: str, out: Path, extra: list[str] = (), *, resume: bool = True) -> dict:
     """One `kaizen demo` run; with resume, a finished run in `out` made with the same overrides is
     read back instead of run again (so a long bench can be continued later with the same --out)."""
@@ -76,7 +82,7 @@ def run_demo(seed: int, setting: str, out: Path, extra: list[str] = (), *, resum
     args = [sys.executable, "-m", "services.cli", "demo", "--config", "configs/demo.yaml", f"run_dir={run_dir}", *overrides]
     log, made = run_dir.with_suffix(".log"), run_dir / "bench.json"
     done = list(run_dir.glob("*/summary.json"))
-    if resume and done and made.exists() and json.loads(made.read_text())["overrides"] == overrides:
+    if resume and done and made.exists() and _plain(json.loads(made.read_text())["overrides"]) == _plain(overrides):
         summary = json.loads(done[0].read_text())
     else:
         if run_dir.exists():
