@@ -36,7 +36,7 @@ def assistant_reply(message: dict[str, Any]) -> dict[str, Any]:
         if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
             raise ReplyError(f"tool_calls.{j} needs a function with a name", param=f"tool_calls.{j}.function")
         args = fn.get("arguments", {})
-        calls.append({"id": c.get("id") or new_id("call"), "type": "function",
+        calls.append({"id": c.get("id") or f"call_{j}", "type": "function",  # the same reply, the same body
                       "function": {"name": fn["name"], "arguments": args if isinstance(args, str) else json.dumps(args)}})
     if not content and not calls:
         raise ReplyError("a reply needs content or tool_calls", param="content")

@@ -168,8 +168,9 @@ def test_the_same_agent_through_an_explorer(explorer, tmp_path):
     # a correction of run 2's first call, through the Explorer: a demonstration of its prompt
     with pytest.raises(LearnableAgentError, match="/feedback answered 400: correction.tool_calls.0 calls unknown tool 'search'"):
         agent.feedback(correction={"tool_calls": [{"function": {"name": "search", "arguments": {"q": "a"}}}]}, commit=False)
-    assert agent.feedback(correction={"tool_calls": [{"function": {"name": "lookup", "arguments": {"key": "a"}}}]},
-                          commit=False) == 0
+    for _ in range(2):  # sent again (a retry): stored once, under the same idempotency key
+        assert agent.feedback(correction={"tool_calls": [{"function": {"name": "lookup", "arguments": {"key": "a"}}}]},
+                              commit=False) == 0
     corrections = [r for r in explorer.http.get("/experiences", params={"task_id": "remote"}).json()["data"]
                    if "correction" in ((r.get("feedback") or {}).get("labels") or [])]
     assert [(c["feedback"]["corrects"], c["response"]["tool_calls"][0]["function"]["arguments"]) for c in corrections] == [

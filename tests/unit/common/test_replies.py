@@ -19,7 +19,7 @@ def test_a_reply_takes_openais_shape_with_arguments_as_a_string_or_an_object():
     first, second = call["tool_calls"]
     assert call["content"] is None and first == {"id": "c1", "type": "function", "function": {
         "name": "calculator", "arguments": json.dumps({"expression": "36 * 24"})}}
-    assert second["id"].startswith("call-") and second["function"]["arguments"] == '{"expression": "1 + 1"}'
+    assert second["id"] == "call_1" and second["function"]["arguments"] == '{"expression": "1 + 1"}'
     check_tool_calls([call], TOOLS)  # both name an offered tool, with a JSON object
 
 
