@@ -63,3 +63,16 @@ def test_a_finished_run_with_the_same_overrides_is_read_back_and_a_different_one
     with pytest.raises(RuntimeError, match=r"kaizen demo failed \(base, seed 0\)"):  # other overrides: cleared, run again
         bench.run_demo(0, "base", tmp_path, ["tools.plateau.max_steps=0"])
     assert len(ran) == 1 and not (made / "20261126-000000").exists()
+
+
+def test_a_demonstrations_run_is_every_settings_best_reference_and_no_setting_of_its_own():
+    arm = {"evals": [{"label": "after online loop", "per_prompt": [0, 0]},
+                     {"label": "demonstrations only, best (12 steps)", "per_prompt": [1, 0]}],
+           "trainer_steps": 4, "curves": {"demonstrations only (validation)": [{"steps": 0, "validation": 0.2}]}}
+    results = {(3, "base"): _summary([0, 0], [0, 0]), (3, "explore"): _summary([1, 1], [1, 0]), (3, "demonstrations"): arm}
+    text = report(results, [3], ["base", "explore", "demonstrations"])
+    assert "seed 3: demonstrations only, validation success by steps after the cold start: 0: 0.20; best on held-out 0.50" in text
+    assert "over best -0.50" in next(line for line in text.splitlines() if line.startswith("  base               seed 3"))
+    assert "over the demonstrations' best (1 seeds) +0.50" in next(line for line in text.splitlines() if "explore  " in line and "pooled" in line)
+    assert "demonstrations " not in "".join(line[:21] for line in text.splitlines())  # no loop line of its own
+    assert "online loop, explore - base: +1.00" in text and "demonstrations - base" not in text
