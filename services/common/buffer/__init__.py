@@ -29,6 +29,7 @@ from services.common.buffer.recording import (
     episode_experience_ids,
     feedback_rows,
     replayed_feedback,
+    reward_histories,
     reward_history,
     find_unknown_ids,
     insert_experiences,
@@ -93,7 +94,7 @@ __all__ = [
     "create_buffer_engine", "write_transaction", "iter_chunks", "utcnow",
     # recording
     "insert_experiences", "insert_missing_experiences", "probe_write", "find_unknown_ids", "episode_experience_ids",
-    "FeedbackResult", "IdempotencyKey", "apply_feedback", "feedback_rows", "replayed_feedback", "reward_history", "commit_experiences",
+    "FeedbackResult", "IdempotencyKey", "apply_feedback", "feedback_rows", "replayed_feedback", "reward_histories", "reward_history", "commit_experiences",
     # governance
     "list_audit", "purge_text", "delete_user_data",
     # quotas (the module: buffer.quotas.admit, .reserve, .settle, .reset)

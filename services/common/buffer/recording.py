@@ -346,11 +346,22 @@ def _cut(text: str | None, width: int = 128) -> str | None:
 
 def reward_history(*, engine: Engine, experience_id: str) -> list[dict[str, Any]]:
     """Every reward sent for one experience, oldest first (its ``reward`` is the last)."""
+    return reward_histories(engine=engine, experience_ids=[experience_id])[experience_id]
+
+
+def reward_histories(*, engine: Engine, experience_ids: Sequence[str]) -> dict[str, list[dict[str, Any]]]:
+    """``reward_history`` of each of ``experience_ids`` (an empty list for one without a reward), in
+    one query per 500 ids."""
     r = reward_ledger.c
-    q = select(r.reward, r.source, r.actor, r.late, r.status_at, r.trained_in, r.outcome, r.created_at) \
-        .where(r.experience_id == experience_id).order_by(r.id)
+    out: dict[str, list[dict[str, Any]]] = {i: [] for i in experience_ids}
     with engine.connect() as conn:
-        return [dict(row._mapping) for row in conn.execute(q)]
+        for chunk in iter_chunks(sorted(out), 500):
+            q = select(r.experience_id, r.reward, r.source, r.actor, r.late, r.status_at, r.trained_in, r.outcome,
+                       r.created_at).where(r.experience_id.in_(chunk)).order_by(r.id)
+            for row in conn.execute(q):
+                entry = dict(row._mapping)
+                out[entry.pop("experience_id")].append(entry)
+    return out
 
 
 def commit_experiences(

@@ -1,4 +1,5 @@
-"""GET /experiences/{id} and GET /experiences: what was recorded, token ids and logprobs included."""
+"""GET /experiences/{id} and GET /experiences: what was recorded, token ids and logprobs included, and
+each one's rewards as they were sent (``reward_history``)."""
 
 from __future__ import annotations
 
@@ -54,4 +55,6 @@ async def list_experiences(
         buffer.list_experiences, engine=k.db, task_id=task_id, status=status, agent=agent,
         completion_id=completion_id, limit=limit, offset=offset, newest_first=order == "desc",
     )
-    return {"object": "list", "data": [r.model_dump(mode="json") for r in rows]}
+    histories = await asyncio.to_thread(buffer.reward_histories, engine=k.db, experience_ids=[r.experience_id for r in rows])
+    return {"object": "list", "data": [{**r.model_dump(mode="json"), "reward_history": jsonable_encoder(histories[r.experience_id])}
+                                       for r in rows]}

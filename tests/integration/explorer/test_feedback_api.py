@@ -82,6 +82,8 @@ def test_a_reward_after_training_is_recorded_late_and_the_history_kept(explorer)
     assert (e["reward"], e["status"], e["trained_in"]) == (0.0, "consumed", 1)  # the latest reward; trained in v1
     assert [(h["reward"], h["late"], h["trained_in"], h["outcome"], h["source"]) for h in e["reward_history"]] == [
         (1.0, False, None, "applied", "api"), (0.0, True, 1, "recorded", "support-ticket")]
+    listed = explorer.http.get("/experiences", params={"completion_id": r.id}).json()["data"]
+    assert [h["reward"] for h in listed[0]["reward_history"]] == [1.0, 0.0]  # the list shows the history too
     assert "kaizen_late_rewards_total 1.0" in explorer.http.get("/metrics").text
     # a hint cannot teach a call already trained on: alone, 409 (nothing changes); beside a reward, not kept
     fb = explorer.http.post("/feedback", json={"msg_ids": [r.id], "hint": "shorter"})

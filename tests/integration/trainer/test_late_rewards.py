@@ -1,7 +1,8 @@
 """late_rewards: retrain through the real `kaizen trainer`, killed with -9 in the worst window: rewards
 sent for experiences a published version was already trained on are recorded (never refused), trained
 again once in the agent's next step, and never twice: a kill after the step's state was saved but before
-its commit leaves them pending, and the restarted Trainer trains them in the step it redoes."""
+its commit leaves them pending, and the restarted Trainer trains them in the step it redoes. One that
+comes more than max_staleness versions after the call was made is set down with why, not trained."""
 
 from __future__ import annotations
 
@@ -17,8 +18,8 @@ pytestmark = pytest.mark.integration
 GRPO = ("algorithm.name=grpo", "save_interval=1", "late_rewards.mode=retrain", "algorithm.grpo.group_wait_s=0")
 
 
-def _run(trainers: Trainers, label: str, steps: int) -> None:
-    proc = trainers.start(label, *GRPO, "--max-steps", str(steps))
+def _run(trainers: Trainers, label: str, steps: int, *extra: str) -> None:
+    proc = trainers.start(label, *GRPO, *extra, "--max-steps", str(steps))
     assert proc.wait(240) == 0, trainers.log(proc)[-4000:]
 
 
@@ -47,7 +48,11 @@ def test_a_late_reward_is_retrained_once_across_a_kill(tiny_model, faults_db, ra
         assert len(_records(trainers)) == 1
 
         _run(trainers, "redo", 1)  # step 2 again, committed: each late reward retrained in v2
-        _run(trainers, "after", 1)  # step 3: nothing late is left
+        # one more verdict for a call made by v0, now 2 versions back: past max_staleness 1, it is set down, not
+        # trained (the fresh rows, as stale, are downweighted, so step 3 still trains)
+        stale = trained[0].experience_id
+        buffer.apply_feedback(engine=db, msg_ids=[stale], reward=0.5, feedback={"source": "late-review"})
+        _run(trainers, "after", 1, "staleness.max_staleness=1", "staleness.policy=downweight")  # step 3
         records = _records(trainers)
         assert [r["step"] for r in records] == [1, 2, 3]
         assert [r["late_retrained"] for r in records] == [0, len(trained), 0]
@@ -56,7 +61,10 @@ def test_a_late_reward_is_retrained_once_across_a_kill(tiny_model, faults_db, ra
         for e in trained:
             history = buffer.reward_history(engine=db, experience_id=e.experience_id)
             # (the buffer was filled with its first rewards directly, so the ledger begins with the late one)
-            assert [(h["outcome"], h["late"], h["trained_in"]) for h in history] == [("retrained in v2", True, 1)]
+            want = [("retrained in v2", True, 1)]
+            if e.experience_id == stale:
+                want.append(("not retrained: 2 versions stale (staleness.max_staleness 1)", True, 1))
+            assert [(h["outcome"], h["late"], h["trained_in"]) for h in history] == want
             again = buffer.get_experience(engine=db, experience_id=e.experience_id)
             assert (again.status.value, again.trained_in) == ("consumed", 1)  # its lineage stays v1's
         db.dispose()

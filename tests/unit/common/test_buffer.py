@@ -71,6 +71,8 @@ def test_feedback_replaces_until_consumed(db):
     history = buffer.reward_history(engine=db, experience_id="c2-0")
     assert [(h["reward"], h["late"], h["status_at"], h["outcome"]) for h in history] == [
         (0.1, False, "recorded", "applied"), (0.9, False, "committed", "applied"), (0.0, True, "consumed", "recorded")]
+    both = buffer.reward_histories(engine=db, experience_ids=["c2-0", "c1-0", "nope"])  # the list's read, in one query
+    assert both["c2-0"] == history and [h["reward"] for h in both["c1-0"]][-1] == 0.0 and both["nope"] == []
     # words cannot teach what was trained already: alone, refused (nothing changes); beside a reward, not kept
     with pytest.raises(AlreadyConsumed):
         buffer.apply_feedback(engine=db, msg_ids=["c2-0"], reward=None, feedback={}, hints={"c2-0": {"text": "x"}})

@@ -56,8 +56,9 @@ def test_what_cannot_be_valued_is_set_down_with_why():
     assert items[0].advantage == approx(0.25)  # a flat group against the fixed baseline
 
 
-def test_a_late_call_is_trained_against_the_trainers_own_policy_with_truncated_importance_weights():
-    recipe = cfg("algorithm.grpo.importance_cap=2").algorithm.recipe()
+@pytest.mark.parametrize("cap", [2.0, 1.2])  # e^0.5 = 1.65: under the cap, then truncated to it
+def test_a_late_call_is_trained_against_the_trainers_own_policy_with_truncated_importance_weights(cap):
+    recipe = cfg(f"algorithm.grpo.importance_cap={cap}").algorithm.recipe()
     items, _ = recipe.late_items([row(1, "t", "0", 1.0)], team={"t": team(**{"0": 1.0, "1": 0.0})})
     fresh = items[0].__class__(**{**items[0].__dict__, "late": False, "experience_id": "f"})
     # the policy now: -0.5 per token; recorded at sampling: -1.0 (late) -> weight e^0.5 = 1.65; the fresh row's
@@ -71,7 +72,7 @@ def test_a_late_call_is_trained_against_the_trainers_own_policy_with_truncated_i
     loss, _ = recipe.loss(mb)
     loss.backward()
     a = items[0].advantage  # 1 (std-normalized: +1 and -1)
-    w = torch.exp(torch.tensor(0.5)).item()
+    w = min(torch.exp(torch.tensor(0.5)).item(), cap)
     # ratio against the proximal policy is 1: d loss / d lp = -A * w / 4 for the late row, -A / 4 for the fresh one
     assert lp.grad.tolist() == [[approx(-a * w / 4)] * 2, [approx(-a / 4)] * 2]
 
