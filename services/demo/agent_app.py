@@ -1,10 +1,10 @@
-"""The demo's agent app: answers a word problem through the Explorer with the official `openai`
-client and ``tools=[calculator]``, running the calculator itself.
+"""The demo's agent app: answers a problem through the Explorer with the official `openai` client and
+its task's one tool (``tools=[calculator]``, or ``[convert]`` for the units task), running the tool itself.
 
 One episode is every call made under one ``metadata={"task_id", "run_id"}``: call 1 (the model
-should call the calculator), the app runs the tool and sends a ``role: tool`` result, call 2 (the
-model should answer), at most ``max_turns`` calls. The app then scores the final reply
-(services/demo/tools_task.reward) and, for traffic, sends that reward with ``/feedback`` naming
+should call the tool), the app runs the tool and sends a ``role: tool`` result, call 2 (the
+model should answer), at most ``max_turns`` calls. The app then scores the final reply (the task's
+``score``, services/demo/task.py) and, for traffic, sends that reward with ``/feedback`` naming
 every call of the episode; the caller commits.
 """
 
@@ -13,12 +13,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from services.demo import tools_task
+from services.demo import task
 
 
 @dataclass
 class Episode:
-    problem: tools_task.Problem
+    problem: task.Problem
     task_id: str | None
     run_id: str | None
     msg_ids: list[str] = field(default_factory=list)  # completion ids, one per call
@@ -31,17 +31,18 @@ class Episode:
 
     @property
     def called_tool_right(self) -> bool:
-        """Whether a calculator call of this episode computed the answer (for the report)."""
-        return any(m.get("role") == "tool" and m.get("content") == str(self.problem.answer) for m in self.messages)
+        """Whether a tool call of this episode computed the answer (for the report)."""
+        return task.get(self.problem.task).called_right(self.problem, self.messages)
 
 
-async def run_episode(client, problem: tools_task.Problem, *, model: str, task_id: str | None = None,
+async def run_episode(client, problem: task.Problem, *, model: str, task_id: str | None = None,
                       run_id: str | None = None, max_turns: int = 3, max_tokens: int = 48,
                       temperature: float = 1.0, explore: bool = False) -> Episode:
     """One episode with ``client`` (an ``openai.AsyncOpenAI`` on the Explorer). Never raises: an
     HTTP error ends the episode with ``error`` set and reward 0. With ``explore`` its calls are
     exploration runs (``metadata.explore``): the Explorer samples them at the agent's exploration
     temperature, if it has one, whatever ``temperature`` says."""
+    job = task.get(problem.task)
     ep = Episode(problem=problem, task_id=task_id, run_id=run_id)
     ep.messages = [{"role": "user", "content": problem.question}]
     metadata = {"task_id": task_id, "run_id": run_id} if task_id is not None else {}
@@ -50,7 +51,7 @@ async def run_episode(client, problem: tools_task.Problem, *, model: str, task_i
     try:
         for _ in range(max_turns):
             r = await client.chat.completions.create(
-                model=model, messages=ep.messages, tools=tools_task.TOOLS, temperature=temperature,
+                model=model, messages=ep.messages, tools=job.tools, temperature=temperature,
                 max_tokens=max_tokens, **({"metadata": metadata} if metadata else {}))
             ep.msg_ids.append(r.id)
             msg = r.choices[0].message
@@ -61,7 +62,7 @@ async def run_episode(client, problem: tools_task.Problem, *, model: str, task_i
                      for c in msg.tool_calls]
             ep.messages.append({"role": "assistant", "content": msg.content, "tool_calls": calls})
             for c in calls:
-                result = tools_task.run_tool_call(c["function"]["name"], c["function"]["arguments"])
+                result = job.run_tool_call(c["function"]["name"], c["function"]["arguments"])
                 ep.tool_calls += 1
                 ep.tool_errors += result.startswith("error")
                 ep.messages.append({"role": "tool", "tool_call_id": c["id"], "content": result})
@@ -70,7 +71,7 @@ async def run_episode(client, problem: tools_task.Problem, *, model: str, task_i
         return ep
     if ep.final is not None:
         ep.messages.append({"role": "assistant", "content": ep.final})
-    ep.reward = tools_task.reward(problem.answer, ep.final)
+    ep.reward = job.score(problem, ep.final)
     return ep
 
 
@@ -78,27 +79,32 @@ async def run_episode(client, problem: tools_task.Problem, *, model: str, task_i
 # seed, one greedy episode each, so two versions are compared on the same answers.
 
 
-def gate_problems() -> list[tools_task.Problem]:
+def gate_problems(name: str = "calculator") -> list[task.Problem]:
     import random
 
     rng = random.Random(1_000_003)
-    return [tools_task.make_problem(rng) for _ in range(32)]
+    return [task.get(name).make_problem(rng, None) for _ in range(32)]
+
+
+def units_gate_problems() -> list[task.Problem]:
+    """The units task's suite (tools.task=units)."""
+    return gate_problems("units")
 
 
 class GateEnv:
     """One problem per episode: the observation is the problem, the action the agent's final reply."""
 
-    def __init__(self, problem: tools_task.Problem):
+    def __init__(self, problem: task.Problem):
         self.problem = problem
 
-    def reset(self) -> tools_task.Problem:
+    def reset(self) -> task.Problem:
         return self.problem
 
     def step(self, final: str | None):
-        return None, tools_task.reward(self.problem.answer, final), True, {}
+        return None, task.get(self.problem.task).score(self.problem, final), True, {}
 
 
-async def gate_agent(client, problem: tools_task.Problem) -> str | None:
+async def gate_agent(client, problem: task.Problem) -> str | None:
     """The agent app's episode on the version the gate pins (``client.model`` is ``agent@vN``)."""
     openai_client = client.openai()
     try:

@@ -84,18 +84,29 @@ class PlateauSection(ConfigModel):
         "chosen on them, then measured on the held-out problems.")
 
 
+_TOOLS_TASKS = {"calculator": "*+-/", "units": "lmvt"}  # tools.task -> its kinds of problem (services/demo/task.py)
+
+
 class ToolsSection(ConfigModel):
+    task: Literal["calculator", "units"] = Field(
+        default="calculator",
+        description="calculator: arithmetic word problems answered with a calculator tool (services/demo/tools_task.py); "
+        "units: questions about measures answered with a unit converter, scored 1 for the number within 1% with its unit, "
+        "0.5 without the unit (services/demo/units_task.py).")
     heldout: int = Field(default=80, ge=4, description="Held-out problems (never asked in traffic), one episode each per evaluation.")
     traffic_problems: int = Field(default=2000, ge=16, description="Problems the simulated users draw from.")
     demonstrations: int = Field(
         default=16, ge=2, le=16,
         description="Hand-written demonstrations posted for the cold start (two per episode: the call, then the answer).")
-    demonstrated_operations: str = Field(
-        default="*+-/",
-        description="Which operations the demonstrations show (some of * + - /; 8 problems, as many of each): the "
-        "others are learnt from traffic alone, and the report splits held-out success by them.")
+    demonstrated_operations: str | None = Field(
+        default=None,
+        description="Which kinds of problem the demonstrations show (8 problems, as many of each): some of * + - / "
+        "(calculator) or of l m v t (units: length, mass, volume, temperature); default: all. The others are learnt "
+        "from traffic alone, and the report splits held-out success by them.")
     max_turns: int = Field(default=3, ge=2, description="Calls per episode at most; an episode without a final answer scores 0.")
-    max_tokens: int = Field(default=40, ge=8, description="Tokens per call at most (a calculator call takes about 25).")
+    max_tokens: int | None = Field(
+        default=None, ge=8,
+        description="Tokens per call at most. Default: 40 (calculator: its call takes 36-38 with the tags), 52 (units: 44-47).")
     temperature: float = Field(default=1.0, ge=0, description="Sampling temperature of the evaluations, and of the traffic unless explore_temperature is set.")
     explore_temperature: float | None = Field(
         default=EXPLORE_TEMPERATURE, gt=0, le=2,
@@ -127,6 +138,16 @@ class ToolsSection(ConfigModel):
 
     fill_traffic = _traffic_over(_TOOLS_TRAFFIC)
 
+    @model_validator(mode="after")
+    def _task_defaults(self) -> "ToolsSection":
+        kinds = _TOOLS_TASKS[self.task]
+        self.demonstrated_operations = kinds if self.demonstrated_operations is None else self.demonstrated_operations
+        if not self.demonstrated_operations or set(self.demonstrated_operations) - set(kinds):
+            raise ValueError(f"demonstrated_operations must be some of {kinds!r} for task {self.task}, "
+                             f"got {self.demonstrated_operations!r}")
+        self.max_tokens = self.max_tokens or (52 if self.task == "units" else 40)
+        return self
+
 
 _DEFAULTS = {  # task -> (model_path, agent, duration_s)
     "tools": (".cache/smollm2-135m-instruct", "calculator", 420.0),
@@ -143,7 +164,8 @@ class DemoConfig(ConfigModel):
     model_path: str | None = Field(
         default=None, description="Base model. Default: .cache/smollm2-135m-instruct (tools), .cache/tiny-model (parity); "
         "either is built if missing.")
-    agent: str | None = Field(default=None, description="Name of the agent (adapter) being trained. Default: calculator / parity.")
+    agent: str | None = Field(default=None, description="Name of the agent (adapter) being trained. Default: calculator "
+                              "(converter with tools.task=units) / parity.")
     seed: int = Field(default=0, description="Seed of the task split and the warm start.")
     duration_s: float | None = Field(default=None, gt=0, description="How long the online loop runs. Default: 420 (tools), 300 (parity).")
     min_new_versions: int = Field(
@@ -168,6 +190,6 @@ class DemoConfig(ConfigModel):
     def _task_defaults(self) -> "DemoConfig":
         model_path, agent, duration_s = _DEFAULTS[self.task]
         self.model_path = self.model_path or model_path
-        self.agent = self.agent or agent
+        self.agent = self.agent or ("converter" if self.task == "tools" and self.tools.task == "units" else agent)
         self.duration_s = self.duration_s or duration_s
         return self

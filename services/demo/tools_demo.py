@@ -3,10 +3,10 @@ from its own traffic, on a laptop CPU.
 
 1. builds SmolLM2-135M-Instruct (`kaizen pretrained`) if it is missing; 2. starts a real Explorer
 and a real Trainer (services.common.launch.Stack); 3. posts the hand-written demonstrations
-(services/demo/tools_task.py) to ``POST /demonstrations``: the Trainer's cold start (``algorithm.cold_start_steps`` supervised
+(services/demo/tools_task.py, or units_task.py with ``tools.task=units``) to ``POST /demonstrations``: the Trainer's cold start (``algorithm.cold_start_steps`` supervised
 steps) runs while the base model is measured on the held-out problems; 4. measures the cold-start
 version; 5. the online loop: the agent app (services/demo/agent_app.py, the official `openai`
-client with ``tools=[calculator]``) answers traffic problems, a group of runs per task_id, sends each
+client with ``tools=[calculator]`` or ``[convert]``) answers traffic problems, a group of runs per task_id, sends each
 episode's reward with ``/feedback`` and commits; the Trainer trains GRPO on episodes (plus the
 supervised term on the demonstrations) and the Explorer hot-loads every version; 6. stops the
 Trainer and measures the last version while, in this process, a control arm trains the cold-start
@@ -31,7 +31,7 @@ from runner_sdk import ExplorerClient
 from services.common import buffer
 from services.common.config import deep_merge
 from services.common.launch import Stack, new_run_dir
-from services.demo import agent_app, tools_task
+from services.demo import agent_app, task
 from services.demo.config import DemoConfig
 from services.demo.demonstrations_only import DemonstrationsOnly, Plateau
 from services.demo.loop import EvalResult, OnlineLoop, Round, demo_stack, gate_section, release_check, say
@@ -75,10 +75,11 @@ class ToolsDemo:
         self.cfg = cfg
         self.t = cfg.tools
         self.stack = stack
-        self.split = tools_task.split(cfg.seed, self.t.traffic_problems, self.t.heldout,
-                                      self.t.plateau.validation if self.t.plateau.max_steps else 0)
-        self.demos = tools_task.demonstrations(self.t.demonstrations, self.t.demonstrated_operations)
-        self.shown = {p.template for p in tools_task.demonstration_problems(self.t.demonstrated_operations)}
+        self.task = task.get(self.t.task)
+        self.split = self.task.split(cfg.seed, self.t.traffic_problems, self.t.heldout,
+                                     self.t.plateau.validation if self.t.plateau.max_steps else 0)
+        self.demos = self.task.demonstrations(self.t.demonstrations, self.t.demonstrated_operations)
+        self.shown = {p.template for p in self.task.demonstration_problems(self.t.demonstrated_operations)}
         self.rng = random.Random(cfg.seed + 1)
         self.rounds = 0
 
@@ -93,7 +94,8 @@ class ToolsDemo:
         if self.t.explore_temperature is not None:  # the traffic's calls are exploration runs, sampled hotter
             base.setdefault("agents", {})["exploration_temperature"] = {self.cfg.agent: self.t.explore_temperature}
         if self.cfg.release_check:
-            base["release"] = gate_section("services.demo.agent_app:GateEnv", "services.demo.agent_app:gate_problems",
+            problems = "units_gate_problems" if self.t.task == "units" else "gate_problems"
+            base["release"] = gate_section("services.demo.agent_app:GateEnv", f"services.demo.agent_app:{problems}",
                                            "services.demo.agent_app:gate_agent")
         return self.stack.explorer_config(base, self.cfg.explorer)
 
@@ -140,7 +142,7 @@ class ToolsDemo:
             await client.aclose()
 
     async def evaluate(self, label: str, version: int, agent: str | None = None,
-                       problems: list[tools_task.Problem] | None = None) -> EvalResult:
+                       problems: list[task.Problem] | None = None) -> EvalResult:
         """Each held-out problem (or each of ``problems``) once through the Explorer, pinned to
         ``agent@v<version>`` (this demo's agent by default); success rate with its Wilson 95% interval."""
         agent = agent or self.cfg.agent
@@ -149,7 +151,7 @@ class ToolsDemo:
         client = self.openai_client()
         sem = asyncio.Semaphore(self.t.eval_concurrency)
 
-        async def one(p: tools_task.Problem) -> agent_app.Episode:
+        async def one(p: task.Problem) -> agent_app.Episode:
             async with sem:
                 return await agent_app.run_episode(client, p, model=f"{agent}@v{version}", max_turns=self.t.max_turns,
                                                    max_tokens=self.t.max_tokens, temperature=self.t.temperature)
@@ -169,11 +171,11 @@ class ToolsDemo:
         ops = self.t.demonstrated_operations
         shown = [e.reward for e in episodes if e.problem.template in self.shown]
         unseen = [e.reward for e in episodes if e.problem.template not in self.shown]
-        op_in = [e.reward for e in episodes if tools_task.operation(e.problem) in ops]
-        op_out = [e.reward for e in episodes if tools_task.operation(e.problem) not in ops]
+        op_in = [e.reward for e in episodes if self.task.operation(e.problem) in ops]
+        op_out = [e.reward for e in episodes if self.task.operation(e.problem) not in ops]
         nan = float("nan")
-        say(f"  {label} (v{version}): success {statistics.fmean(scores):.2f} [{low:.2f}, {high:.2f}] | called the calculator "
-            f"{tool:.0%}, with the right expression {right:.0%} | phrasings shown in demonstrations "
+        say(f"  {label} (v{version}): success {statistics.fmean(scores):.2f} [{low:.2f}, {high:.2f}] | called the "
+            f"{self.task.tool_name} {tool:.0%}, with the right {self.task.arguments_word} {right:.0%} | phrasings shown in demonstrations "
             f"{statistics.fmean(shown) if shown else nan:.2f}, never shown {statistics.fmean(unseen) if unseen else nan:.2f}"
             + (f" | operations {ops} {statistics.fmean(op_in) if op_in else nan:.2f}, never shown "
                f"{statistics.fmean(op_out) if op_out else nan:.2f}" if op_out else "")
@@ -219,7 +221,7 @@ class ToolsDemo:
         problems = [self.rng.choice(self.split.traffic) for _ in range(tr.tasks_per_batch)]
         sem = asyncio.Semaphore(tr.concurrency)
 
-        async def episode(k: int, p: tools_task.Problem, run: int) -> agent_app.Episode:
+        async def episode(k: int, p: task.Problem, run: int) -> agent_app.Episode:
             async with sem:
                 ep = await agent_app.run_episode(client, p, model=self.cfg.agent, task_id=f"r{self.rounds}-q{k}",
                                                  run_id=str(run), max_turns=self.t.max_turns, max_tokens=self.t.max_tokens,
@@ -229,10 +231,10 @@ class ToolsDemo:
                     wrong = ep.reward < 1.0 and ep.msg_ids
                     try:
                         await explorer.feedback(msg_ids=ep.msg_ids, reward=ep.reward, task_id=ep.task_id, run_id=ep.run_id,
-                                                hint=tools_task.hint(p) if wrong and self.t.words == "hints" else None)
+                                                hint=self.task.hint(p) if wrong and self.t.words == "hints" else None)
                         if wrong and self.t.words == "corrections":  # the first call, as it should have been
                             await explorer.feedback(msg_ids=ep.msg_ids[:1],
-                                                    correction=tools_task.demonstration_turns(p)[0]["response"])
+                                                    correction=self.task.demonstration_turns(p)[0]["response"])
                     except Exception as e:  # one lost reward must not stop the traffic
                         ep.error = f"feedback failed: {e}"
                 return ep
@@ -334,7 +336,8 @@ async def _final_and_arms(demo: ToolsDemo, trainer_cfg: dict, cold: EvalResult, 
 
 def run_tools(cfg: DemoConfig) -> int:
     t_start = time.monotonic()
-    say("Kaizen demo: a real pretrained agent (SmolLM2-135M-Instruct) learns to use a calculator tool from its own "
+    tool = "a unit converter" if cfg.tools.task == "units" else "a calculator tool"
+    say(f"Kaizen demo: a real pretrained agent (SmolLM2-135M-Instruct) learns to use {tool} from its own "
         "traffic (CPU, everything local)")
     from services.common.pretrained import build_pretrained, is_complete
 
@@ -350,7 +353,7 @@ def run_tools(cfg: DemoConfig) -> int:
     say("- starting the Explorer and the Trainer (separate processes, shared SQLite buffer and checkpoints)")
     try:
         stack.start(explorer_cfg, trainer_cfg)
-        say(f"- cold start: {len(demo.demos)} hand-written demonstrations ({len(demo.demos) // 2} episodes: the calculator call, "
+        say(f"- cold start: {len(demo.demos)} hand-written demonstrations ({len(demo.demos) // 2} episodes: the {demo.task.tool_name} call, "
             f"then the answer) posted to /demonstrations; the Trainer trains {cold_steps} supervised steps on them -> v{cold_steps}")
         say(f"- meanwhile, the base model on {len(demo.split.heldout)} held-out problems (never asked in traffic), one episode each")
         evals = [asyncio.run(_base_and_cold_start(demo))]
@@ -392,6 +395,7 @@ def run_tools(cfg: DemoConfig) -> int:
                             "chosen on validation problems (tools.plateau)"))
     return report(cfg, stack, loop, stages, arms=others, serving=serving, explorer_requests=explorer_requests,
                   seconds=time.monotonic() - t_start, metric="success",
-                  interval="share of problems whose final answer is right, Wilson 95% interval",
-                  title="SmolLM2-135M-Instruct with a calculator tool, on CPU", release=release,
+                  interval=("mean reward (1: the number within 1% with its unit, 0.5: without the unit)" if cfg.tools.task == "units"
+                            else "share of problems whose final answer is right") + ", Wilson 95% interval",
+                  title=f"SmolLM2-135M-Instruct with {tool}, on CPU", release=release,
                   curves={"demonstrations only (validation)": arms.curve} if arms.curve else None)

@@ -11,12 +11,12 @@ agent app that runs episodes through the Explorer is services/demo/agent_app.py.
 from __future__ import annotations
 
 import ast
-import json
 import operator
 import random
 import re
-from dataclasses import dataclass, field
 from typing import Any
+
+from services.demo.task import Problem, Task, tool_arguments
 
 CALCULATOR = {
     "type": "function",
@@ -27,16 +27,6 @@ CALCULATOR = {
     },
 }
 TOOLS = [CALCULATOR]
-
-
-@dataclass(frozen=True)
-class Problem:
-    """One question, the expression that answers it and its value (always an integer here)."""
-
-    question: str
-    expression: str
-    answer: int
-    template: int = -1  # which phrasing (index into _TEMPLATES)
 
 
 # ---------------------------------------------------------------------------------------- the tool
@@ -74,14 +64,10 @@ def calculate(expression: str) -> str:
 
 def run_tool_call(name: str, arguments: str | dict[str, Any]) -> str:
     """What the app sends back for one call of the model (never raises: a bad call gets an error text)."""
-    if name != "calculator":
-        return f"error: unknown tool {name!r}; the only tool is calculator"
+    arguments = tool_arguments(name, "calculator", arguments)
     if isinstance(arguments, str):
-        try:
-            arguments = json.loads(arguments)
-        except ValueError:
-            return "error: arguments are not JSON"
-    expression = arguments.get("expression") if isinstance(arguments, dict) else None
+        return arguments
+    expression = arguments.get("expression")
     if not isinstance(expression, str):
         return 'error: arguments must be {"expression": "..."}'
     return calculate(expression)
@@ -168,28 +154,6 @@ def make_problem(rng: random.Random, template: int | None = None) -> Problem:
     return Problem(question=question, expression=expression, answer=int(calculate(expression)), template=index)
 
 
-@dataclass(frozen=True)
-class Split:
-    traffic: list[Problem]  # what the simulated users ask
-    heldout: list[Problem]  # never asked in traffic and not among the demonstrations
-    validation: list[Problem] = field(default_factory=list)  # apart from both: for choosing a checkpoint
-
-
-def split(seed: int, n_traffic: int, n_heldout: int, n_validation: int = 0) -> Split:
-    """Distinct problems from a seeded generator; held-out and validation ones never appear in traffic
-    or demonstrations. The validation problems are drawn last, so the others do not depend on them."""
-    rng = random.Random(seed)
-    taken = {d.question for d in DEMONSTRATION_POOL}
-    problems: list[Problem] = []
-    while len(problems) < n_traffic + n_heldout + n_validation:
-        p = make_problem(rng)
-        if p.question not in taken:
-            taken.add(p.question)
-            problems.append(p)
-    end = n_heldout + n_traffic
-    return Split(traffic=problems[n_heldout:end], heldout=problems[:n_heldout], validation=problems[end:])
-
-
 # ---------------------------------------------------------------------------------------- demonstrations
 
 # Hand-written, two per operation first (a word problem, then the plain phrasing), then two more
@@ -212,45 +176,9 @@ DEMONSTRATION_POOL: list[Problem] = [
 OPERATIONS = "*+-/"
 
 
-def operation(p: Problem) -> str:
-    return _TEMPLATES[p.template][0]
-
-
-def demonstration_problems(operations: str = OPERATIONS, episodes: int = 8) -> list[Problem]:
-    """``episodes`` problems of the pool whose operation is one of ``operations``, as many of each."""
-    if not operations or set(operations) - set(OPERATIONS):
-        raise ValueError(f"operations must be some of {OPERATIONS!r}, got {operations!r}")
-    per = episodes // len(operations)
-    out = []
-    for op in operations:
-        mine = [p for p in DEMONSTRATION_POOL if operation(p) == op][:per]
-        if len(mine) < per:
-            raise ValueError(f"the demonstration pool has {len(mine)} {op!r} problems, {per} asked for")
-        out += mine
-    return out
-
-
-_DEMO_CALL_ID = "call_demo"
-
-
 def final_reply(answer: int | str) -> str:
     """How the demonstrations state the result."""
     return f"The answer is {answer}."
-
-
-def demonstration_turns(p: Problem) -> list[dict[str, Any]]:
-    """The two demonstrations of one episode, as ``POST /demonstrations`` bodies without ``model``:
-    the first call (the user's question -> a calculator call), then the answer after the tool result."""
-    user = {"role": "user", "content": p.question}
-    call = {"id": _DEMO_CALL_ID, "type": "function",
-            "function": {"name": "calculator", "arguments": json.dumps({"expression": p.expression})}}
-    assistant_call = {"role": "assistant", "content": None, "tool_calls": [call]}
-    tool = {"role": "tool", "tool_call_id": _DEMO_CALL_ID, "content": calculate(p.expression)}
-    return [
-        {"messages": [user], "tools": TOOLS, "response": assistant_call},
-        {"messages": [user, assistant_call, tool], "tools": TOOLS,
-         "response": {"role": "assistant", "content": final_reply(p.answer)}},
-    ]
 
 
 def hint(p: Problem) -> str:
@@ -258,8 +186,14 @@ def hint(p: Problem) -> str:
     return f"Call the calculator with the expression {p.expression}, then state its result."
 
 
-def demonstrations(limit: int = 16, operations: str = OPERATIONS) -> list[dict[str, Any]]:
-    """At most ``limit`` demonstrations of problems with these ``operations``, whole episodes first
-    (call + answer)."""
-    out = [turn for p in demonstration_problems(operations) for turn in demonstration_turns(p)]
-    return out[:limit]
+TASK = Task(
+    name="calculator", tool=CALCULATOR, operations=OPERATIONS, templates=_TEMPLATES, pool=DEMONSTRATION_POOL,
+    make_problem=lambda rng, template=None: make_problem(rng, template), run_tool_call=run_tool_call,
+    score=lambda p, final: reward(p.answer, final), arguments=lambda p: {"expression": p.expression},
+    tool_result=lambda p: calculate(p.expression), final_reply=lambda p: final_reply(p.answer), hint=hint,
+)
+operation = TASK.operation
+split = TASK.split
+demonstration_problems = TASK.demonstration_problems
+demonstration_turns = TASK.demonstration_turns
+demonstrations = TASK.demonstrations

@@ -22,6 +22,8 @@ users' words after a wrong answer (`tools.words`), to compare with `base` (rewar
 `explore` is `base` with the traffic sampled at temperature 1.3 (`tools.explore_temperature`, the
 demo's default since it paid over seeds 3-6), the evaluations still at 1; every other setting samples
 the traffic at 1, as it was measured.
+`--task units` runs every setting on the second task (`tools.task=units`: a unit converter, a reward of
+1, 0.5 or 0; use another --out than the calculator's runs).
 `demonstrations` is no setting of the loop: a run whose online loop lasts a second and whose
 demonstrations-only arm trains to its plateau (`--plateau-steps`, 48 if 0), for seeds whose first
 setting ran without it (about 20 minutes a seed). Its best version is then the seed's "over best"
@@ -127,8 +129,9 @@ def pooled(pairs: list[tuple[list[float], list[float]]], *, rounds: int = 2000, 
     return mean, means[int(0.025 * rounds)], means[int(0.975 * rounds) - 1]
 
 
-def report(results: dict[tuple[int, str], dict], seeds: list[int], settings: list[str]) -> str:
-    lines = ["learning (SmolLM2-135M-Instruct, calculator tool; held-out success, 95% intervals)", ""]
+def report(results: dict[tuple[int, str], dict], seeds: list[int], settings: list[str], task: str = "calculator") -> str:
+    what = "unit converter; held-out mean reward" if task == "units" else "calculator tool; held-out success"
+    lines = [f"learning (SmolLM2-135M-Instruct, {what}, 95% intervals)", ""]
     # each seed's plateau arm, if one ran: the demonstrations run's, else the first setting's
     arm = {s: results[s, ARM_ONLY] if ARM_ONLY in settings else results[s, settings[0]] for s in seeds}
     best = {s: _evals(arm[s]).get(BEST) for s in seeds}
@@ -177,6 +180,8 @@ def main(argv: list[str] | None = None) -> str:
     p.add_argument("--fresh", action="store_true", help="Run every (seed, setting) again, even one finished in --out.")
     p.add_argument("--loop-steps", type=int, default=None,
                    help="Run each online loop until its traffic was served by this many new versions (default: the demo's duration).")
+    p.add_argument("--task", default="calculator", choices=["calculator", "units"],
+                   help="The demo's task (tools.task) for every run: units is the second task, a unit converter with a graded reward.")
     p.add_argument("--plateau-steps", type=int, default=48,
                    help="The demonstrations-only arm's steps at most (tools.plateau.max_steps), in the first setting's run of each seed; 0: off.")
     a = p.parse_args(argv if argv is not None else [])
@@ -190,9 +195,10 @@ def main(argv: list[str] | None = None) -> str:
             else:
                 first = setting == a.settings[0] and ARM_ONLY not in a.settings
                 extra = loop + ([f"tools.plateau.max_steps={a.plateau_steps}"] if first and a.plateau_steps else [])
-            results[seed, setting] = run_demo(seed, setting, out, extra, resume=not a.fresh)
+            task = [] if a.task == "calculator" else [f"tools.task={a.task}"]
+            results[seed, setting] = run_demo(seed, setting, out, extra + task, resume=not a.fresh)
             print(f"  done: {setting} seed {seed} -> {results[seed, setting]['log']}", file=sys.stderr, flush=True)
-    text = report(results, a.seeds, a.settings)
+    text = report(results, a.seeds, a.settings, a.task)
     (out / "learning.txt").write_text(text + "\n")
     return text
 

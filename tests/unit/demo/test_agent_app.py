@@ -91,3 +91,17 @@ def test_an_exploration_episode_marks_every_call_explore():
     client = FakeClient(_text("864"))
     _run(client, explore=True)  # no grouping, still an exploration run
     assert client.sent[0]["metadata"] == {"explore": "true"}
+
+
+def test_a_units_episode_sends_the_converter_runs_it_and_scores_by_its_rule():
+    from services.demo import units_task
+
+    problem = units_task.DEMONSTRATION_POOL[0]  # 14 miles in kilometres: 22.53
+    fn = NS(name="convert", arguments=json.dumps({"value": 14, "from": "mi", "to": "km"}))
+    client = FakeClient(NS(content=None, tool_calls=[NS(id="c", type="function", function=fn)]), _text("That is 22.53."))
+    ep = asyncio.run(agent_app.run_episode(client, problem, model="converter"))
+    assert client.sent[0]["tools"] == [units_task.CONVERT] and ep.messages[2]["content"] == "22.53"
+    assert ep.called_tool_right and ep.reward == 0.5  # the number, but not its unit
+    gate = agent_app.GateEnv(problem)
+    assert gate.reset() is problem and gate.step("22.53 kilometres")[1] == 1.0
+    assert {p.task for p in agent_app.units_gate_problems()} == {"units"} and len(agent_app.units_gate_problems()) == 32

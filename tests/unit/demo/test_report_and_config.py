@@ -86,3 +86,23 @@ def test_explore_temperature_gives_the_agent_its_exploration_temperature(tmp_pat
     assert alone["exploration_temperature"] == {"calculator": 1.3}
     with pytest.raises(ConfigError, match="explore_temperature"):
         load_config(DemoConfig, None, ["tools.explore_temperature=3"])
+
+
+def test_the_units_task_has_its_own_agent_kinds_and_tokens_and_the_release_gate_asks_its_questions(tmp_path):
+    from services.common.config import ConfigError
+    from services.common.launch import Stack
+    from services.demo.tools_demo import ToolsDemo
+    from services.explorer.config import ExplorerConfig
+
+    calc = load_config(DemoConfig, None, [], env={})
+    assert (calc.tools.task, calc.tools.demonstrated_operations, calc.tools.max_tokens) == ("calculator", "*+-/", 40)
+    units = load_config(DemoConfig, None, ["tools.task=units"], env={})
+    assert (units.agent, units.tools.demonstrated_operations, units.tools.max_tokens) == ("converter", "lmvt", 52)
+    assert load_config(DemoConfig, None, ["tools.task=units", "tools.demonstrated_operations=lt"], env={}).tools.demonstrated_operations == "lt"
+    with pytest.raises(ConfigError, match="demonstrated_operations must be some of 'lmvt' for task units"):
+        load_config(DemoConfig, None, ["tools.task=units", "tools.demonstrated_operations=*+"], env={})
+    with pytest.raises(ConfigError, match="tools.task"):
+        load_config(DemoConfig, None, ["tools.task=maps"], env={})
+    demo = ToolsDemo(units, Stack(tmp_path, units.agent, config_models={"explorer": ExplorerConfig}))
+    assert demo.task.tool_name == "convert" and {p.task for p in demo.split.heldout} == {"units"}
+    assert "units_gate_problems" in str(demo.explorer_config()["release"])
