@@ -161,7 +161,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("overrides", nargs="*", help="dotted.key=value overrides")
     p.set_defaults(func=_dashboard)
 
-    p = sub.add_parser("demo", help="run the whole loop locally and show an agent learn (task=tools: SmolLM2 with a calculator; task=parity: the tiny model, fast)")
+    p = sub.add_parser("demo", help="run the whole loop locally and show an agent learn (task=tools: SmolLM2 with a calculator, or tools.task=units a unit converter; task=parity: the tiny model, fast)")
     p.add_argument("--config", default="configs/demo.yaml", help="YAML file (default: configs/demo.yaml)")
     p.add_argument("overrides", nargs="*", help="dotted.key=value overrides")
     p.set_defaults(func=_demo)

@@ -108,7 +108,8 @@ async def gate_agent(client, problem: task.Problem) -> str | None:
     """The agent app's episode on the version the gate pins (``client.model`` is ``agent@vN``)."""
     openai_client = client.openai()
     try:
-        ep = await run_episode(openai_client, problem, model=client.model, temperature=0.0)
+        ep = await run_episode(openai_client, problem, model=client.model, temperature=0.0,
+                               max_tokens=task.get(problem.task).max_tokens)
     finally:
         await openai_client.close()
     if ep.error is not None:

@@ -84,9 +84,6 @@ class PlateauSection(ConfigModel):
         "chosen on them, then measured on the held-out problems.")
 
 
-_TOOLS_TASKS = {"calculator": "*+-/", "units": "lmvt"}  # tools.task -> its kinds of problem (services/demo/task.py)
-
-
 class ToolsSection(ConfigModel):
     task: Literal["calculator", "units"] = Field(
         default="calculator",
@@ -106,7 +103,7 @@ class ToolsSection(ConfigModel):
     max_turns: int = Field(default=3, ge=2, description="Calls per episode at most; an episode without a final answer scores 0.")
     max_tokens: int | None = Field(
         default=None, ge=8,
-        description="Tokens per call at most. Default: 40 (calculator: its call takes 36-38 with the tags), 52 (units: 44-47).")
+        description="Tokens per call at most. Default: the task's (calculator 40: its call takes 36-38 with the tags; units 52: 41-48).")
     temperature: float = Field(default=1.0, ge=0, description="Sampling temperature of the evaluations, and of the traffic unless explore_temperature is set.")
     explore_temperature: float | None = Field(
         default=EXPLORE_TEMPERATURE, gt=0, le=2,
@@ -140,12 +137,15 @@ class ToolsSection(ConfigModel):
 
     @model_validator(mode="after")
     def _task_defaults(self) -> "ToolsSection":
-        kinds = _TOOLS_TASKS[self.task]
+        from services.demo import task
+
+        job = task.get(self.task)
+        kinds = job.operations
         self.demonstrated_operations = kinds if self.demonstrated_operations is None else self.demonstrated_operations
         if not self.demonstrated_operations or set(self.demonstrated_operations) - set(kinds):
             raise ValueError(f"demonstrated_operations must be some of {kinds!r} for task {self.task}, "
                              f"got {self.demonstrated_operations!r}")
-        self.max_tokens = self.max_tokens or (52 if self.task == "units" else 40)
+        self.max_tokens = self.max_tokens or job.max_tokens
         return self
 
 

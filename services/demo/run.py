@@ -2,7 +2,8 @@
 
     kaizen demo [--config configs/demo.yaml] [task=tools|parity] [dotted.key=value ...]
 
-The tasks: services/demo/tools_demo.py (the default: SmolLM2 learns a calculator tool) and
+The tasks: services/demo/tools_demo.py (the default: SmolLM2 learns a calculator tool, or a unit
+converter with tools.task=units) and
 services/demo/parity_demo.py (the tiny model learns parity; what CI runs). What they share (a real
 Explorer and a real Trainer as separate processes on one SQLite buffer and one checkpoint folder in a
 fresh run folder, and the online loop that keeps simulated traffic flowing while the Trainer trains

@@ -48,7 +48,9 @@ class Task:
     tool_result: Callable[[Problem], str]  # what the tool returns for the right call
     final_reply: Callable[[Problem], str]  # how the demonstrations state the result
     hint: Callable[[Problem], str]  # what the simulated user says after a wrong answer (tools.words=hints)
+    max_tokens: int  # per call: the right tool call with its tags and an end token, and a few to spare
     arguments_word: str = "expression"  # for the report: "with the right <arguments_word>"
+    graded: bool = False  # rewards between 0 and 1, not only 0 or 1 (the report's interval is then not Wilson's)
 
     @property
     def tools(self) -> list[dict[str, Any]]:
@@ -130,4 +132,4 @@ def tool_arguments(name: str, tool: str, arguments: str | dict[str, Any]) -> dic
             arguments = json.loads(arguments)
         except ValueError:
             return "error: arguments are not JSON"
-    return arguments if isinstance(arguments, dict) else "error: arguments must be a JSON object"
+    return arguments if isinstance(arguments, dict) else {}  # not an object: the task's own message says what is

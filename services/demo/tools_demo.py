@@ -70,6 +70,15 @@ def _dtype() -> str:
     return "bfloat16" if cpu_has_native_bf16() else "float32"
 
 
+def mean_interval(scores: list[float], z: float = 1.96) -> tuple[float, float]:
+    """Normal 95% interval of a mean reward between 0 and 1 (a graded task's), clipped to [0, 1]."""
+    n = len(scores)
+    if n < 2:
+        return 0.0, 1.0
+    m, half = statistics.fmean(scores), z * statistics.stdev(scores) / math.sqrt(n)
+    return max(0.0, m - half), min(1.0, m + half)
+
+
 class ToolsDemo:
     def __init__(self, cfg: DemoConfig, stack: Stack):
         self.cfg = cfg
@@ -111,7 +120,7 @@ class ToolsDemo:
                           "sft_coef": 1.0, "demo_batch_size": 4, "cold_start_steps": 4},
             "lora": {"r": 16, "alpha": 32},
             "optim": {"lr": 1e-3},
-            # calls per step: about two per episode (the calculator call, then the answer)
+            # calls per step: about two per episode (the tool call, then the answer)
             "train_batch_size": tr.tasks_per_batch * tr.repeat * 2,
             "staleness": {"max_staleness": 2, "policy": "discard",
                           # steps of one size: its figures were measured so, and on 2 cores a catch-up step several
@@ -144,7 +153,8 @@ class ToolsDemo:
     async def evaluate(self, label: str, version: int, agent: str | None = None,
                        problems: list[task.Problem] | None = None) -> EvalResult:
         """Each held-out problem (or each of ``problems``) once through the Explorer, pinned to
-        ``agent@v<version>`` (this demo's agent by default); success rate with its Wilson 95% interval."""
+        ``agent@v<version>`` (this demo's agent by default); success rate (a graded task's: mean reward) with
+        its 95% interval (Wilson's; for a graded task the normal one, clipped to [0, 1])."""
         agent = agent or self.cfg.agent
         problems = self.split.heldout if problems is None else problems
         t0 = time.monotonic()
@@ -164,7 +174,7 @@ class ToolsDemo:
         if failed:
             raise RuntimeError(f"{len(failed)} held-out episodes failed, e.g. {failed[0]}")
         scores = [e.reward for e in episodes]
-        low, high = wilson(sum(scores), len(scores))
+        low, high = mean_interval(scores) if self.task.graded else wilson(sum(scores), len(scores))
         seconds = time.monotonic() - t0
         tool = statistics.fmean(e.tool_calls > 0 for e in episodes)
         right = statistics.fmean(e.called_tool_right for e in episodes)
@@ -174,7 +184,7 @@ class ToolsDemo:
         op_in = [e.reward for e in episodes if self.task.operation(e.problem) in ops]
         op_out = [e.reward for e in episodes if self.task.operation(e.problem) not in ops]
         nan = float("nan")
-        say(f"  {label} (v{version}): success {statistics.fmean(scores):.2f} [{low:.2f}, {high:.2f}] | called the "
+        say(f"  {label} (v{version}): {'mean reward' if self.task.graded else 'success'} {statistics.fmean(scores):.2f} [{low:.2f}, {high:.2f}] | called the "
             f"{self.task.tool_name} {tool:.0%}, with the right {self.task.arguments_word} {right:.0%} | phrasings shown in demonstrations "
             f"{statistics.fmean(shown) if shown else nan:.2f}, never shown {statistics.fmean(unseen) if unseen else nan:.2f}"
             + (f" | operations {ops} {statistics.fmean(op_in) if op_in else nan:.2f}, never shown "
@@ -232,7 +242,8 @@ class ToolsDemo:
                     try:
                         await explorer.feedback(msg_ids=ep.msg_ids, reward=ep.reward, task_id=ep.task_id, run_id=ep.run_id,
                                                 hint=self.task.hint(p) if wrong and self.t.words == "hints" else None)
-                        if wrong and self.t.words == "corrections":  # the first call, as it should have been
+                        # the first call, as it should have been (unless it was right, and the answer's unit was missing)
+                        if wrong and self.t.words == "corrections" and not ep.called_tool_right:
                             await explorer.feedback(msg_ids=ep.msg_ids[:1],
                                                     correction=self.task.demonstration_turns(p)[0]["response"])
                     except Exception as e:  # one lost reward must not stop the traffic

@@ -191,6 +191,7 @@ TASK = Task(
     make_problem=lambda rng, template=None: make_problem(rng, template), run_tool_call=run_tool_call,
     score=lambda p, final: reward(p.answer, final), arguments=lambda p: {"expression": p.expression},
     tool_result=lambda p: calculate(p.expression), final_reply=lambda p: final_reply(p.answer), hint=hint,
+    max_tokens=40,  # the call takes 36-38 with its tags
 )
 operation = TASK.operation
 split = TASK.split

@@ -13,6 +13,7 @@ with five phrasings. Pure logic, no I/O.
 from __future__ import annotations
 
 import json
+import math
 import random
 import re
 from typing import Any
@@ -78,8 +79,10 @@ def convert(value: float, source: str, target: str) -> float:
 
 
 def show(value: float) -> str:
-    """A result as the tool writes it: two decimals at most, none when whole."""
-    text = f"{round(value, 2):.2f}".rstrip("0").rstrip(".")
+    """A result as the tool writes it: two decimals at most (four significant digits below 1), none when whole."""
+    small = 0 < abs(value) < 1
+    decimals = 3 - math.floor(math.log10(abs(value))) if small else 2
+    text = f"{round(value, decimals):.{decimals}f}".rstrip("0").rstrip(".")
     return "0" if text == "-0" else text
 
 
@@ -114,16 +117,17 @@ def names_unit(reply: str, target: str) -> bool:
     """Whether ``reply`` names ``target`` by any of its names (whole words, case ignored)."""
     text = reply.lower()
     names = (target, *_UNITS[target][2])
-    # short names ("m", "in", "°c") count only right after a number, so "in total" never names inches
+    # short names ("m", "in", "°c") count only between a number and the end or a punctuation mark, so
+    # "98.43 in total" never names inches
     return any(re.search(rf"(?<![a-z°]){re.escape(n)}(?![a-z])", text) if len(n.strip("°")) > 2 else
-               re.search(rf"\d\s*{re.escape(n)}(?![a-z])", text) for n in names)
+               re.search(rf"\d\s*{re.escape(n)}(?=\s*(?:[^\w\s]|$))", text) for n in names)
 
 
 def score(p: Problem, final_reply: str | None) -> float:
-    """1.0 when the last number of the final reply is within 1% of the answer (0.01 when the answer is
-    near 0) and the reply names the unit asked for; 0.5 with the right number but no unit; else 0.0."""
+    """1.0 when the last number of the final reply is within 1% of the answer (0.005 when the answer is
+    0) and the reply names the unit asked for; 0.5 with the right number but no unit; else 0.0."""
     value = last_number(final_reply)
-    if value is None or abs(value - p.answer) > max(0.01 * abs(p.answer), 0.01):
+    if value is None or abs(value - p.answer) > (0.01 * abs(p.answer) or 0.005):
         return 0.0
     return 1.0 if names_unit(final_reply, json.loads(p.expression)["to"]) else 0.5
 
@@ -226,5 +230,6 @@ TASK = Task(
     name="units", tool=CONVERT, operations=OPERATIONS, templates=_TEMPLATES, pool=DEMONSTRATION_POOL,
     make_problem=lambda rng, template=None: make_problem(rng, template), run_tool_call=run_tool_call, score=score,
     arguments=lambda p: json.loads(p.expression), tool_result=lambda p: show(p.answer), final_reply=final_reply,
-    hint=hint, arguments_word="units",
+    hint=hint, arguments_word="units", graded=True,
+    max_tokens=52,  # the call takes 41-48 with its tags
 )

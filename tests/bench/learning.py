@@ -23,7 +23,7 @@ users' words after a wrong answer (`tools.words`), to compare with `base` (rewar
 demo's default since it paid over seeds 3-6), the evaluations still at 1; every other setting samples
 the traffic at 1, as it was measured.
 `--task units` runs every setting on the second task (`tools.task=units`: a unit converter, a reward of
-1, 0.5 or 0; use another --out than the calculator's runs).
+1, 0.5 or 0; its runs are named `<setting>-units-seed<N>`).
 `demonstrations` is no setting of the loop: a run whose online loop lasts a second and whose
 demonstrations-only arm trains to its plateau (`--plateau-steps`, 48 if 0), for seeds whose first
 setting ran without it (about 20 minutes a seed). Its best version is then the seed's "over best"
@@ -83,10 +83,11 @@ def _plain(overrides: list[str]) -> list[str]:
     return [o for o in overrides if o != "tools.explore_temperature=null"]
 
 
-def run_demo(seed: int, setting: str, out: Path, extra: list[str] = (), *, resume: bool = True) -> dict:
+def run_demo(seed: int, setting: str, out: Path, extra: list[str] = (), *, resume: bool = True,
+             task: str = "calculator") -> dict:
     """One `kaizen demo` run; with resume, a finished run in `out` made with the same overrides is
     read back instead of run again (so a long bench can be continued later with the same --out)."""
-    run_dir = out / f"{setting}-seed{seed}"
+    run_dir = out / (f"{setting}-seed{seed}" if task == "calculator" else f"{setting}-{task}-seed{seed}")
     overrides = [f"seed={seed}", *SETTINGS[setting], *extra]
     args = [sys.executable, "-m", "services.cli", "demo", "--config", "configs/demo.yaml", f"run_dir={run_dir}", *overrides]
     log, made = run_dir.with_suffix(".log"), run_dir / "bench.json"
@@ -196,7 +197,7 @@ def main(argv: list[str] | None = None) -> str:
                 first = setting == a.settings[0] and ARM_ONLY not in a.settings
                 extra = loop + ([f"tools.plateau.max_steps={a.plateau_steps}"] if first and a.plateau_steps else [])
             task = [] if a.task == "calculator" else [f"tools.task={a.task}"]
-            results[seed, setting] = run_demo(seed, setting, out, extra + task, resume=not a.fresh)
+            results[seed, setting] = run_demo(seed, setting, out, extra + task, resume=not a.fresh, task=a.task)
             print(f"  done: {setting} seed {seed} -> {results[seed, setting]['log']}", file=sys.stderr, flush=True)
     text = report(results, a.seeds, a.settings, a.task)
     (out / "learning.txt").write_text(text + "\n")

@@ -7,7 +7,7 @@ import pytest
 from services.common.config import load_config
 from services.demo.config import DemoConfig
 from services.demo.report import paired_gain_ci
-from services.demo.tools_demo import wilson
+from services.demo.tools_demo import mean_interval, wilson
 
 
 def test_wilson_interval_worked_by_hand():
@@ -18,6 +18,15 @@ def test_wilson_interval_worked_by_hand():
     low, high = wilson(32, 64)
     assert (low + high) / 2 == pytest.approx(0.5) and high - 0.5 == pytest.approx(0.1190, abs=1e-4)
     assert wilson(64, 64)[1] == 1.0 and wilson(0, 0) == (0.0, 1.0)
+
+
+def test_a_graded_mean_gets_the_normal_interval_clipped_to_0_and_1():
+    # 0, 0.5, 1: mean 0.5, sample sd 0.5, half-width 1.96 * 0.5 / sqrt(3) = 0.566: clipped to [0, 1]
+    assert mean_interval([0.0, 0.5, 1.0]) == (0.0, 1.0)
+    # nine 0.5 and one 1: mean 0.55, sample sd 0.1581, half-width 1.96 * 0.1581 / sqrt(10) = 0.098
+    low, high = mean_interval([0.5] * 9 + [1.0])
+    assert (low + high) / 2 == pytest.approx(0.55) and high - 0.55 == pytest.approx(1.96 * 0.1581 / 10 ** 0.5, abs=1e-4)
+    assert mean_interval([1.0]) == (0.0, 1.0)
 
 
 def test_paired_bootstrap_of_a_gain():

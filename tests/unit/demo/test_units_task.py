@@ -17,7 +17,8 @@ from services.demo import units_task as u
     (14, "miles", "kilometres", "22.53"), (250, "cm", "inches", "98.43"), (12, "lb", "kg", "5.44"),
     (2.5, "cups", "ml", "591.47"), (212, "Fahrenheit", "degrees Celsius", "100"), (0, "C", "K", "273.15"),
     (-40, "celsius", "fahrenheit", "-40"), (800, "grams", "Kilograms", "0.8"), (3, "km", "m", "3000"),
-    ("1,500", "metres", "km", "1.5"),
+    ("1,500", "metres", "km", "1.5"), (2, "grams", "kg", "0.002"), (2, "ml", "cups", "0.008454"), (115, "ml", "l", "0.115"),
+    (32, "fahrenheit", "celsius", "0"),
 ])
 def test_the_converter_by_hand(value, source, target, result):
     assert u.run_tool_call("convert", {"value": value, "from": source, "to": target}) == result
@@ -29,7 +30,7 @@ def test_the_converter_by_hand(value, source, target, result):
     ('{"value": 3, "from": "miles"}', "error: unknown unit None"),
     ('{"value": "three", "from": "miles", "to": "km"}', "error: value 'three' is not a number"),
     ('{"value": true, "from": "miles", "to": "km"}', "error: arguments must be"),
-    ('{not json', "error: arguments are not JSON"), ('[3, "miles", "km"]', "error: arguments must be a JSON object"),
+    ('{not json', "error: arguments are not JSON"), ('[3, "miles", "km"]', "error: arguments must be {"),
 ])
 def test_a_call_that_cannot_run_gets_an_error_the_model_can_read(arguments, error):
     assert u.run_tool_call("convert", arguments).startswith(error)
@@ -53,7 +54,8 @@ def test_the_reward_is_graded_right_with_its_unit_right_without_or_wrong(reply, 
 
 def test_short_unit_names_count_only_after_a_number():
     inches = _p(250, "centimetres", "inches")
-    assert u.score(inches, "That is 98.43 in") == 1.0 and u.score(inches, "in all, 98.43") == 0.5
+    assert u.score(inches, "That is 98.43 in") == u.score(inches, "98.43 in.") == 1.0
+    assert u.score(inches, "in all, 98.43") == u.score(inches, "98.43 in total") == u.score(inches, "98.43 in centimetres") == 0.5
     hot = u._pool(15, 180, "celsius", "fahrenheit")
     assert u.score(hot, "That is 356 °F.") == u.score(hot, "356 degrees Fahrenheit") == 1.0
     assert u.score(hot, "That is 356 for sure") == 0.5
@@ -100,3 +102,18 @@ def test_the_split_keeps_held_out_problems_apart_and_the_registry_finds_each_tas
     assert task.get("units") is u.TASK and task.get("calculator").tool_name == "calculator"
     with pytest.raises(ValueError, match="unknown task 'maps'; use one of calculator, units"):
         task.get("maps")
+
+
+def test_small_and_zero_answers_keep_their_precision():
+    tiny = u._pool(9, 2, "grams", "kilograms")
+    assert tiny.answer == 0.002 and u.score(tiny, "That is 0.002 kilograms.") == 1.0
+    assert u.score(tiny, "That is 0 kilograms.") == 0.0 and u.score(tiny, "That is 0.00201 kilograms.") == 1.0
+    zero = u._pool(19, 32, "fahrenheit", "celsius")
+    assert zero.answer == 0 and u.score(zero, "That is 0 celsius.") == 1.0 and u.score(zero, "That is 0.01 celsius.") == 0.0
+
+
+def test_the_calculators_own_message_for_arguments_that_are_no_object():
+    from services.demo import tools_task
+
+    assert tools_task.run_tool_call("calculator", "[1]") == 'error: arguments must be {"expression": "..."}'
+    assert u.run_tool_call("convert", '"3 miles"').startswith('error: arguments must be {"value": number')
