@@ -49,6 +49,7 @@ class Task:
     final_reply: Callable[[Problem], str]  # how the demonstrations state the result
     hint: Callable[[Problem], str]  # what the simulated user says after a wrong answer (tools.words=hints)
     max_tokens: int  # per call: the right tool call with its tags and an end token, and a few to spare
+    tool_label: str = "the calculator"  # for the report: "called <tool_label>"
     arguments_word: str = "expression"  # for the report: "with the right <arguments_word>"
     graded: bool = False  # rewards between 0 and 1, not only 0 or 1 (the report's interval is then not Wilson's)
 

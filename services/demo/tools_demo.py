@@ -184,8 +184,8 @@ class ToolsDemo:
         op_in = [e.reward for e in episodes if self.task.operation(e.problem) in ops]
         op_out = [e.reward for e in episodes if self.task.operation(e.problem) not in ops]
         nan = float("nan")
-        say(f"  {label} (v{version}): {'mean reward' if self.task.graded else 'success'} {statistics.fmean(scores):.2f} [{low:.2f}, {high:.2f}] | called the "
-            f"{self.task.tool_name} {tool:.0%}, with the right {self.task.arguments_word} {right:.0%} | phrasings shown in demonstrations "
+        say(f"  {label} (v{version}): {'mean reward' if self.task.graded else 'success'} {statistics.fmean(scores):.2f} [{low:.2f}, {high:.2f}] | called "
+            f"{self.task.tool_label} {tool:.0%}, with the right {self.task.arguments_word} {right:.0%} | phrasings shown in demonstrations "
             f"{statistics.fmean(shown) if shown else nan:.2f}, never shown {statistics.fmean(unseen) if unseen else nan:.2f}"
             + (f" | operations {ops} {statistics.fmean(op_in) if op_in else nan:.2f}, never shown "
                f"{statistics.fmean(op_out) if op_out else nan:.2f}" if op_out else "")
@@ -405,8 +405,8 @@ def run_tools(cfg: DemoConfig) -> int:
         others.append(Stage(arms.best, "traffic over best", "the online loop against the best the demonstrations alone reached, "
                             "chosen on validation problems (tools.plateau)"))
     return report(cfg, stack, loop, stages, arms=others, serving=serving, explorer_requests=explorer_requests,
-                  seconds=time.monotonic() - t_start, metric="success",
-                  interval=("mean reward (1: the number within 1% with its unit, 0.5: without the unit)" if cfg.tools.task == "units"
-                            else "share of problems whose final answer is right") + ", Wilson 95% interval",
+                  seconds=time.monotonic() - t_start, metric="mean reward" if cfg.tools.task == "units" else "success",
+                  interval=("1: the number within 1% with its unit, 0.5: without the unit; normal 95% interval, clipped to [0, 1]"
+                            if cfg.tools.task == "units" else "share of problems whose final answer is right, Wilson 95% interval"),
                   title=f"SmolLM2-135M-Instruct with {tool}, on CPU", release=release,
                   curves={"demonstrations only (validation)": arms.curve} if arms.curve else None)

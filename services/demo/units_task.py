@@ -230,6 +230,6 @@ TASK = Task(
     name="units", tool=CONVERT, operations=OPERATIONS, templates=_TEMPLATES, pool=DEMONSTRATION_POOL,
     make_problem=lambda rng, template=None: make_problem(rng, template), run_tool_call=run_tool_call, score=score,
     arguments=lambda p: json.loads(p.expression), tool_result=lambda p: show(p.answer), final_reply=final_reply,
-    hint=hint, arguments_word="units", graded=True,
+    hint=hint, tool_label="the converter", arguments_word="units", graded=True,
     max_tokens=52,  # the call takes 41-48 with its tags
 )
