@@ -172,6 +172,47 @@ def report(results: dict[tuple[int, str], dict], seeds: list[int], settings: lis
     return "\n".join(lines)
 
 
+def plot(results: dict[tuple[int, str], dict], seeds: list[int], settings: list[str], path: Path) -> None:
+    """One panel a seed, against Trainer steps after the cold start: the demonstrations-only arm's
+    validation curve and its best version's held-out score, and each setting's online loop and control
+    arm on the held-out problems (at the loop's steps)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    arm_setting = ARM_ONLY if ARM_ONLY in settings else settings[0]
+    loops = [s for s in settings if s != ARM_ONLY]
+    fig, axes = plt.subplots(1, len(seeds), figsize=(4.2 * len(seeds), 3.8), sharey=True, squeeze=False)
+    for ax, seed in zip(axes[0], seeds):
+        arm = results[seed, arm_setting]
+        by_label = {(BEST if e["label"].startswith(BEST) else e["label"]): e for e in arm["evals"]}
+        start = by_label["after cold start"]["version"]
+        curve = arm.get("curves", {}).get("demonstrations only (validation)", [])
+        if curve:
+            ax.plot([c["steps"] for c in curve], [c["validation"] for c in curve], "o-", color="tab:brown", ms=3,
+                    label="demonstrations only (validation)")
+        if BEST in by_label:
+            ax.plot([by_label[BEST]["version"] - start], [_mean(by_label[BEST]["per_prompt"])], "*", color="tab:brown", ms=12,
+                    label="its best (held-out)")
+        for k, setting in enumerate(loops):
+            ev = {e["label"]: e for e in results[seed, setting]["evals"]}
+            cold, online = ev["after cold start"], ev["after online loop"]
+            steps = online["version"] - cold["version"]
+            color = f"C{k}"
+            ax.plot([0, steps], [_mean(cold["per_prompt"]), _mean(online["per_prompt"])], "D-", color=color,
+                    label=f"{setting}: online loop (held-out)")
+            control = ev.get("control: demonstrations only")
+            if control is not None:
+                ax.plot([steps], [_mean(control["per_prompt"])], "s", color=color, mfc="none", ms=8, label=f"{setting}: its control")
+        ax.set(title=f"seed {seed}", xlabel="Trainer steps after the cold start", ylim=(0, 1))
+    axes[0][0].set_ylabel("success (95% intervals: learning.txt)")
+    axes[0][-1].legend(fontsize=7, loc="lower right")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
 def main(argv: list[str] | None = None) -> str:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
@@ -199,7 +240,8 @@ def main(argv: list[str] | None = None) -> str:
             task = [] if a.task == "calculator" else [f"tools.task={a.task}"]
             results[seed, setting] = run_demo(seed, setting, out, extra + task, resume=not a.fresh, task=a.task)
             print(f"  done: {setting} seed {seed} -> {results[seed, setting]['log']}", file=sys.stderr, flush=True)
-    text = report(results, a.seeds, a.settings, a.task)
+    plot(results, a.seeds, a.settings, out / "learning.png")
+    text = report(results, a.seeds, a.settings, a.task) + f"\n  curves: {out / 'learning.png'}"
     (out / "learning.txt").write_text(text + "\n")
     return text
 

@@ -76,3 +76,22 @@ def test_a_demonstrations_run_is_every_settings_best_reference_and_no_setting_of
     assert "over the demonstrations' best (1 seeds) +0.50" in next(line for line in text.splitlines() if "explore  " in line and "pooled" in line)
     assert "demonstrations " not in "".join(line[:21] for line in text.splitlines())  # no loop line of its own
     assert "online loop, explore - base: +1.00" in text and "demonstrations - base" not in text
+
+
+def test_the_curves_are_plotted_one_panel_a_seed(tmp_path):
+    from tests.bench.learning import plot
+
+    def run(online, control=None, curve=(), best=None):
+        evals = [{"label": "after cold start", "version": 4, "per_prompt": [0, 0]},
+                 {"label": "after online loop", "version": 17, "per_prompt": online}]
+        if control is not None:
+            evals.append({"label": "control: demonstrations only", "version": 17, "per_prompt": control})
+        if best is not None:
+            evals.append({"label": "demonstrations only, best (8 steps)", "version": 12, "per_prompt": best})
+        return {"evals": evals, "curves": {"demonstrations only (validation)": list(curve)} if curve else {}}
+
+    curve = [{"steps": 0, "validation": 0.1}, {"steps": 8, "validation": 0.5}]
+    results = {(s, "explore"): run([1, 0], [0, 0]) for s in (3, 4)}
+    results.update({(s, "demonstrations"): run([0, 0], curve=curve, best=[1, 1]) for s in (3, 4)})
+    plot(results, [3, 4], ["explore", "demonstrations"], tmp_path / "learning.png")
+    assert (tmp_path / "learning.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
