@@ -29,7 +29,7 @@ the traffic at 1, as it was measured.
 1, 0.5 or 0; its runs are named `<setting>-units-seed<N>`).
 `demonstrations` is no setting of the loop: a run whose online loop lasts a second and whose
 demonstrations-only arm trains to its plateau (`--plateau-steps`, 48 if 0), for seeds whose first
-setting ran without it (about 20 minutes a seed). Its best version is then the seed's "over best"
+setting ran without it (about 11 minutes a seed). Its best version is then the seed's "over best"
 reference for every setting, on the same held-out problems (they depend on the seed alone).
 """
 
@@ -144,7 +144,7 @@ def report(results: dict[tuple[int, str], dict], seeds: list[int], settings: lis
         curve = arm[seed].get("curves", {}).get("demonstrations only (validation)", [])
         if curve:
             points = ", ".join(f"{p['steps']}: {p['validation']:.2f}" for p in curve)
-            lines.append(f"  seed {seed}: demonstrations only, validation success by steps after the cold start: {points}; "
+            lines.append(f"  seed {seed}: demonstrations only, validation {'mean reward' if task == 'units' else 'success'} by steps after the cold start: {points}; "
                          f"best on held-out {_mean(best[seed]):.2f}")
     for setting in settings:
         pairs, over = [], []
@@ -166,7 +166,7 @@ def report(results: dict[tuple[int, str], dict], seeds: list[int], settings: lis
             g, lo, hi = pooled(over)
             line += f"; over the demonstrations' best ({len(over)} seeds) {g:+.2f} [{lo:+.2f}, {hi:+.2f}]"
         lines.append(line)
-    first = settings[0]
+    first = settings[0] if settings else None
     for setting in settings[1:]:
         pairs = [(_evals(results[s, first])["after online loop"], _evals(results[s, setting])["after online loop"])
                  for s in seeds]
@@ -175,7 +175,8 @@ def report(results: dict[tuple[int, str], dict], seeds: list[int], settings: lis
     return "\n".join(lines)
 
 
-def plot(results: dict[tuple[int, str], dict], seeds: list[int], settings: list[str], path: Path) -> None:
+def plot(results: dict[tuple[int, str], dict], seeds: list[int], settings: list[str], path: Path,
+         task: str = "calculator") -> None:
     """One panel a seed, against Trainer steps after the cold start: the demonstrations-only arm's
     validation curve and its best version's held-out score, and each setting's online loop and control
     arm on the held-out problems (at the loop's steps)."""
@@ -209,7 +210,7 @@ def plot(results: dict[tuple[int, str], dict], seeds: list[int], settings: list[
             if control is not None:
                 ax.plot([steps], [_mean(control["per_prompt"])], "s", color=color, mfc="none", ms=8, label=f"{setting}: its control")
         ax.set(title=f"seed {seed}", xlabel="Trainer steps after the cold start", ylim=(0, 1))
-    axes[0][0].set_ylabel("success (95% intervals: learning.txt)")
+    axes[0][0].set_ylabel(f"{'mean reward' if task == 'units' else 'success'} (95% intervals: learning.txt)")
     axes[0][-1].legend(fontsize=7, loc="lower right")
     fig.tight_layout()
     fig.savefig(path, dpi=100)
@@ -228,7 +229,8 @@ def main(argv: list[str] | None = None) -> str:
     p.add_argument("--task", default="calculator", choices=["calculator", "units"],
                    help="The demo's task (tools.task) for every run: units is the second task, a unit converter with a graded reward.")
     p.add_argument("--plateau-steps", type=int, default=48,
-                   help="The demonstrations-only arm's steps at most (tools.plateau.max_steps), in the first setting's run of each seed; 0: off.")
+                   help="The demonstrations-only arm's steps at most (tools.plateau.max_steps): in the demonstrations run if that "
+                   "setting is given (0: 48), else in the first setting's run of each seed (0: off).")
     a = p.parse_args(argv if argv is not None else [])
     out = a.out or Path(tempfile.mkdtemp(prefix="kaizen-learning-"))
     loop = [f"min_new_versions={a.loop_steps}", "duration_s=1", "max_duration_s=7200"] if a.loop_steps else []
@@ -243,8 +245,10 @@ def main(argv: list[str] | None = None) -> str:
             task = [] if a.task == "calculator" else [f"tools.task={a.task}"]
             results[seed, setting] = run_demo(seed, setting, out, extra + task, resume=not a.fresh, task=a.task)
             print(f"  done: {setting} seed {seed} -> {results[seed, setting]['log']}", file=sys.stderr, flush=True)
-    plot(results, a.seeds, a.settings, out / "learning.png")
-    text = report(results, a.seeds, a.settings, a.task) + f"\n  curves: {out / 'learning.png'}"
+    text = report(results, a.seeds, a.settings, a.task)
+    (out / "learning.txt").write_text(text + "\n")  # first: a plot that fails loses no figure
+    plot(results, a.seeds, a.settings, out / "learning.png", a.task)
+    text += f"\n  curves: {out / 'learning.png'}"
     (out / "learning.txt").write_text(text + "\n")
     return text
 

@@ -17,7 +17,7 @@ def main() -> int:
                 ("reload", reload.main),
                 ("canary", canary.main), ("soak", soak.main), ("scale", scale.main), ("vllm", vllm.main),
                 ("smollm2", smollm2.main), ("prefix", prefix.main), ("episodes", episodes.main),
-                # last: one real demo per seed and setting, about 15 minutes each on 2 cores (an hour and a half)
+                # last: one real demo per seed and setting, 11-14 minutes each on 2 cores (12 runs by default: about 2.6 hours)
                 ("learning", learning.main)]
     only = set(sys.argv[1:])
     for name, fn in sections:
