@@ -13,12 +13,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from services.demo import task
+from services.demo import tasks
+from services.demo.task import Problem
 
 
 @dataclass
 class Episode:
-    problem: task.Problem
+    problem: Problem
     task_id: str | None
     run_id: str | None
     msg_ids: list[str] = field(default_factory=list)  # completion ids, one per call
@@ -32,17 +33,17 @@ class Episode:
     @property
     def called_tool_right(self) -> bool:
         """Whether a tool call of this episode computed the answer (for the report)."""
-        return task.get(self.problem.task).called_right(self.problem, self.messages)
+        return tasks.get(self.problem.task).called_right(self.problem, self.messages)
 
 
-async def run_episode(client, problem: task.Problem, *, model: str, task_id: str | None = None,
+async def run_episode(client, problem: Problem, *, model: str, task_id: str | None = None,
                       run_id: str | None = None, max_turns: int = 3, max_tokens: int = 48,
                       temperature: float = 1.0, explore: bool = False) -> Episode:
     """One episode with ``client`` (an ``openai.AsyncOpenAI`` on the Explorer). Never raises: an
     HTTP error ends the episode with ``error`` set and reward 0. With ``explore`` its calls are
     exploration runs (``metadata.explore``): the Explorer samples them at the agent's exploration
     temperature, if it has one, whatever ``temperature`` says."""
-    job = task.get(problem.task)
+    job = tasks.get(problem.task)
     ep = Episode(problem=problem, task_id=task_id, run_id=run_id)
     ep.messages = [{"role": "user", "content": problem.question}]
     metadata = {"task_id": task_id, "run_id": run_id} if task_id is not None else {}
@@ -79,14 +80,14 @@ async def run_episode(client, problem: task.Problem, *, model: str, task_id: str
 # seed, one greedy episode each, so two versions are compared on the same answers.
 
 
-def gate_problems(name: str = "calculator") -> list[task.Problem]:
+def gate_problems(name: str = "calculator") -> list[Problem]:
     import random
 
     rng = random.Random(1_000_003)
-    return [task.get(name).make_problem(rng, None) for _ in range(32)]
+    return [tasks.get(name).make_problem(rng, None) for _ in range(32)]
 
 
-def units_gate_problems() -> list[task.Problem]:
+def units_gate_problems() -> list[Problem]:
     """The units task's suite (tools.task=units)."""
     return gate_problems("units")
 
@@ -94,22 +95,22 @@ def units_gate_problems() -> list[task.Problem]:
 class GateEnv:
     """One problem per episode: the observation is the problem, the action the agent's final reply."""
 
-    def __init__(self, problem: task.Problem):
+    def __init__(self, problem: Problem):
         self.problem = problem
 
-    def reset(self) -> task.Problem:
+    def reset(self) -> Problem:
         return self.problem
 
     def step(self, final: str | None):
-        return None, task.get(self.problem.task).score(self.problem, final), True, {}
+        return None, tasks.get(self.problem.task).score(self.problem, final), True, {}
 
 
-async def gate_agent(client, problem: task.Problem) -> str | None:
+async def gate_agent(client, problem: Problem) -> str | None:
     """The agent app's episode on the version the gate pins (``client.model`` is ``agent@vN``)."""
     openai_client = client.openai()
     try:
         ep = await run_episode(openai_client, problem, model=client.model, temperature=0.0,
-                               max_tokens=task.get(problem.task).max_tokens)
+                               max_tokens=tasks.get(problem.task).max_tokens)
     finally:
         await openai_client.close()
     if ep.error is not None:

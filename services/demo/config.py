@@ -137,9 +137,9 @@ class ToolsSection(ConfigModel):
 
     @model_validator(mode="after")
     def _task_defaults(self) -> "ToolsSection":
-        from services.demo import task
+        from services.demo import tasks
 
-        job = task.get(self.task)
+        job = tasks.get(self.task)
         kinds = job.operations
         self.demonstrated_operations = kinds if self.demonstrated_operations is None else self.demonstrated_operations
         if not self.demonstrated_operations or set(self.demonstrated_operations) - set(kinds):

@@ -1,19 +1,15 @@
 """What the tools demo needs of a task (``tools.task``): its one tool, its phrasings, its reward, its
 hand-written demonstrations. ``calculator`` (services/demo/tools_task.py) and ``units``
-(services/demo/units_task.py) are the two; the demo, the agent app and the learning bench work on
-either through this. Pure logic, no I/O.
+(services/demo/units_task.py) are the two, found by name in services/demo/tasks.py; the demo, the
+agent app and the learning bench work on either through this. Pure logic, no I/O.
 """
 
 from __future__ import annotations
 
-import importlib
 import json
 import random
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
-
-MODULES = {"calculator": "services.demo.tools_task", "units": "services.demo.units_task"}
-
 
 @dataclass(frozen=True)
 class Problem:
@@ -115,13 +111,6 @@ class Task:
         """Whether a tool call of the episode got the right result (for the report)."""
         right = self.tool_result(p)
         return any(m.get("role") == "tool" and m.get("content") == right for m in messages)
-
-
-def get(name: str) -> Task:
-    """The task called ``name`` (``tools.task``)."""
-    if name not in MODULES:
-        raise ValueError(f"unknown task {name!r}; use one of {', '.join(MODULES)}")
-    return importlib.import_module(MODULES[name]).TASK
 
 
 def tool_arguments(name: str, tool: str, arguments: str | dict[str, Any]) -> dict[str, Any] | str:

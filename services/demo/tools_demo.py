@@ -31,7 +31,8 @@ from runner_sdk import ExplorerClient
 from services.common import buffer
 from services.common.config import deep_merge
 from services.common.launch import Stack, new_run_dir
-from services.demo import agent_app, task
+from services.demo import agent_app, tasks
+from services.demo.task import Problem
 from services.demo.config import DemoConfig
 from services.demo.demonstrations_only import DemonstrationsOnly, Plateau
 from services.demo.loop import EvalResult, OnlineLoop, Round, demo_stack, gate_section, release_check, say
@@ -84,7 +85,7 @@ class ToolsDemo:
         self.cfg = cfg
         self.t = cfg.tools
         self.stack = stack
-        self.task = task.get(self.t.task)
+        self.task = tasks.get(self.t.task)
         self.split = self.task.split(cfg.seed, self.t.traffic_problems, self.t.heldout,
                                      self.t.plateau.validation if self.t.plateau.max_steps else 0)
         self.demos = self.task.demonstrations(self.t.demonstrations, self.t.demonstrated_operations)
@@ -151,7 +152,7 @@ class ToolsDemo:
             await client.aclose()
 
     async def evaluate(self, label: str, version: int, agent: str | None = None,
-                       problems: list[task.Problem] | None = None) -> EvalResult:
+                       problems: list[Problem] | None = None) -> EvalResult:
         """Each held-out problem (or each of ``problems``) once through the Explorer, pinned to
         ``agent@v<version>`` (this demo's agent by default); success rate (a graded task's: mean reward) with
         its 95% interval (Wilson's; for a graded task the normal one, clipped to [0, 1])."""
@@ -161,7 +162,7 @@ class ToolsDemo:
         client = self.openai_client()
         sem = asyncio.Semaphore(self.t.eval_concurrency)
 
-        async def one(p: task.Problem) -> agent_app.Episode:
+        async def one(p: Problem) -> agent_app.Episode:
             async with sem:
                 return await agent_app.run_episode(client, p, model=f"{agent}@v{version}", max_turns=self.t.max_turns,
                                                    max_tokens=self.t.max_tokens, temperature=self.t.temperature)
@@ -231,7 +232,7 @@ class ToolsDemo:
         problems = [self.rng.choice(self.split.traffic) for _ in range(tr.tasks_per_batch)]
         sem = asyncio.Semaphore(tr.concurrency)
 
-        async def episode(k: int, p: task.Problem, run: int) -> agent_app.Episode:
+        async def episode(k: int, p: Problem, run: int) -> agent_app.Episode:
             async with sem:
                 ep = await agent_app.run_episode(client, p, model=self.cfg.agent, task_id=f"r{self.rounds}-q{k}",
                                                  run_id=str(run), max_turns=self.t.max_turns, max_tokens=self.t.max_tokens,

@@ -9,7 +9,7 @@ import re
 
 import pytest
 
-from services.demo import task
+from services.demo import tasks
 from services.demo import units_task as u
 
 
@@ -99,9 +99,9 @@ def test_the_split_keeps_held_out_problems_apart_and_the_registry_finds_each_tas
     assert u.TASK.split(3, 500, 64, 40) == s and (s.traffic, s.heldout) == (plain.traffic, plain.heldout)
     groups = [{p.question for p in ps} for ps in (s.traffic, s.heldout, s.validation, u.DEMONSTRATION_POOL)]
     assert sum(map(len, groups)) == len(set().union(*groups))
-    assert task.get("units") is u.TASK and task.get("calculator").tool_name == "calculator"
+    assert tasks.get("units") is u.TASK and tasks.get("calculator").tool_name == "calculator"
     with pytest.raises(ValueError, match="unknown task 'maps'; use one of calculator, units"):
-        task.get("maps")
+        tasks.get("maps")
 
 
 def test_small_and_zero_answers_keep_their_precision():
