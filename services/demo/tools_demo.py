@@ -294,8 +294,15 @@ async def _final_and_arms(demo: ToolsDemo, trainer_cfg: dict, cold: EvalResult, 
     steps as the online loop took (one core each); then the control arm; then, with ``tools.plateau``,
     the arm trained on until it stops improving on the validation problems, and its best version."""
     t, start = demo.t, cold.version
+
+    async def final() -> EvalResult:
+        if final_version == start:  # the loop published nothing: the version it ends on was measured after the cold start
+            say(f"  after online loop (v{final_version}): the cold start's version, measured above")
+            return replace(cold, label="after online loop")
+        return await demo.evaluate("after online loop", final_version)
+
     if not (t.control or t.plateau.max_steps):
-        return Arms(await demo.evaluate("after online loop", final_version))
+        return Arms(await final())
     control_steps = final_version - start
     every, top = t.plateau.every, t.plateau.max_steps
     marks = sorted({*range(every, min(control_steps, top) + 1, every), control_steps} - {0})  # published on the way
@@ -307,7 +314,7 @@ async def _final_and_arms(demo: ToolsDemo, trainer_cfg: dict, cold: EvalResult, 
         return arm
 
     training = asyncio.create_task(asyncio.to_thread(to_control_point))
-    out = Arms(await demo.evaluate("after online loop", final_version))
+    out = Arms(await final())
     arm = await training
     await asyncio.to_thread(demo.wait_for_agent_version, demo.control_agent, arm.version)
     if t.control:

@@ -29,7 +29,8 @@ the traffic at 1, as it was measured.
 1, 0.5 or 0; its runs are named `<setting>-units-seed<N>`).
 `demonstrations` is no setting of the loop: a run whose online loop lasts a second and whose
 demonstrations-only arm trains to its plateau (`--plateau-steps`, 48 if 0), for seeds whose first
-setting ran without it (about 11 minutes a seed). Its best version is then the seed's "over best"
+setting ran without it (about 10 minutes a seed; its loop publishes nothing, so the cold start's
+measurement stands for the loop's end). Its best version is then the seed's "over best"
 reference for every setting, on the same held-out problems (they depend on the seed alone).
 """
 
@@ -113,9 +114,14 @@ def run_demo(seed: int, setting: str, out: Path, extra: list[str] = (), *, resum
     return summary
 
 
+def _by_label(summary: dict) -> dict[str, dict]:
+    """label -> evaluation; the plateau arm's best under BEST whatever its steps."""
+    return {(BEST if e["label"].startswith(BEST) else e["label"]): e for e in summary["evals"]}
+
+
 def _evals(summary: dict) -> dict[str, list[float]]:
-    """label -> per-problem scores; the plateau arm's best under BEST whatever its steps."""
-    return {(BEST if e["label"].startswith(BEST) else e["label"]): e["per_prompt"] for e in summary["evals"]}
+    """label -> per-problem scores (as _by_label)."""
+    return {label: e["per_prompt"] for label, e in _by_label(summary).items()}
 
 
 def _mean(xs: list[float]) -> float:
@@ -190,7 +196,7 @@ def plot(results: dict[tuple[int, str], dict], seeds: list[int], settings: list[
     fig, axes = plt.subplots(1, len(seeds), figsize=(4.2 * len(seeds), 3.8), sharey=True, squeeze=False)
     for ax, seed in zip(axes[0], seeds):
         arm = results[seed, arm_setting]
-        by_label = {(BEST if e["label"].startswith(BEST) else e["label"]): e for e in arm["evals"]}
+        by_label = _by_label(arm)
         start = by_label["after cold start"]["version"]
         curve = arm.get("curves", {}).get("demonstrations only (validation)", [])
         if curve:
