@@ -87,20 +87,41 @@ def _plain(overrides: list[str]) -> list[str]:
     return [o for o in overrides if o != "tools.explore_temperature=null"]
 
 
+def _run_dir(out: Path, seed: int, setting: str, task: str) -> Path:
+    return out / (f"{setting}-seed{seed}" if task == "calculator" else f"{setting}-{task}-seed{seed}")
+
+
+def _finished_with_other_overrides(run_dir: Path, overrides: list[str]) -> str | None:
+    """Why a finished run in ``run_dir`` may not be replaced by a run with ``overrides`` (none if it may)."""
+    made = run_dir / "bench.json"
+    if not (made.exists() and list(run_dir.glob("*/summary.json"))):
+        return None  # none, or an unfinished one: nothing to lose
+    old = _plain(json.loads(made.read_text())["overrides"])
+    new = _plain(overrides)
+    if old == new:
+        return None
+    gone, added = [o for o in old if o not in new], [o for o in new if o not in old]
+    return (f"{run_dir} holds a finished run made with other overrides (only it had: {' '.join(gone) or 'none'}; "
+            f"only this one has: {' '.join(added) or 'none'}): choose another --out, or --fresh to run it again")
+
+
 def run_demo(seed: int, setting: str, out: Path, extra: list[str] = (), *, resume: bool = True,
              task: str = "calculator") -> dict:
     """One `kaizen demo` run; with resume, a finished run in `out` made with the same overrides is
-    read back instead of run again (so a long bench can be continued later with the same --out)."""
-    run_dir = out / (f"{setting}-seed{seed}" if task == "calculator" else f"{setting}-{task}-seed{seed}")
+    read back instead of run again (so a long bench can be continued later with the same --out), and
+    one made with other overrides is refused, not thrown away (``resume=False`` runs it again)."""
+    run_dir = _run_dir(out, seed, setting, task)
     overrides = [f"seed={seed}", *SETTINGS[setting], *extra]
     args = [sys.executable, "-m", "services.cli", "demo", "--config", "configs/demo.yaml", f"run_dir={run_dir}", *overrides]
     log, made = run_dir.with_suffix(".log"), run_dir / "bench.json"
     done = list(run_dir.glob("*/summary.json"))
-    if resume and done and made.exists() and _plain(json.loads(made.read_text())["overrides"]) == _plain(overrides):
+    if resume and (why := _finished_with_other_overrides(run_dir, overrides)):
+        raise ValueError(why)
+    if resume and done and made.exists():
         summary = json.loads(done[0].read_text())
     else:
         if run_dir.exists():
-            shutil.rmtree(run_dir)  # an unfinished or different run: its parts would mix with this one's
+            shutil.rmtree(run_dir)  # an unfinished run, or --fresh: its parts would mix with this one's
         run_dir.mkdir(parents=True)
         commit = _commit()  # the code it starts with (a commit made while it runs is not its code)
         with open(log, "w") as f:
@@ -240,7 +261,7 @@ def main(argv: list[str] | None = None) -> str:
     a = p.parse_args(argv if argv is not None else [])
     out = a.out or Path(tempfile.mkdtemp(prefix="kaizen-learning-"))
     loop = [f"min_new_versions={a.loop_steps}", "duration_s=1", "max_duration_s=7200"] if a.loop_steps else []
-    results = {}
+    plan = []
     for seed in a.seeds:
         for setting in a.settings:
             if setting == ARM_ONLY:
@@ -248,9 +269,17 @@ def main(argv: list[str] | None = None) -> str:
             else:
                 first = setting == a.settings[0] and ARM_ONLY not in a.settings
                 extra = loop + ([f"tools.plateau.max_steps={a.plateau_steps}"] if first and a.plateau_steps else [])
-            task = [] if a.task == "calculator" else [f"tools.task={a.task}"]
-            results[seed, setting] = run_demo(seed, setting, out, extra + task, resume=not a.fresh, task=a.task)
-            print(f"  done: {setting} seed {seed} -> {results[seed, setting]['log']}", file=sys.stderr, flush=True)
+            plan.append((seed, setting, extra + ([] if a.task == "calculator" else [f"tools.task={a.task}"])))
+    if not a.fresh:  # before hours of runs, not after: a finished run is never thrown away unasked
+        clashes = [why for seed, setting, extra in plan
+                   if (why := _finished_with_other_overrides(_run_dir(out, seed, setting, a.task),
+                                                              [f"seed={seed}", *SETTINGS[setting], *extra]))]
+        if clashes:
+            p.error("\n".join(clashes))
+    results = {}
+    for seed, setting, extra in plan:
+        results[seed, setting] = run_demo(seed, setting, out, extra, resume=not a.fresh, task=a.task)
+        print(f"  done: {setting} seed {seed} -> {results[seed, setting]['log']}", file=sys.stderr, flush=True)
     text = report(results, a.seeds, a.settings, a.task)
     (out / "learning.txt").write_text(text + "\n")  # first: a plot that fails loses no figure
     plot(results, a.seeds, a.settings, out / "learning.png", a.task)

@@ -40,7 +40,7 @@ def test_without_the_plateau_arm_only_the_equal_step_figures():
     assert "over best" not in text and "traffic gave +0.50" in text
 
 
-def test_a_finished_run_with_the_same_overrides_is_read_back_and_a_different_one_is_not(tmp_path, monkeypatch):
+def test_a_finished_run_with_the_same_overrides_is_read_back_and_one_with_others_refused_unless_fresh(tmp_path, monkeypatch):
     import json
 
     import tests.bench.learning as bench
@@ -60,8 +60,15 @@ def test_a_finished_run_with_the_same_overrides_is_read_back_and_a_different_one
     monkeypatch.setattr(bench.subprocess, "run", fake_run)
     summary = bench.run_demo(0, "base", tmp_path, ["tools.plateau.max_steps=48"])
     assert not ran and summary["commit"] == "abc1234" and summary["evals"][0]["per_prompt"] == [1]
-    with pytest.raises(RuntimeError, match=r"kaizen demo failed \(base, seed 0\)"):  # other overrides: cleared, run again
+    with pytest.raises(ValueError, match=r"base-seed0 holds a finished run made with other overrides \(only it had: "
+                       r"tools.plateau.max_steps=48; only this one has: tools.plateau.max_steps=0\)"):  # refused, kept
         bench.run_demo(0, "base", tmp_path, ["tools.plateau.max_steps=0"])
+    assert not ran and (made / "20261126-000000" / "summary.json").exists()
+    with pytest.raises(SystemExit):  # the bench refuses before it runs anything
+        bench.main(["--seeds", "0", "--settings", "base", "--plateau-steps", "0", "--loop-steps", "0", "--out", str(tmp_path)])
+    assert not ran and (made / "20261126-000000" / "summary.json").exists()
+    with pytest.raises(RuntimeError, match=r"kaizen demo failed \(base, seed 0\)"):  # asked for: cleared, run again
+        bench.run_demo(0, "base", tmp_path, ["tools.plateau.max_steps=0"], resume=False)
     assert len(ran) == 1 and not (made / "20261126-000000").exists()
 
 
