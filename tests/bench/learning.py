@@ -249,7 +249,8 @@ def main(argv: list[str] | None = None) -> str:
     p.add_argument("--seeds", type=int, nargs="+", default=[3, 4, 5, 6])
     p.add_argument("--settings", nargs="+", default=["base", "explore", ARM_ONLY], choices=sorted(SETTINGS))
     p.add_argument("--out", type=Path, default=None,
-                   help="Folder for the runs (default: a temporary one); a run already finished there with the same overrides is reused.")
+                   help="Folder for the runs (default: a temporary one); a run already finished there with the same overrides is "
+                   "reused, one with other overrides refused (--fresh runs it again).")
     p.add_argument("--fresh", action="store_true", help="Run every (seed, setting) again, even one finished in --out.")
     p.add_argument("--loop-steps", type=int, default=12,
                    help="Run each online loop until its traffic was served by this many new versions; 0: the demo's duration.")
