@@ -112,18 +112,18 @@ def ray_address(tmp_path_factory):
 # The files that take longest start first: `make test` runs files on two workers (-n 2 --dist loadfile,
 # in collection order), so that the last file to finish is not a long one started late. Seconds per
 # file on two busy workers of a 2-core AMD EPYC (pytest --durations, 2026-11-27, one OpenMP thread each;
-# test_frameworks on a clean clone, which installs two client virtual environments first).
+# test_frameworks on a clean clone, which installs two client virtual environments first, now with uv).
 LONGEST_FIRST = (
     "tests/integration/demo/test_tools_demo.py",  # 311
     "tests/integration/trainer/test_trainer_faults.py",  # 245
     "tests/integration/trainer/test_trainer_service.py",  # 238
     "tests/integration/agents/test_dataset_trainer.py",  # 147
-    "tests/integration/explorer/test_frameworks.py",  # 117 on a clean clone, 32 after
     "tests/integration/trainer/test_multi_agent.py",  # 90
     "tests/integration/explorer/test_explorer_kills.py",  # 84
     "tests/integration/trainer/test_two_nodes.py",  # 73
     "tests/integration/explorer/test_fuzz.py",  # 70
     "tests/integration/trainer/test_real_model.py",  # 63
+    "tests/integration/explorer/test_frameworks.py",  # 117 on a clean clone with pip, about 60 with uv (11-27), 32 after
     "tests/integration/demo/test_dashboard.py",  # 58
     "tests/integration/explorer/test_vllm_engine.py",  # 50
     "tests/integration/trainer/test_late_rewards.py",  # 38
