@@ -11,6 +11,7 @@ import random
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
+
 @dataclass(frozen=True)
 class Problem:
     """One question, the tool's argument that answers it (``expression``: the calculator's expression,

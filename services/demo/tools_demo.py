@@ -289,20 +289,23 @@ class Arms:
     curve: list[dict] = field(default_factory=list)  # {steps, version, validation, train_seconds}
 
 
+async def loop_end(demo: ToolsDemo, cold: EvalResult, final_version: int) -> EvalResult:
+    """The version the online loop ended on, on the held-out problems; when the loop published nothing
+    (a demonstrations run's one-second loop, usually) that version is the cold start's, measured
+    already: its measurement stands, the same scores (so that version's gain is 0 by construction)."""
+    if final_version == cold.version:
+        say(f"  after online loop (v{final_version}): the cold start's version, measured above")
+        return replace(cold, label="after online loop", seconds=0.0)
+    return await demo.evaluate("after online loop", final_version)
+
+
 async def _final_and_arms(demo: ToolsDemo, trainer_cfg: dict, cold: EvalResult, final_version: int) -> Arms:
     """The last version on the held-out problems while the demonstrations-only arm trains to as many
     steps as the online loop took (one core each); then the control arm; then, with ``tools.plateau``,
     the arm trained on until it stops improving on the validation problems, and its best version."""
     t, start = demo.t, cold.version
-
-    async def final() -> EvalResult:
-        if final_version == start:  # the loop published nothing: the version it ends on was measured after the cold start
-            say(f"  after online loop (v{final_version}): the cold start's version, measured above")
-            return replace(cold, label="after online loop")
-        return await demo.evaluate("after online loop", final_version)
-
     if not (t.control or t.plateau.max_steps):
-        return Arms(await final())
+        return Arms(await loop_end(demo, cold, final_version))
     control_steps = final_version - start
     every, top = t.plateau.every, t.plateau.max_steps
     marks = sorted({*range(every, min(control_steps, top) + 1, every), control_steps} - {0})  # published on the way
@@ -314,7 +317,7 @@ async def _final_and_arms(demo: ToolsDemo, trainer_cfg: dict, cold: EvalResult, 
         return arm
 
     training = asyncio.create_task(asyncio.to_thread(to_control_point))
-    out = Arms(await final())
+    out = Arms(await loop_end(demo, cold, final_version))
     arm = await training
     await asyncio.to_thread(demo.wait_for_agent_version, demo.control_agent, arm.version)
     if t.control:

@@ -29,8 +29,8 @@ the traffic at 1, as it was measured.
 1, 0.5 or 0; its runs are named `<setting>-units-seed<N>`).
 `demonstrations` is no setting of the loop: a run whose online loop lasts a second and whose
 demonstrations-only arm trains to its plateau (`--plateau-steps`, 48 if 0), for seeds whose first
-setting ran without it (about 10 minutes a seed; its loop publishes nothing, so the cold start's
-measurement stands for the loop's end). Its best version is then the seed's "over best"
+setting ran without it (about 10 minutes a seed; its loop usually publishes nothing, and then the
+cold start's measurement stands for the loop's end). Its best version is then the seed's "over best"
 reference for every setting, on the same held-out problems (they depend on the seed alone).
 """
 
@@ -94,11 +94,12 @@ def _run_dir(out: Path, seed: int, setting: str, task: str) -> Path:
 def _finished_with_other_overrides(run_dir: Path, overrides: list[str]) -> str | None:
     """Why a finished run in ``run_dir`` may not be replaced by a run with ``overrides`` (none if it may)."""
     made = run_dir / "bench.json"
-    if not (made.exists() and list(run_dir.glob("*/summary.json"))):
+    if not list(run_dir.glob("*/summary.json")):
         return None  # none, or an unfinished one: nothing to lose
-    old = _plain(json.loads(made.read_text())["overrides"])
-    new = _plain(overrides)
-    if old == new:
+    if not made.exists():  # a demo run by hand there, or a bench stopped before it wrote what it ran
+        return f"{run_dir} holds a finished run this bench did not record: choose another --out, or --fresh to run it again"
+    old, new = _plain(json.loads(made.read_text())["overrides"]), _plain(overrides)
+    if sorted(old) == sorted(new):
         return None
     gone, added = [o for o in old if o not in new], [o for o in new if o not in old]
     return (f"{run_dir} holds a finished run made with other overrides (only it had: {' '.join(gone) or 'none'}; "

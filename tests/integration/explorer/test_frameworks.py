@@ -177,8 +177,8 @@ def _isolated_python(package: str, version: str, extras: str = "") -> str:
     package (with ``extras``, e.g. ``"[mcp]"``, and its dependencies), created on first use; skips the
     test when neither uv nor pip can install it.
 
-    uv (a test dependency) installs LiteLLM in about 2 s of one core where pip took about 20 (its
-    resolver and unpacking); pip, with the machine's own pip configuration, is the fallback where uv is
+    uv (a test dependency) installs LiteLLM in about 2 s of one core with no cache, where pip took about
+    20 (its resolver and unpacking); pip, with the machine's own pip configuration, is the fallback where uv is
     missing or fails (uv does not read pip.conf: an index only pip knows of, say)."""
     env = REPO / ".cache" / "pyenv" / f"{package}-{version}"
     python = env / "bin" / "python"
@@ -191,14 +191,18 @@ def _isolated_python(package: str, version: str, extras: str = "") -> str:
     errors = []
     if uv:
         shutil.rmtree(env, ignore_errors=True)
-        res = subprocess.run([uv, "venv", "--quiet", "--python", sys.executable, str(env)], capture_output=True, text=True, timeout=120)
-        if res.returncode == 0:
-            res = subprocess.run([uv, "pip", "install", "--quiet", "--python", str(python), spec],
-                                 capture_output=True, text=True, timeout=600)
-        if res.returncode == 0:
-            done.touch()
-            return str(python)
-        errors.append(f"uv: {res.stderr[-500:]}")
+        try:
+            res = subprocess.run([uv, "venv", "--quiet", "--python", sys.executable, str(env)], capture_output=True, text=True,
+                                 timeout=120)
+            if res.returncode == 0:
+                res = subprocess.run([uv, "pip", "install", "--quiet", "--python", str(python), spec],
+                                     capture_output=True, text=True, timeout=300)
+            if res.returncode == 0:
+                done.touch()
+                return str(python)
+            errors.append(f"uv: {res.stderr[-500:]}")
+        except (subprocess.TimeoutExpired, OSError) as e:  # stalled, or cannot run here: pip's turn
+            errors.append(f"uv: {e}")
     shutil.rmtree(env, ignore_errors=True)
     subprocess.run([sys.executable, "-m", "venv", str(env)], check=True, capture_output=True, timeout=120)
     # --no-compile: no bytecode for the thousands of files installed (a third of the install's CPU)

@@ -40,7 +40,7 @@ def test_without_the_plateau_arm_only_the_equal_step_figures():
     assert "over best" not in text and "traffic gave +0.50" in text
 
 
-def test_a_finished_run_with_the_same_overrides_is_read_back_and_one_with_others_refused_unless_fresh(tmp_path, monkeypatch):
+def test_a_finished_run_with_the_same_overrides_is_read_back_and_one_with_others_refused_unless_fresh(tmp_path, monkeypatch, capsys):
     import json
 
     import tests.bench.learning as bench
@@ -64,9 +64,16 @@ def test_a_finished_run_with_the_same_overrides_is_read_back_and_one_with_others
                        r"tools.plateau.max_steps=48; only this one has: tools.plateau.max_steps=0\)"):  # refused, kept
         bench.run_demo(0, "base", tmp_path, ["tools.plateau.max_steps=0"])
     assert not ran and (made / "20261126-000000" / "summary.json").exists()
-    with pytest.raises(SystemExit):  # the bench refuses before it runs anything
-        bench.main(["--seeds", "0", "--settings", "base", "--plateau-steps", "0", "--loop-steps", "0", "--out", str(tmp_path)])
+    with pytest.raises(SystemExit) as refused:  # the bench refuses before it runs anything, the clash second in its plan
+        bench.main(["--seeds", "1", "0", "--settings", "base", "--plateau-steps", "0", "--loop-steps", "0", "--out", str(tmp_path)])
+    assert refused.value.code == 2 and "base-seed0 holds a finished run made with other overrides" in capsys.readouterr().err
     assert not ran and (made / "20261126-000000" / "summary.json").exists()
+    (made / "bench.json").rename(tmp_path / "bench.json")  # a finished run the bench did not record: refused too
+    with pytest.raises(ValueError, match="base-seed0 holds a finished run this bench did not record"):
+        bench.run_demo(0, "base", tmp_path, ["tools.plateau.max_steps=48"])
+    (tmp_path / "bench.json").rename(made / "bench.json")
+    shuffled = ["tools.plateau.max_steps=48", *reversed(bench.SETTINGS["base"]), "seed=0"]  # the same, in another order
+    assert bench._finished_with_other_overrides(made, shuffled) is None
     with pytest.raises(RuntimeError, match=r"kaizen demo failed \(base, seed 0\)"):  # asked for: cleared, run again
         bench.run_demo(0, "base", tmp_path, ["tools.plateau.max_steps=0"], resume=False)
     assert len(ran) == 1 and not (made / "20261126-000000").exists()
