@@ -117,13 +117,13 @@ LONGEST_FIRST = (
     "tests/integration/demo/test_tools_demo.py",  # 311
     "tests/integration/trainer/test_trainer_faults.py",  # 245
     "tests/integration/trainer/test_trainer_service.py",  # 238
-    "tests/integration/agents/test_dataset_trainer.py",  # 147
+    "tests/integration/agents/test_dataset_trainer.py",  # 147-150 (its two agents train to a target: 76-123 s)
     "tests/integration/trainer/test_multi_agent.py",  # 90
     "tests/integration/explorer/test_explorer_kills.py",  # 84
     "tests/integration/trainer/test_two_nodes.py",  # 73
     "tests/integration/explorer/test_fuzz.py",  # 70
     "tests/integration/trainer/test_real_model.py",  # 63
-    "tests/integration/explorer/test_frameworks.py",  # 117 on a clean clone with pip, about 60 with uv (11-27), 32 after
+    "tests/integration/explorer/test_frameworks.py",  # 57 on a clean clone with uv (117 with pip), 32 after
     "tests/integration/demo/test_dashboard.py",  # 58
     "tests/integration/explorer/test_vllm_engine.py",  # 50
     "tests/integration/trainer/test_late_rewards.py",  # 38
