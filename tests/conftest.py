@@ -117,7 +117,7 @@ LONGEST_FIRST = (
     "tests/integration/demo/test_tools_demo.py",  # 311
     "tests/integration/trainer/test_trainer_faults.py",  # 245
     "tests/integration/trainer/test_trainer_service.py",  # 238
-    "tests/integration/agents/test_dataset_trainer.py",  # 147-150 (its two agents train to a target: 76-123 s)
+    "tests/integration/agents/test_dataset_trainer.py",  # 147-184 (its two agents train to a target: 76-157 s)
     "tests/integration/trainer/test_multi_agent.py",  # 90
     "tests/integration/explorer/test_explorer_kills.py",  # 84
     "tests/integration/trainer/test_two_nodes.py",  # 73
