@@ -32,11 +32,11 @@ from services.common import buffer
 from services.common.config import deep_merge
 from services.common.launch import Stack, new_run_dir
 from services.demo import agent_app, tasks
-from services.demo.task import Problem
 from services.demo.config import DemoConfig
 from services.demo.demonstrations_only import DemonstrationsOnly, Plateau
 from services.demo.loop import EvalResult, OnlineLoop, Round, demo_stack, gate_section, release_check, say
 from services.demo.report import Stage, report
+from services.demo.task import Problem
 
 MODEL_NAME = "smollm2-135m-instruct"
 

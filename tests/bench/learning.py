@@ -87,6 +87,10 @@ def _plain(overrides: list[str]) -> list[str]:
     return [o for o in overrides if o != "tools.explore_temperature=null"]
 
 
+def _overrides(seed: int, setting: str, extra: list[str]) -> list[str]:
+    return [f"seed={seed}", *SETTINGS[setting], *extra]
+
+
 def _run_dir(out: Path, seed: int, setting: str, task: str) -> Path:
     return out / (f"{setting}-seed{seed}" if task == "calculator" else f"{setting}-{task}-seed{seed}")
 
@@ -112,7 +116,7 @@ def run_demo(seed: int, setting: str, out: Path, extra: list[str] = (), *, resum
     read back instead of run again (so a long bench can be continued later with the same --out), and
     one made with other overrides is refused, not thrown away (``resume=False`` runs it again)."""
     run_dir = _run_dir(out, seed, setting, task)
-    overrides = [f"seed={seed}", *SETTINGS[setting], *extra]
+    overrides = _overrides(seed, setting, extra)
     args = [sys.executable, "-m", "services.cli", "demo", "--config", "configs/demo.yaml", f"run_dir={run_dir}", *overrides]
     log, made = run_dir.with_suffix(".log"), run_dir / "bench.json"
     done = list(run_dir.glob("*/summary.json"))
@@ -146,6 +150,11 @@ def _evals(summary: dict) -> dict[str, list[float]]:
     return {label: e["per_prompt"] for label, e in _by_label(summary).items()}
 
 
+def _measure(task: str) -> str:
+    """What a held-out figure is: the calculator's success, the graded units task's mean reward."""
+    return "mean reward" if task == "units" else "success"
+
+
 def _mean(xs: list[float]) -> float:
     return sum(xs) / len(xs)
 
@@ -162,7 +171,7 @@ def pooled(pairs: list[tuple[list[float], list[float]]], *, rounds: int = 2000, 
 
 
 def report(results: dict[tuple[int, str], dict], seeds: list[int], settings: list[str], task: str = "calculator") -> str:
-    what = "unit converter; held-out mean reward" if task == "units" else "calculator tool; held-out success"
+    what = f"{'unit converter' if task == 'units' else 'calculator tool'}; held-out {_measure(task)}"
     lines = [f"learning (SmolLM2-135M-Instruct, {what}, 95% intervals)", ""]
     # each seed's plateau arm, if one ran: the demonstrations run's, else the first setting's
     arm = {s: results[s, ARM_ONLY] if ARM_ONLY in settings else results[s, settings[0]] for s in seeds}
@@ -172,7 +181,7 @@ def report(results: dict[tuple[int, str], dict], seeds: list[int], settings: lis
         curve = arm[seed].get("curves", {}).get("demonstrations only (validation)", [])
         if curve:
             points = ", ".join(f"{p['steps']}: {p['validation']:.2f}" for p in curve)
-            lines.append(f"  seed {seed}: demonstrations only, validation {'mean reward' if task == 'units' else 'success'} by steps after the cold start: {points}; "
+            lines.append(f"  seed {seed}: demonstrations only, validation {_measure(task)} by steps after the cold start: {points}; "
                          f"best on held-out {_mean(best[seed]):.2f}")
     for setting in settings:
         pairs, over = [], []
@@ -238,7 +247,7 @@ def plot(results: dict[tuple[int, str], dict], seeds: list[int], settings: list[
             if control is not None:
                 ax.plot([steps], [_mean(control["per_prompt"])], "s", color=color, mfc="none", ms=8, label=f"{setting}: its control")
         ax.set(title=f"seed {seed}", xlabel="Trainer steps after the cold start", ylim=(0, 1))
-    axes[0][0].set_ylabel(f"{'mean reward' if task == 'units' else 'success'} (95% intervals: learning.txt)")
+    axes[0][0].set_ylabel(f"{_measure(task)} (95% intervals: learning.txt)")
     axes[0][-1].legend(fontsize=7, loc="lower right")
     fig.tight_layout()
     fig.savefig(path, dpi=100)
@@ -275,7 +284,7 @@ def main(argv: list[str] | None = None) -> str:
     if not a.fresh:  # before hours of runs, not after: a finished run is never thrown away unasked
         clashes = [why for seed, setting, extra in plan
                    if (why := _finished_with_other_overrides(_run_dir(out, seed, setting, a.task),
-                                                              [f"seed={seed}", *SETTINGS[setting], *extra]))]
+                                                              _overrides(seed, setting, extra)))]
         if clashes:
             p.error("\n".join(clashes))
     results = {}

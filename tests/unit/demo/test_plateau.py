@@ -27,4 +27,3 @@ def test_a_better_score_keeps_it_going():
 def test_no_best_before_a_measurement():
     with pytest.raises(ValueError, match="no measurement"):
         _ = Plateau(patience=2).best
-
