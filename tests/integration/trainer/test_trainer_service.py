@@ -74,11 +74,29 @@ def _adapter(run: Path, version: int) -> dict[str, torch.Tensor]:
     return load_file(str(run / "ck" / "default" / f"v{version}" / "adapter_model.safetensors"))
 
 
-@pytest.mark.parametrize("algorithm, steps", [("ppo", 5), ("grpo", 5), ("rft", 4)])
-def test_each_algorithm_raises_the_rewarded_probability(algorithm, steps, tiny_model, sampled_db, base_model, ray_address, tmp_path):
-    url = _copy_db(sampled_db, tmp_path)
-    log = _train(tiny_model, tmp_path, ray_address, f"algorithm.name={algorithm}", "--max-steps", str(steps))
-    root = tmp_path / "ck"
+GRPO_STEPS = 5
+
+
+@pytest.fixture(scope="module")
+def grpo_run(tiny_model, sampled_db, ray_address, tmp_path_factory) -> tuple[Path, str]:
+    """GRPO's run with the defaults, trained once for two tests: the run's checks, and one worker's
+    adapter after 3 steps for the data-parallel test (nothing the Trainer does depends on --max-steps)."""
+    run = tmp_path_factory.mktemp("grpo")
+    _copy_db(sampled_db, run)
+    return run, _train(tiny_model, run, ray_address, "algorithm.name=grpo", "--max-steps", str(GRPO_STEPS))
+
+
+@pytest.mark.parametrize("algorithm, steps", [("ppo", 5), ("grpo", GRPO_STEPS), ("rft", 4)])
+def test_each_algorithm_raises_the_rewarded_probability(algorithm, steps, tiny_model, sampled_db, base_model, ray_address, tmp_path,
+                                                         request):
+    if algorithm == "grpo":
+        run, log = request.getfixturevalue("grpo_run")
+        url = f"sqlite:///{run}/buffer.db"
+    else:
+        run = tmp_path
+        url = _copy_db(sampled_db, run)
+        log = _train(tiny_model, run, ray_address, f"algorithm.name={algorithm}", "--max-steps", str(steps))
+    root = run / "ck"
     # (a) versions published atomically: v1..vN complete, LATEST names the newest, no temp dirs left
     assert checkpoints.read_latest(root, "default") == steps
     assert checkpoints.list_versions(root, "default") == list(range(1, steps + 1))
@@ -96,7 +114,7 @@ def test_each_algorithm_raises_the_rewarded_probability(algorithm, steps, tiny_m
     assert sorted(e for e, ver in consumed if ver == steps) == manifest["experience_ids"]
     db.dispose()
     # metrics every step, to JSONL and TensorBoard
-    records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    records = [json.loads(line) for line in (run / "run" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == list(range(1, steps + 1))
     for key in ("loss", "kl", "entropy", "reward_mean", "reward_std", "tokens_per_s", "staleness_mean", "logprob_mismatch"):
         assert key in records[-1], key
@@ -106,7 +124,7 @@ def test_each_algorithm_raises_the_rewarded_probability(algorithm, steps, tiny_m
         assert records[0]["logprob_mismatch"] < 1e-3 and records[0]["logprob_mismatch_on_policy"] < 1e-3
     if algorithm == "ppo":
         assert "value_loss" in records[-1]
-    assert list((tmp_path / "run" / "tensorboard").iterdir())
+    assert list((run / "run" / "tensorboard").iterdir())
     assert "published v" in log
 
 
@@ -203,12 +221,10 @@ def test_killed_trainer_resumes_exactly(tiny_model, sampled_db, ray_address, tmp
         torch.testing.assert_close(a[k], b[k], atol=1e-5, rtol=1e-4)
 
 
-def test_two_data_parallel_workers_match_one(tiny_model, sampled_db, ray_address, tmp_path):
-    one, two = tmp_path / "one", tmp_path / "two"
-    for run, workers in ((one, 1), (two, 2)):
-        _copy_db(sampled_db, run)
-        _train(tiny_model, run, ray_address, "algorithm.name=grpo", f"ray.workers={workers}", "--max-steps", "3")
-    a, b = _adapter(one, 3), _adapter(two, 3)
+def test_two_data_parallel_workers_match_one(tiny_model, sampled_db, ray_address, tmp_path, grpo_run):
+    _copy_db(sampled_db, tmp_path)
+    _train(tiny_model, tmp_path, ray_address, "algorithm.name=grpo", "ray.workers=2", "--max-steps", "3")
+    a, b = _adapter(grpo_run[0], 3), _adapter(tmp_path, 3)  # one worker's third version, two workers'
     for k in a:
         torch.testing.assert_close(a[k], b[k], atol=1e-4, rtol=1e-3)
 
