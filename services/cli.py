@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from typing import NoReturn
 
 try:
     from services.common.checkpoints import CheckpointError
@@ -44,7 +45,27 @@ def _trainer(args: argparse.Namespace) -> int:
         overrides.append(f"trainer.max_steps={args.max_steps}")
     config = load_config(TrainerConfig, args.config, overrides)
     setup_logging(config.log_level, config.log_format)
-    return run_trainer(config)
+    code = run_trainer(config)
+    if args.whole_process:
+        _exit_now(code)
+    return code
+
+
+def _exit_now(code: int) -> NoReturn:
+    """Ends a service whose work is closed and on disk (its database disposed, its files written and
+    closed, Ray left): only the interpreter's teardown of torch's and Ray's objects remains, about
+    0.7 s on 2 busy cores, a cost every Trainer restart paid. Through the normal exit instead while a
+    thread that is not a daemon still runs (its work may not be done)."""
+    import logging
+    import os
+    import threading
+
+    if any(t.is_alive() and not t.daemon for t in threading.enumerate() if t is not threading.main_thread()):
+        sys.exit(code)
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def _dashboard(args: argparse.Namespace) -> int:
@@ -249,8 +270,11 @@ def _key(args: argparse.Namespace) -> int:
     return 0
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, *, whole_process: bool = False) -> int:
+    """Runs one command; ``whole_process``: the command is all this process does (the `kaizen`
+    command), so a Trainer may end it the fast way (``_exit_now``) once it has closed."""
     args = build_parser().parse_args(argv)
+    args.whole_process = whole_process
     try:
         return args.func(args)
     except ModuleNotFoundError as e:
@@ -266,5 +290,10 @@ def main(argv: list[str] | None = None) -> int:
         return 130
 
 
+def entry() -> NoReturn:
+    """The `kaizen` command, and `python -m services.cli`."""
+    sys.exit(main(whole_process=True))
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    entry()

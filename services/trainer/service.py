@@ -87,6 +87,7 @@ class TrainerService:
         self.steps_this_run = 0
         self.learner_restarts = 0  # learner groups rebuilt after a worker died
         self._ray: LocalRayCluster | None = None  # the cluster this Trainer started (none when it joined one)
+        self._joined = False  # this Trainer connected to a running cluster (ray.address) itself
         # round_robin: a turn passed on for want of data, until the next recorded step (newest step, turn)
         self._passed: tuple[Any, Turn] | None = None
         self._waiting: tuple[Any, float] | None = None  # ((newest step, agent), since) of the turn waiting for data
@@ -101,6 +102,7 @@ class TrainerService:
             kwargs: dict[str, Any] = dict(include_dashboard=False, logging_level=logging.WARNING, log_to_driver=True)
             if self.cfg.ray.address:
                 ray.init(address=self.cfg.ray.address, **kwargs)
+                self._joined = True
             else:
                 # Ray starts workers at nice 15 by default; the learner is the whole point of this
                 # process, so it must not starve behind an Explorer sharing the machine. "local": a
@@ -123,6 +125,12 @@ class TrainerService:
         self.db.dispose()
         if self._ray is not None:
             self._ray.shutdown()
+        elif self._joined:
+            import ray
+
+            # Now rather than in Ray's exit handler, which first sleeps 0.5 s for the workers' last log
+            # lines (the learners are gone already).
+            ray.shutdown()
 
     # ------------------------------------------------------------------ agents
 

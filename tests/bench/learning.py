@@ -140,6 +140,17 @@ def run_demo(seed: int, setting: str, out: Path, extra: list[str] = (), *, resum
     return summary
 
 
+def keep_record(run_dir: Path, keep: Path) -> None:
+    """Copies a finished run's record, all that ``report`` and ``plot`` read (bench.json and the
+    demo's summary.json, a few kilobytes), to ``keep`` in the run folder's own layout: ``--out keep``
+    reports it again later, without its buffer and checkpoints, and pools it with new runs."""
+    summary = next(run_dir.glob("*/summary.json"))
+    dest = keep / run_dir.name / summary.parent.name
+    dest.mkdir(parents=True, exist_ok=True)
+    shutil.copyfile(run_dir / "bench.json", dest.parent / "bench.json")
+    shutil.copyfile(summary, dest / "summary.json")
+
+
 def _by_label(summary: dict) -> dict[str, dict]:
     """label -> evaluation; the plateau arm's best under BEST whatever its steps."""
     return {(BEST if e["label"].startswith(BEST) else e["label"]): e for e in summary["evals"]}
@@ -262,6 +273,9 @@ def main(argv: list[str] | None = None) -> str:
                    help="Folder for the runs (default: a temporary one); a run already finished there with the same overrides is "
                    "reused, one with other overrides refused (--fresh runs it again).")
     p.add_argument("--fresh", action="store_true", help="Run every (seed, setting) again, even one finished in --out.")
+    p.add_argument("--keep", type=Path, default=None,
+                   help="Also copy each finished run's record (bench.json, summary.json) to this folder, which a later --out can "
+                   "name to report those runs again, or pool them with new ones (docs/learning-runs holds the README's).")
     p.add_argument("--loop-steps", type=int, default=12,
                    help="Run each online loop until its traffic was served by this many new versions; 0: the demo's duration.")
     p.add_argument("--task", default="calculator", choices=["calculator", "units"],
@@ -290,6 +304,8 @@ def main(argv: list[str] | None = None) -> str:
     results = {}
     for seed, setting, extra in plan:
         results[seed, setting] = run_demo(seed, setting, out, extra, resume=not a.fresh, task=a.task)
+        if a.keep and a.keep.resolve() != out.resolve():
+            keep_record(_run_dir(out, seed, setting, a.task), a.keep)
         print(f"  done: {setting} seed {seed} -> {results[seed, setting]['log']}", file=sys.stderr, flush=True)
     text = report(results, a.seeds, a.settings, a.task)
     (out / "learning.txt").write_text(text + "\n")  # first: a plot that fails loses no figure
