@@ -22,9 +22,10 @@ step, `levers` turns on the Trainer's levers (services/demo/tools_demo.py LEVERS
 on; `hints` and `corrections` are `base` with the simulated
 users' words after a wrong answer (`tools.words`), to compare with `base` (rewards alone), and
 `hints-centred` is `hints` with the distillation advantage centred per call (`hint_baseline=call`);
+`explore-hints` is `explore` with hints at a fifth of the weight (`tools.hint_coef=0.2`), centred per call;
 `explore` is `base` with the traffic sampled at temperature 1.3 (`tools.explore_temperature`, the
-demo's default since it paid over seeds 3-6), the evaluations still at 1; every other setting samples
-the traffic at 1, as it was measured.
+demo's default since it paid over seeds 3-6), the evaluations still at 1; the settings but these two sample
+the traffic at 1, as they were measured.
 `--task units` runs every setting on the second task (`tools.task=units`: a unit converter, a reward of
 1, 0.5 or 0; its runs are named `<setting>-units-seed<N>`).
 `demonstrations` is no setting of the loop: a run whose online loop lasts a second and whose
@@ -67,6 +68,9 @@ SETTINGS: dict[str, list[str]] = {
     "corrections": ["tools.explore_temperature=null", "tools.levers=false", "tools.words=corrections"],
     # `base` with the traffic sampled hotter than the evaluations (exploration runs; the Trainer scores them at 1.3)
     "explore": ["tools.levers=false", "tools.explore_temperature=1.3"],
+    # hints on the demo's traffic at 1.3, a light touch: a fifth of the distillation term, centred per call (against `explore`)
+    "explore-hints": ["tools.levers=false", "tools.explore_temperature=1.3", "tools.words=hints", "tools.hint_coef=0.2",
+                      "trainer.algorithm.grpo.hint_baseline=call"],
     # no online loop to speak of (one round of traffic at most): the demonstrations-only arm from the cold start to its plateau
     "demonstrations": ["tools.levers=false", "tools.control=false", "duration_s=1", "min_new_versions=0"],
 }
