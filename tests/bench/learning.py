@@ -22,10 +22,10 @@ step, `levers` turns on the Trainer's levers (services/demo/tools_demo.py LEVERS
 on; `hints` and `corrections` are `base` with the simulated
 users' words after a wrong answer (`tools.words`), to compare with `base` (rewards alone), and
 `hints-centred` is `hints` with the distillation advantage centred per call (`hint_baseline=call`);
-`explore-hints` is `explore` with hints at a fifth of the weight (`tools.hint_coef=0.2`), centred per call;
 `explore` is `base` with the traffic sampled at temperature 1.3 (`tools.explore_temperature`, the
-demo's default since it paid over seeds 3-6), the evaluations still at 1; the settings but these two sample
-the traffic at 1, as they were measured.
+demo's default since it paid over seeds 3-6), the evaluations still at 1, and `explore-hints` is `explore`
+with hints at a fifth of the weight (`tools.hint_coef=0.2`), centred per call; the settings but these
+two sample the traffic at 1, as they were measured.
 `--task units` runs every setting on the second task (`tools.task=units`: a unit converter, a reward of
 1, 0.5 or 0; its runs are named `<setting>-units-seed<N>`).
 `demonstrations` is no setting of the loop: a run whose online loop lasts a second and whose
@@ -149,8 +149,9 @@ def keep_record(run_dir: Path, keep: Path) -> None:
     demo's summary.json, a few kilobytes), to ``keep`` in the run folder's own layout: ``--out keep``
     reports it again later, without its buffer and checkpoints, and pools it with new runs."""
     summary = next(run_dir.glob("*/summary.json"))
+    shutil.rmtree(keep / run_dir.name, ignore_errors=True)  # a record kept before (another run of it) goes
     dest = keep / run_dir.name / summary.parent.name
-    dest.mkdir(parents=True, exist_ok=True)
+    dest.mkdir(parents=True)
     shutil.copyfile(run_dir / "bench.json", dest.parent / "bench.json")
     shutil.copyfile(summary, dest / "summary.json")
 

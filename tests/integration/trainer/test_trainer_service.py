@@ -74,16 +74,16 @@ def _adapter(run: Path, version: int) -> dict[str, torch.Tensor]:
     return load_file(str(run / "ck" / "default" / f"v{version}" / "adapter_model.safetensors"))
 
 
-GRPO_STEPS = 5
+GRPO_STEPS = 5  # at least 3: the data-parallel test reads this run's v3 (and keep_versions holds v1-v5)
 
 
 @pytest.fixture(scope="module")
 def grpo_run(tiny_model, sampled_db, ray_address, tmp_path_factory) -> tuple[Path, str]:
-    """GRPO's run with the defaults, trained once for two tests: the run's checks, and one worker's
-    adapter after 3 steps for the data-parallel test (nothing the Trainer does depends on --max-steps)."""
+    """GRPO's run on one worker, trained once for two tests: the run's checks, and its adapter after
+    3 steps for the data-parallel test (nothing the Trainer does depends on --max-steps)."""
     run = tmp_path_factory.mktemp("grpo")
     _copy_db(sampled_db, run)
-    return run, _train(tiny_model, run, ray_address, "algorithm.name=grpo", "--max-steps", str(GRPO_STEPS))
+    return run, _train(tiny_model, run, ray_address, "algorithm.name=grpo", "ray.workers=1", "--max-steps", str(GRPO_STEPS))
 
 
 @pytest.mark.parametrize("algorithm, steps", [("ppo", 5), ("grpo", GRPO_STEPS), ("rft", 4)])
@@ -225,6 +225,7 @@ def test_two_data_parallel_workers_match_one(tiny_model, sampled_db, ray_address
     _copy_db(sampled_db, tmp_path)
     _train(tiny_model, tmp_path, ray_address, "algorithm.name=grpo", "ray.workers=2", "--max-steps", "3")
     a, b = _adapter(grpo_run[0], 3), _adapter(tmp_path, 3)  # one worker's third version, two workers'
+    assert a and a.keys() == b.keys()
     for k in a:
         torch.testing.assert_close(a[k], b[k], atol=1e-4, rtol=1e-3)
 
