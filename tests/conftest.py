@@ -111,32 +111,32 @@ def ray_address(tmp_path_factory):
 
 # The files that take longest start first: `make test` runs files on two workers (-n 2 --dist loadfile,
 # in collection order), so that the last file to finish is not a long one started late. Seconds per
-# file on two busy workers of a 2-core AMD EPYC (pytest --durations, 2026-11-27, one OpenMP thread each;
-# test_frameworks on a clean clone, which installs two client virtual environments first, now with uv).
+# file on two busy workers of a 2-core AMD EPYC (a clean clone's `--durations=0`, 2026-11-27, one
+# OpenMP thread each, after a Trainer process stopped ending through the interpreter's teardown).
 LONGEST_FIRST = (
-    "tests/integration/demo/test_tools_demo.py",  # 311
-    "tests/integration/trainer/test_trainer_faults.py",  # 245
-    "tests/integration/trainer/test_trainer_service.py",  # 238
-    "tests/integration/agents/test_dataset_trainer.py",  # 147-184 (its two agents train to a target: 76-157 s)
-    "tests/integration/trainer/test_multi_agent.py",  # 90
-    "tests/integration/explorer/test_explorer_kills.py",  # 84
-    "tests/integration/trainer/test_two_nodes.py",  # 73
-    "tests/integration/explorer/test_fuzz.py",  # 70
-    "tests/integration/trainer/test_real_model.py",  # 63
-    "tests/integration/explorer/test_frameworks.py",  # 57 on a clean clone with uv (117 with pip), 32 after
-    "tests/integration/demo/test_dashboard.py",  # 58
-    "tests/integration/explorer/test_vllm_engine.py",  # 50
-    "tests/integration/trainer/test_late_rewards.py",  # 38
-    "tests/integration/trainer/test_release_trainer.py",  # 37
-    "tests/integration/common/test_load_balancer.py",  # 35
-    "tests/integration/trainer/test_ray_cleanup.py",  # 35
-    "tests/integration/trainer/test_hints_real.py",  # 34
-    "tests/integration/agents/test_learnable_agent.py",  # 33
-    "tests/integration/explorer/test_pretrained_vllm.py",  # 31
-    "tests/integration/explorer/test_cli.py",  # 31
-    "tests/integration/common/test_pretrained.py",  # 31
-    "tests/integration/explorer/test_recording_faults.py",  # 29
-    "tests/integration/common/test_publish.py",  # 23
+    "tests/integration/trainer/test_trainer_faults.py",  # 168
+    "tests/integration/demo/test_tools_demo.py",  # 151, nearly all of it the demo fixture
+    "tests/integration/trainer/test_trainer_service.py",  # 135
+    "tests/integration/agents/test_dataset_trainer.py",  # 82 (its two agents train to a target: 62-157 s)
+    "tests/integration/explorer/test_vllm_engine.py",  # 68
+    "tests/integration/explorer/test_explorer_kills.py",  # 68
+    "tests/integration/explorer/test_fuzz.py",  # 66
+    "tests/integration/trainer/test_multi_agent.py",  # 60
+    "tests/integration/trainer/test_two_nodes.py",  # 54
+    "tests/integration/demo/test_dashboard.py",  # 48
+    "tests/integration/trainer/test_real_model.py",  # 43
+    "tests/integration/explorer/test_pretrained_vllm.py",  # 35
+    "tests/integration/trainer/test_hints_real.py",  # 32
+    "tests/integration/trainer/test_ray_cleanup.py",  # 30
+    "tests/integration/explorer/test_frameworks.py",  # 30, its client environments installed with uv
+    "tests/integration/common/test_load_balancer.py",  # 28
+    "tests/integration/trainer/test_release_trainer.py",  # 28
+    "tests/integration/trainer/test_late_rewards.py",  # 27
+    "tests/integration/explorer/test_cli.py",  # 26
+    "tests/integration/common/test_pretrained.py",  # 24
+    "tests/integration/explorer/test_recording_faults.py",  # 21
+    "tests/integration/agents/test_learnable_agent.py",  # 18
+    "tests/integration/common/test_publish.py",  # 15
 )
 
 
