@@ -109,3 +109,27 @@ def test_the_curves_are_plotted_one_panel_a_seed(tmp_path):
     results.update({(s, "demonstrations"): run([0, 0], curve=curve, best=[1, 1]) for s in (3, 4)})
     plot(results, [3, 4], ["explore", "demonstrations"], tmp_path / "learning.png")
     assert (tmp_path / "learning.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_a_kept_record_is_read_back_as_the_run_and_replaced_by_a_later_one(tmp_path, monkeypatch):
+    import json
+
+    import tests.bench.learning as bench
+
+    monkeypatch.setattr(bench.subprocess, "run", lambda args, **kw: pytest.fail(f"ran {args}"))
+
+    out, keep = tmp_path / "out", tmp_path / "keep"
+    overrides = ["seed=0", *bench.SETTINGS["base"]]
+    for stamp, online, commit in (("20261126-000000", [0, 1], "abc1234"), ("20261127-000000", [1, 1], "def5678")):
+        run = out / "base-seed0"
+        if run.exists():
+            bench.shutil.rmtree(run)  # --fresh: the run folder is made again
+        (run / stamp).mkdir(parents=True)
+        (run / stamp / "summary.json").write_text(json.dumps(_summary(online, [0, 0])))
+        (run / "buffer.db").write_text("not kept")
+        (run / "bench.json").write_text(json.dumps({"overrides": overrides, "commit": commit}))
+        bench.keep_record(run, keep)
+    kept = sorted(str(p.relative_to(keep)) for p in keep.rglob("*") if p.is_file())
+    assert kept == ["base-seed0/20261127-000000/summary.json", "base-seed0/bench.json"]  # the later run's alone
+    summary = bench.run_demo(0, "base", keep, [])  # read back, nothing run
+    assert summary["commit"] == "def5678" and summary["evals"][0]["per_prompt"] == [1, 1]
