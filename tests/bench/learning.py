@@ -24,8 +24,8 @@ users' words after a wrong answer (`tools.words`), to compare with `base` (rewar
 `hints-centred` is `hints` with the distillation advantage centred per call (`hint_baseline=call`);
 `explore` is `base` with the traffic sampled at temperature 1.3 (`tools.explore_temperature`, the
 demo's default since it paid over seeds 3-6), the evaluations still at 1, and `explore-hints` is `explore`
-with hints at a fifth of the weight (`tools.hint_coef=0.2`), centred per call; the settings but these
-two sample the traffic at 1, as they were measured.
+with hints, the per-token distillation term at a fifth (`tools.hint_coef=0.2`) and centred per call (the
+top-16 term at its default weight); the settings but these two sample the traffic at 1, as they were measured.
 `--task units` runs every setting on the second task (`tools.task=units`: a unit converter, a reward of
 1, 0.5 or 0; its runs are named `<setting>-units-seed<N>`).
 `demonstrations` is no setting of the loop: a run whose online loop lasts a second and whose
@@ -68,7 +68,8 @@ SETTINGS: dict[str, list[str]] = {
     "corrections": ["tools.explore_temperature=null", "tools.levers=false", "tools.words=corrections"],
     # `base` with the traffic sampled hotter than the evaluations (exploration runs; the Trainer scores them at 1.3)
     "explore": ["tools.levers=false", "tools.explore_temperature=1.3"],
-    # hints on the demo's traffic at 1.3, a light touch: a fifth of the distillation term, centred per call (against `explore`)
+    # hints on the demo's traffic at 1.3: the per-token distillation term at a fifth, centred per call; the top-16 term
+    # (top_k_coef) at its default, 1 (against `explore`)
     "explore-hints": ["tools.levers=false", "tools.explore_temperature=1.3", "tools.words=hints", "tools.hint_coef=0.2",
                       "trainer.algorithm.grpo.hint_baseline=call"],
     # no online loop to speak of (one round of traffic at most): the demonstrations-only arm from the cold start to its plateau
