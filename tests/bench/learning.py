@@ -25,7 +25,8 @@ users' words after a wrong answer (`tools.words`), to compare with `base` (rewar
 `explore` is `base` with the traffic sampled at temperature 1.3 (`tools.explore_temperature`, the
 demo's default since it paid over seeds 3-6), the evaluations still at 1, and `explore-hints` is `explore`
 with hints, the per-token distillation term at a fifth (`tools.hint_coef=0.2`) and centred per call (the
-top-16 term at its default weight); the settings but these two sample the traffic at 1, as they were measured.
+top-16 term at its default weight), `explore-hints-light` the same with the top-16 term at a fifth too; the
+other settings sample the traffic at 1, as they were measured.
 `--task units` runs every setting on the second task (`tools.task=units`: a unit converter, a reward of
 1, 0.5 or 0; its runs are named `<setting>-units-seed<N>`).
 `demonstrations` is no setting of the loop: a run whose online loop lasts a second and whose
@@ -72,6 +73,9 @@ SETTINGS: dict[str, list[str]] = {
     # (top_k_coef) at its default, 1 (against `explore`)
     "explore-hints": ["tools.levers=false", "tools.explore_temperature=1.3", "tools.words=hints", "tools.hint_coef=0.2",
                       "trainer.algorithm.grpo.hint_baseline=call"],
+    # the same with the top-16 term at a fifth too: the whole hint signal a fifth of explore-hints'
+    "explore-hints-light": ["tools.levers=false", "tools.explore_temperature=1.3", "tools.words=hints", "tools.hint_coef=0.2",
+                            "trainer.algorithm.grpo.hint_baseline=call", "trainer.algorithm.grpo.top_k_coef=0.2"],
     # no online loop to speak of (one round of traffic at most): the demonstrations-only arm from the cold start to its plateau
     "demonstrations": ["tools.levers=false", "tools.control=false", "duration_s=1", "min_new_versions=0"],
 }
