@@ -49,6 +49,8 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
 
+EXPLORE = ["tools.levers=false", "tools.explore_temperature=1.3"]
+HINTS_AT_A_FIFTH = ["tools.words=hints", "tools.hint_coef=0.2", "trainer.algorithm.grpo.hint_baseline=call"]
 # demo overrides of each setting (dotted keys of configs/demo.yaml; trainer.* reach the Trainer's config)
 SETTINGS: dict[str, list[str]] = {
     "base": ["tools.explore_temperature=null", "tools.levers=false"],  # plain GRPO, the demonstrations replayed every step
@@ -68,14 +70,12 @@ SETTINGS: dict[str, list[str]] = {
     "hints-centred": ["tools.explore_temperature=null", "tools.levers=false", "tools.words=hints", "trainer.algorithm.grpo.hint_baseline=call"],
     "corrections": ["tools.explore_temperature=null", "tools.levers=false", "tools.words=corrections"],
     # `base` with the traffic sampled hotter than the evaluations (exploration runs; the Trainer scores them at 1.3)
-    "explore": ["tools.levers=false", "tools.explore_temperature=1.3"],
+    "explore": EXPLORE,
     # hints on the demo's traffic at 1.3: the per-token distillation term at a fifth, centred per call; the top-16 term
     # (top_k_coef) at its default, 1 (against `explore`)
-    "explore-hints": ["tools.levers=false", "tools.explore_temperature=1.3", "tools.words=hints", "tools.hint_coef=0.2",
-                      "trainer.algorithm.grpo.hint_baseline=call"],
+    "explore-hints": [*EXPLORE, *HINTS_AT_A_FIFTH],
     # the same with the top-16 term at a fifth too: the whole hint signal a fifth of explore-hints'
-    "explore-hints-light": ["tools.levers=false", "tools.explore_temperature=1.3", "tools.words=hints", "tools.hint_coef=0.2",
-                            "trainer.algorithm.grpo.hint_baseline=call", "trainer.algorithm.grpo.top_k_coef=0.2"],
+    "explore-hints-light": [*EXPLORE, *HINTS_AT_A_FIFTH, "trainer.algorithm.grpo.top_k_coef=0.2"],
     # no online loop to speak of (one round of traffic at most): the demonstrations-only arm from the cold start to its plateau
     "demonstrations": ["tools.levers=false", "tools.control=false", "duration_s=1", "min_new_versions=0"],
 }
