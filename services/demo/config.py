@@ -76,12 +76,13 @@ class PlateauSection(ConfigModel):
         default=0, ge=0,
         description="Supervised steps on the demonstrations alone at most, counted from the cold start (0: off). "
         "The report then compares the online loop with the best the demonstrations alone reached.")
-    every: int = Field(default=4, ge=1, description="Steps between measurements on the validation problems.")
+    every: int = Field(default=4, ge=1, description="Steps between measurements on the validation problems (the arm's, and "
+                       "with tools.keep_best the online loop's).")
     patience: int = Field(default=2, ge=1, description="Stop after this many measurements without a higher validation score.")
     validation: int = Field(
         default=40, ge=4,
-        description="Validation problems (apart from the traffic and the held-out ones): the arm's best version is "
-        "chosen on them, then measured on the held-out problems.")
+        description="Validation problems (apart from the traffic and the held-out ones): the arm's best version (and with "
+        "tools.keep_best the online loop's) is chosen on them, then measured on the held-out problems.")
 
 
 class ToolsSection(ConfigModel):
@@ -130,6 +131,12 @@ class ToolsSection(ConfigModel):
         "(\"call the calculator with ...\": the Trainer adds hint_coef times the self-distillation advantage on those "
         "calls) or corrections (the episode's first call as it should have been: a new demonstration).")
     hint_coef: float = Field(default=1.0, gt=0, description="words=hints: the Trainer's algorithm.grpo.hint_coef.")
+    keep_best: bool = Field(
+        default=False,
+        description="The online loop keeps its best version, as a release gate on a validation suite would: after the loop "
+        "its versions are measured on the validation problems (tools.plateau.validation of them, every tools.plateau.every "
+        "steps from the cold start, and its last), and the earliest with the highest score is measured on the held-out "
+        "problems (the report's \"online loop, best on validation\"). The demonstrations-only arm's best is chosen the same way.")
     plateau: PlateauSection = Field(default_factory=PlateauSection)
     traffic: TrafficSection = Field(default_factory=lambda: TrafficSection(**_TOOLS_TRAFFIC))
 

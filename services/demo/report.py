@@ -53,24 +53,26 @@ def guard_counts(run: Path) -> dict[str, int]:
             "refused": sum(1 for s in checked if s["guard_refused"]), "kl": sum(1 for s in checked if "guard_kl" in s)}
 
 
-def plot(stages: list[Stage], loop, rows: list[dict], path: Path, *, metric: str, title: str, arms: list[Stage] = ()) -> None:
+def plot(stages: list[Stage], loop, rows: list[dict], path: Path, *, metric: str, title: str, arms: list[Stage] = (),
+         kept: list[Stage] = ()) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fig, (ax0, ax1, ax2) = plt.subplots(1, 3, figsize=(16, 4.5), gridspec_kw={"width_ratios": [0.8, 1.2, 1.0]})
-    bars = stages + list(arms)
+    bars = stages + list(arms) + list(kept)
     names = [s.result.label.replace("after ", "after\n").replace(": ", ":\n").replace("demonstrations only", "demonstrations\nonly")
              for s in bars]
     means = [s.result.mean for s in bars]
     errs = [[s.result.mean - s.result.low for s in bars], [s.result.high - s.result.mean for s in bars]]
-    colors = ["tab:gray", "tab:orange", "tab:green"][-len(stages):] + ["tab:brown", "tab:olive"][: len(arms)]
+    colors = (["tab:gray", "tab:orange", "tab:green"][-len(stages):] + ["tab:brown", "tab:olive"][: len(arms)]
+              + ["tab:cyan"][: len(kept)])
     ax0.bar(range(len(bars)), means, yerr=errs, capsize=6, color=colors)
     for i, s in enumerate(bars):
         ax0.text(i, min(s.result.high + 0.03, 0.97), f"{s.result.mean:.2f}\nv{s.result.version}", ha="center", fontsize=8)
     ax0.set(xticks=range(len(bars)), ylim=(0, 1.05), ylabel=f"held-out {metric}", title="Held-out questions (95% CI)")
-    ax0.set_xticklabels(names, fontsize=8 if arms else None)
+    ax0.set_xticklabels(names, fontsize=8 if len(bars) > len(stages) else None)
     ts = [r.t for r in loop.rounds]
     rs = [r.reward for r in loop.rounds]
     if ts:
@@ -100,18 +102,20 @@ def plot(stages: list[Stage], loop, rows: list[dict], path: Path, *, metric: str
 
 def report(cfg, stack, loop, stages: list[Stage], *, serving: dict, explorer_requests: dict, seconds: float,
            metric: str, interval: str, title: str, arms: list[Stage] = (), release: list[dict] | None = None,
-           curves: dict[str, list[dict]] | None = None) -> int:
+           curves: dict[str, list[dict]] | None = None, kept: list[Stage] = (),
+           compared: list[tuple[EvalResult, EvalResult, str, str]] = ()) -> int:
     """``arms``: control arms measured on the same questions, each compared with the last stage (its
-    gain_name names what the last stage had and the arm lacked). ``release``: the release check's
-    decisions (loop.release_check), whose candidates are not counted as published versions.
+    gain_name names what the last stage had and the arm lacked). ``kept``: more versions measured on them,
+    shown after the arms, and ``compared``: more gains, each (before, after, name, note). ``release``: the
+    release check's decisions (loop.release_check), whose candidates are not counted as published versions.
     ``curves``: learning curves (name -> points) kept in summary.json."""
     release = release or []
     rows, counts, last = _traffic_rows(stack)
     versions = checkpoints.list_versions(stack.root, stack.agent)
     png = stack.run / "reward.png"
-    plot(stages, loop, rows, png, metric=metric, title=title, arms=arms)
+    plot(stages, loop, rows, png, metric=metric, title=title, arms=arms, kept=kept)
     lines = ["", f"Held-out {metric} (questions never asked in traffic; {interval})", ""]
-    shown = stages + list(arms)
+    shown = stages + list(arms) + list(kept)
     width = max(len(s.result.label) for s in shown) + 8
     for s in shown:
         e = s.result
@@ -121,9 +125,10 @@ def report(cfg, stack, loop, stages: list[Stage], *, serving: dict, explorer_req
     # a stage's gain is named by the stage it reached; an arm's, by the arm (what the last stage had and it lacked)
     pairs = [(b, s, s.gain_name, s.note) for b, s in zip(stages, stages[1:])]
     pairs += [(arm, stages[-1], arm.gain_name, arm.note) for arm in arms]
-    for before, s, name, note in pairs:
-        gain = s.result.mean - before.result.mean
-        low, high = paired_gain_ci(before.result.per_prompt, s.result.per_prompt)
+    pairs = [(b.result, s.result, name, note) for b, s, name, note in pairs] + list(compared)
+    for before, after, name, note in pairs:
+        gain = after.mean - before.mean
+        low, high = paired_gain_ci(before.per_prompt, after.per_prompt)
         gains[name] = {"gain": gain, "low": low, "high": high}
         lines.append(f"  {name + ' gave':<20} {gain:+.2f}  [{low:+.2f}, {high:+.2f}]  ({note})")
     lines.append("  (gains: 95% CI by a paired bootstrap over the held-out questions)")

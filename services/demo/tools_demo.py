@@ -39,6 +39,7 @@ from services.demo.report import Stage, report
 from services.demo.task import Problem
 
 MODEL_NAME = "smollm2-135m-instruct"
+KEPT = "online loop, best on validation"  # the label of the loop's kept version (tools.keep_best), before its steps
 
 # tools.levers: the Trainer's levers for learning from the traffic (docs/TRAINER.md), over the plain settings
 LEVERS = {"algorithm": {
@@ -87,7 +88,7 @@ class ToolsDemo:
         self.stack = stack
         self.task = tasks.get(self.t.task)
         self.split = self.task.split(cfg.seed, self.t.traffic_problems, self.t.heldout,
-                                     self.t.plateau.validation if self.t.plateau.max_steps else 0)
+                                     self.t.plateau.validation if self.t.plateau.max_steps or self.t.keep_best else 0)
         self.demos = self.task.demonstrations(self.t.demonstrations, self.t.demonstrated_operations)
         self.shown = {p.template for p in self.task.demonstration_problems(self.t.demonstrated_operations)}
         self.rng = random.Random(cfg.seed + 1)
@@ -287,6 +288,45 @@ class Arms:
     control: EvalResult | None = None
     best: EvalResult | None = None
     curve: list[dict] = field(default_factory=list)  # {steps, version, validation, train_seconds}
+    kept: EvalResult | None = None  # tools.keep_best: the online loop's best version on validation, on the held-out problems
+    loop_curve: list[dict] = field(default_factory=list)  # {steps, version, validation}: the online loop's versions
+
+
+class Validation:
+    """Scores on the validation problems, each (agent, version) measured once: the cold start is the
+    first point of both the online loop's curve and the demonstrations-only arm's."""
+
+    def __init__(self, demo: ToolsDemo):
+        self.demo = demo
+        self.scores: dict[tuple[str, int], float] = {}
+
+    async def score(self, label: str, agent: str, version: int) -> float:
+        if (agent, version) not in self.scores:
+            v = await self.demo.evaluate(label, version, agent=agent, problems=self.demo.split.validation)
+            self.scores[agent, version] = v.mean
+        return self.scores[agent, version]
+
+
+async def keep_loop_best(demo: ToolsDemo, cold: EvalResult, final: EvalResult, validation: Validation, out: Arms) -> None:
+    """tools.keep_best: the online loop's versions on the validation problems, every ``plateau.every``
+    steps from the cold start and its last; the earliest with the highest score (as the arm's best is
+    chosen) is the version kept, measured on the held-out problems unless it is the cold start or the last."""
+    every, last = demo.t.plateau.every, final.version - cold.version
+    picker = Plateau(patience=last + 2)  # no early stop: every point is measured
+    for steps in sorted({*range(0, last + 1, every), last}):
+        score = await validation.score(f"validation, online loop {steps} steps", demo.cfg.agent, cold.version + steps)
+        out.loop_curve.append({"steps": steps, "version": cold.version + steps, "validation": score})
+        picker.add(steps, score)
+    steps, score = picker.best
+    label = f"{KEPT} ({steps} steps)"
+    say(f"  the online loop's best on validation: {steps} steps ({score:.2f})"
+        + ("" if steps in (0, last) else "; measured on the held-out problems"))
+    if steps == last:
+        out.kept = replace(final, label=label)
+    elif steps == 0:
+        out.kept = replace(cold, label=label)
+    else:
+        out.kept = await demo.evaluate(label, cold.version + steps)
 
 
 async def loop_end(demo: ToolsDemo, cold: EvalResult, final_version: int) -> EvalResult:
@@ -304,8 +344,12 @@ async def _final_and_arms(demo: ToolsDemo, trainer_cfg: dict, cold: EvalResult, 
     steps as the online loop took (one core each); then the control arm; then, with ``tools.plateau``,
     the arm trained on until it stops improving on the validation problems, and its best version."""
     t, start = demo.t, cold.version
+    validation = Validation(demo)
     if not (t.control or t.plateau.max_steps):
-        return Arms(await loop_end(demo, cold, final_version))
+        out = Arms(await loop_end(demo, cold, final_version))
+        if t.keep_best:
+            await keep_loop_best(demo, cold, out.final, validation, out)
+        return out
     control_steps = final_version - start
     every, top = t.plateau.every, t.plateau.max_steps
     marks = sorted({*range(every, min(control_steps, top) + 1, every), control_steps} - {0})  # published on the way
@@ -318,6 +362,8 @@ async def _final_and_arms(demo: ToolsDemo, trainer_cfg: dict, cold: EvalResult, 
 
     training = asyncio.create_task(asyncio.to_thread(to_control_point))
     out = Arms(await loop_end(demo, cold, final_version))
+    if t.keep_best:  # while the arm trains on the other core
+        await keep_loop_best(demo, cold, out.final, validation, out)
     arm = await training
     await asyncio.to_thread(demo.wait_for_agent_version, demo.control_agent, arm.version)
     if t.control:
@@ -331,10 +377,10 @@ async def _final_and_arms(demo: ToolsDemo, trainer_cfg: dict, cold: EvalResult, 
 
     async def measure(steps: int) -> bool:
         agent = demo.cfg.agent if steps == 0 else demo.control_agent
-        v = await demo.evaluate(f"validation, {steps} steps", start + steps, agent=agent, problems=demo.split.validation)
-        out.curve.append({"steps": steps, "version": start + steps, "validation": v.mean,
+        score = await validation.score(f"validation, {steps} steps", agent, start + steps)
+        out.curve.append({"steps": steps, "version": start + steps, "validation": score,
                           "train_seconds": round(arm.seconds_at[start + steps], 1)})
-        return plateau.add(steps, v.mean)
+        return plateau.add(steps, score)
 
     going = await measure(0)
     for m in (m for m in marks if m % every == 0):
@@ -415,9 +461,19 @@ def run_tools(cfg: DemoConfig) -> int:
     if arms.best is not None:
         others.append(Stage(arms.best, "traffic over best", "the online loop against the best the demonstrations alone reached, "
                             "chosen on validation problems (tools.plateau)"))
+    kept, compared = [], []
+    if arms.kept is not None:  # tools.keep_best
+        kept = [Stage(arms.kept, "keeping the best", "the loop's best version on validation problems against its last")]
+        compared.append((evals[2], arms.kept, "keeping the best", kept[0].note))
+        if arms.best is not None:
+            compared.append((arms.best, arms.kept, "kept over best", "the loop's best against the demonstrations' best, "
+                             "each chosen on the validation problems"))
+    curves = {"demonstrations only (validation)": arms.curve} if arms.curve else {}
+    if arms.loop_curve:
+        curves["online loop (validation)"] = arms.loop_curve
     return report(cfg, stack, loop, stages, arms=others, serving=serving, explorer_requests=explorer_requests,
                   seconds=time.monotonic() - t_start, metric="mean reward" if cfg.tools.task == "units" else "success",
                   interval=("1: the number within 1% with its unit, 0.5: without the unit; normal 95% interval, clipped to [0, 1]"
                             if cfg.tools.task == "units" else "share of problems whose final answer is right, Wilson 95% interval"),
-                  title=f"SmolLM2-135M-Instruct with {tool}, on CPU", release=release,
-                  curves={"demonstrations only (validation)": arms.curve} if arms.curve else None)
+                  title=f"SmolLM2-135M-Instruct with {tool}, on CPU", release=release, kept=kept, compared=compared,
+                  curves=curves or None)

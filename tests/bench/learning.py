@@ -25,8 +25,11 @@ users' words after a wrong answer (`tools.words`), to compare with `base` (rewar
 `explore` is `base` with the traffic sampled at temperature 1.3 (`tools.explore_temperature`, the
 demo's default since it paid over seeds 3-6), the evaluations still at 1, and `explore-hints` is `explore`
 with hints, the per-token distillation term at a fifth (`tools.hint_coef=0.2`) and centred per call (the
-top-16 term at its default weight), `explore-hints-light` the same with the top-16 term at a fifth too; the
-other settings sample the traffic at 1, as they were measured.
+top-16 term at its default weight), `explore-hints-light` the same with the top-16 term at a fifth too, and
+`explore-kept` is `explore` whose loop also keeps its best version (`tools.keep_best`: its versions measured on
+the validation problems every 4 steps and at its end, the best measured on the held-out ones; the report adds
+"kept" and "kept over best" beside the loop's last version); the other settings sample the traffic at 1, as they
+were measured.
 `--task units` runs every setting on the second task (`tools.task=units`: a unit converter, a reward of
 1, 0.5 or 0; its runs are named `<setting>-units-seed<N>`).
 `demonstrations` is no setting of the loop: a run whose online loop lasts a second and whose
@@ -76,6 +79,9 @@ SETTINGS: dict[str, list[str]] = {
     "explore-hints": [*EXPLORE, *HINTS_AT_A_FIFTH],
     # the same with the top-16 term at a fifth too: the whole hint signal a fifth of explore-hints'
     "explore-hints-light": [*EXPLORE, *HINTS_AT_A_FIFTH, "trainer.algorithm.grpo.top_k_coef=0.2"],
+    # `explore` whose online loop keeps its best version, chosen on the validation problems (tools.keep_best): the same
+    # training, so each run gives explore's last version too
+    "explore-kept": [*EXPLORE, "tools.keep_best=true"],
     # no online loop to speak of (one round of traffic at most): the demonstrations-only arm from the cold start to its plateau
     "demonstrations": ["tools.levers=false", "tools.control=false", "duration_s=1", "min_new_versions=0"],
 }
@@ -83,6 +89,7 @@ ARM_ONLY = "demonstrations"
 
 
 BEST = "demonstrations only, best"  # the label of the plateau arm's best version (services/demo/tools_demo.py)
+KEPT = "online loop, best on validation"  # the label of the online loop's kept version (tools.keep_best), ditto
 
 
 def _commit() -> str:
@@ -162,8 +169,8 @@ def keep_record(run_dir: Path, keep: Path) -> None:
 
 
 def _by_label(summary: dict) -> dict[str, dict]:
-    """label -> evaluation; the plateau arm's best under BEST whatever its steps."""
-    return {(BEST if e["label"].startswith(BEST) else e["label"]): e for e in summary["evals"]}
+    """label -> evaluation; the plateau arm's best under BEST and the loop's kept version under KEPT, whatever their steps."""
+    return {next((k for k in (BEST, KEPT) if e["label"].startswith(k)), e["label"]): e for e in summary["evals"]}
 
 
 def _evals(summary: dict) -> dict[str, list[float]]:
@@ -205,9 +212,9 @@ def report(results: dict[tuple[int, str], dict], seeds: list[int], settings: lis
             lines.append(f"  seed {seed}: demonstrations only, validation {_measure(task)} by steps after the cold start: {points}; "
                          f"best on held-out {_mean(best[seed]):.2f}")
     for setting in settings:
-        pairs, over = [], []
+        pairs, over, kept_over, kept_gain = [], [], [], []
         for seed in seeds:
-            ev = _evals(results[seed, setting])
+            ev, by = _evals(results[seed, setting]), _by_label(results[seed, setting])
             online, control = ev["after online loop"], ev["control: demonstrations only"]
             pairs.append((control, online))
             g, lo, hi = pooled([(control, online)])
@@ -217,12 +224,26 @@ def report(results: dict[tuple[int, str], dict], seeds: list[int], settings: lis
                 over.append((best[seed], online))
                 g, lo, hi = pooled([(best[seed], online)])
                 line += f"; over best {g:+.2f} [{lo:+.2f}, {hi:+.2f}]"
+            if KEPT in ev:  # tools.keep_best: the loop's best version on validation, beside its last
+                kept = ev[KEPT]
+                kept_gain.append((online, kept))
+                line += f"; kept {_mean(kept):.2f} (v{by[KEPT]['version']}, of v{by['after online loop']['version']})"
+                if best[seed]:
+                    kept_over.append((best[seed], kept))
+                    g, lo, hi = pooled([(best[seed], kept)])
+                    line += f", kept over best {g:+.2f} [{lo:+.2f}, {hi:+.2f}]"
             lines.append(line)
         g, lo, hi = pooled(pairs)
         line = f"  {setting:<18} pooled over {len(seeds)} seeds: traffic gave {g:+.2f} [{lo:+.2f}, {hi:+.2f}]"
         if over:
             g, lo, hi = pooled(over)
             line += f"; over the demonstrations' best ({len(over)} seeds) {g:+.2f} [{lo:+.2f}, {hi:+.2f}]"
+        if kept_gain:
+            g, lo, hi = pooled(kept_gain)
+            line += f"; keeping the best gave ({len(kept_gain)} seeds) {g:+.2f} [{lo:+.2f}, {hi:+.2f}]"
+        if kept_over:
+            g, lo, hi = pooled(kept_over)
+            line += f"; kept over the demonstrations' best ({len(kept_over)} seeds) {g:+.2f} [{lo:+.2f}, {hi:+.2f}]"
         lines.append(line)
     first = settings[0] if settings else None
     for setting in settings[1:]:
@@ -267,6 +288,13 @@ def plot(results: dict[tuple[int, str], dict], seeds: list[int], settings: list[
             control = ev.get("control: demonstrations only")
             if control is not None:
                 ax.plot([steps], [_mean(control["per_prompt"])], "s", color=color, mfc="none", ms=8, label=f"{setting}: its control")
+            loop_curve = results[seed, setting].get("curves", {}).get("online loop (validation)", [])
+            if loop_curve:  # tools.keep_best
+                ax.plot([c["steps"] for c in loop_curve], [c["validation"] for c in loop_curve], ":", color=color, marker="o",
+                        ms=3, label=f"{setting}: online loop (validation)")
+                kept = _by_label(results[seed, setting])[KEPT]
+                ax.plot([kept["version"] - cold["version"]], [_mean(kept["per_prompt"])], "*", color=color, ms=12,
+                        label=f"{setting}: its best (held-out)")
         ax.set(title=f"seed {seed}", xlabel="Trainer steps after the cold start", ylim=(0, 1))
     axes[0][0].set_ylabel(f"{_measure(task)} (95% intervals: learning.txt)")
     axes[0][-1].legend(fontsize=7, loc="lower right")

@@ -52,6 +52,7 @@ def demo_run(smollm2_model, ray_address, tmp_path_factory) -> Path:
         f"trainer.guard.demonstrations={GUARD_DEMONSTRATIONS}",
         # the demonstrations-only arm on to its plateau, small: measured every 2 steps on 4 validation problems
         f"tools.plateau.max_steps={PLATEAU_STEPS}", "tools.plateau.every=2", "tools.plateau.validation=4", "tools.plateau.patience=1",
+        "tools.keep_best=true",  # the online loop's versions on the same validation problems, its best kept
     ]
     out = base / "demo.out"
     with open(out, "wb") as f:
@@ -89,7 +90,8 @@ def test_three_held_out_measurements_and_the_report(demo_run):
     assert manifest["parent"] == f"{AGENT}/v{COLD_START_STEPS}"
     for e in summary["evals"]:
         assert 0.0 <= e["low"] <= e["mean"] <= e["high"] <= 1.0
-    assert set(summary["gains"]) == {"cold start", "online loop", "GRPO on traffic", "traffic over best"}
+    assert set(summary["gains"]) == {"cold start", "online loop", "GRPO on traffic", "traffic over best", "keeping the best",
+                                     "kept over best"}
     assert summary["failed_requests"] == 0
     assert (demo_run / "reward.png").stat().st_size > 10_000
     rates = summary["loop_rates"]  # the loop's speed, printed: its episodes per second, the Trainer's steps per minute
@@ -121,6 +123,28 @@ def test_the_demonstrations_only_arm_was_followed_to_its_plateau_and_its_best_me
     for p in steps[1:]:  # every version measured was published as the arm's own agent
         manifest = json.loads((demo_run / "checkpoints" / f"{AGENT}-sft-only" / f"v{COLD_START_STEPS + p}" / "manifest.json").read_text())
         assert manifest["parent"] == f"{AGENT}/v{COLD_START_STEPS}"
+
+
+def test_the_online_loop_kept_its_best_version_on_validation(demo_run):
+    """tools.keep_best: the loop's versions on the validation problems every 2 steps from the cold start
+    and at its last (the cold start measured once for both curves); the earliest with the highest score
+    is the version kept, measured on the held-out problems, and compared with the last and the arm's best."""
+    summary = json.loads((demo_run / "summary.json").read_text())
+    online, best, kept = summary["evals"][2], summary["evals"][4], summary["evals"][5]
+    loop = summary["curves"]["online loop (validation)"]
+    last = online["version"] - COLD_START_STEPS
+    assert [p["steps"] for p in loop] == sorted({*range(0, last + 1, 2), last}), loop
+    assert all(p["version"] == COLD_START_STEPS + p["steps"] for p in loop)
+    assert loop[0]["validation"] == summary["curves"]["demonstrations only (validation)"][0]["validation"]
+    scores = [p["validation"] for p in loop]
+    steps = loop[scores.index(max(scores))]["steps"]
+    assert kept["label"] == f"online loop, best on validation ({steps} steps)" and kept["version"] == COLD_START_STEPS + steps
+    assert len(kept["per_prompt"]) == 4  # the held-out problems
+    if steps == last:
+        assert kept["per_prompt"] == online["per_prompt"]
+    gains = summary["gains"]
+    assert gains["keeping the best"]["gain"] == pytest.approx(kept["mean"] - online["mean"])
+    assert gains["kept over best"]["gain"] == pytest.approx(kept["mean"] - best["mean"])
 
 
 def test_the_release_check_rejects_the_broken_candidate(demo_run):

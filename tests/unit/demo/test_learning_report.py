@@ -106,6 +106,9 @@ def test_the_curves_are_plotted_one_panel_a_seed(tmp_path):
 
     curve = [{"steps": 0, "validation": 0.1}, {"steps": 8, "validation": 0.5}]
     results = {(s, "explore"): run([1, 0], [0, 0]) for s in (3, 4)}
+    # seed 3's loop kept its best on validation (tools.keep_best): its validation curve and the kept version, plotted too
+    results[3, "explore"]["evals"].append({"label": "online loop, best on validation (8 steps)", "version": 12, "per_prompt": [1, 1]})
+    results[3, "explore"]["curves"]["online loop (validation)"] = [{"steps": 0, "validation": 0.1}, {"steps": 8, "validation": 0.6}]
     results.update({(s, "demonstrations"): run([0, 0], curve=curve, best=[1, 1]) for s in (3, 4)})
     plot(results, [3, 4], ["explore", "demonstrations"], tmp_path / "learning.png")
     assert (tmp_path / "learning.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
@@ -133,3 +136,17 @@ def test_a_kept_record_is_read_back_as_the_run_and_replaced_by_a_later_one(tmp_p
     assert kept == ["base-seed0/20261127-000000/summary.json", "base-seed0/bench.json"]  # the later run's alone
     summary = bench.run_demo(0, "base", keep, [])  # read back, nothing run
     assert summary["commit"] == "def5678" and summary["evals"][0]["per_prompt"] == [1, 1]
+
+
+def test_a_loop_that_kept_its_best_is_reported_beside_its_last_version():
+    kept = _summary([1, 0, 0, 0], [0, 0, 0, 0])
+    kept["evals"] = [{"label": "after online loop", "version": 17, "per_prompt": [1, 0, 0, 0]},
+                     {"label": "control: demonstrations only", "version": 17, "per_prompt": [0, 0, 0, 0]},
+                     {"label": "demonstrations only, best (8 steps)", "version": 12, "per_prompt": [1, 1, 0, 0]},
+                     {"label": "online loop, best on validation (8 steps)", "version": 12, "per_prompt": [1, 1, 1, 0]}]
+    text = report({(0, "explore-kept"): kept}, [0], ["explore-kept"])
+    seed, pooled_line = [line for line in text.splitlines() if line.startswith("  explore-kept")]
+    assert "online 0.25" in seed and "over best -0.25" in seed and "kept 0.75 (v12, of v17), kept over best +0.25" in seed
+    assert "keeping the best gave (1 seeds) +0.50" in pooled_line and "kept over the demonstrations' best (1 seeds) +0.25" in pooled_line
+    text = report({(0, "explore"): _summary([1, 0], [0, 0])}, [0], ["explore"])  # no kept version: no such figure
+    assert "kept" not in text

@@ -39,3 +39,53 @@ def test_a_newer_version_is_measured(final_version):
     demo = _Demo()
     end = asyncio.run(loop_end(demo, COLD, final_version))
     assert demo.measured == [("after online loop", final_version)] and end.per_prompt == [1.0, 0.0]
+
+
+class _ValidationDemo(_Demo):
+    """A ToolsDemo for keep_loop_best: validation scores by version (made up), held-out ones recorded."""
+
+    def __init__(self, scores: dict[int, float], every: int = 4):
+        super().__init__()
+        from types import SimpleNamespace
+
+        self.scores = scores
+        self.t = SimpleNamespace(plateau=SimpleNamespace(every=every))
+        self.cfg = SimpleNamespace(agent="calculator")
+        self.split = SimpleNamespace(validation=["p"] * 40)
+
+    async def evaluate(self, label, version, agent=None, problems=None):
+        if problems is not None:  # a validation measurement
+            self.measured.append(("validation", version))
+            return EvalResult(label, version, self.scores[version], 0.0, 1.0, [], 1.0)
+        return await super().evaluate(label, version, agent, problems)
+
+
+def _keep(scores: dict[int, float], final_version: int, known: dict | None = None):
+    from services.demo.tools_demo import Arms, Validation, keep_loop_best
+
+    demo = _ValidationDemo(scores)
+    final = EvalResult("after online loop", final_version, 0.6, 0.5, 0.7, [1.0, 1.0, 0.0], 9.0)
+    out, validation = Arms(final), Validation(demo)
+    validation.scores.update(known or {})
+    asyncio.run(keep_loop_best(demo, COLD, final, validation, out))
+    return demo, out
+
+
+def test_the_loop_keeps_its_earliest_best_version_on_validation_and_measures_it_on_the_held_out_problems():
+    # the cold start is v4; the loop ended at v17 (13 steps): measured at 0, 4, 8, 12 and 13 steps
+    demo, out = _keep({4: 0.2, 8: 0.5, 12: 0.7, 16: 0.7, 17: 0.6}, 17)
+    assert demo.measured == [("validation", 4), ("validation", 8), ("validation", 12), ("validation", 16), ("validation", 17),
+                             ("online loop, best on validation (8 steps)", 12)]  # 8 and 12 steps tie: the earlier
+    assert [(p["steps"], p["version"], p["validation"]) for p in out.loop_curve] == [
+        (0, 4, 0.2), (4, 8, 0.5), (8, 12, 0.7), (12, 16, 0.7), (13, 17, 0.6)]
+    assert (out.kept.label, out.kept.version, out.kept.per_prompt) == ("online loop, best on validation (8 steps)", 12, [1.0, 0.0])
+
+
+def test_a_best_at_either_end_is_not_measured_twice():
+    demo, out = _keep({4: 0.2, 8: 0.5, 9: 0.6}, 9)  # the last is best
+    assert demo.measured == [("validation", 4), ("validation", 8), ("validation", 9)]
+    assert (out.kept.label, out.kept.version, out.kept.per_prompt) == ("online loop, best on validation (5 steps)", 9, [1.0, 1.0, 0.0])
+    # the cold start best, its validation score known already (the demonstrations-only arm's first point)
+    demo, out = _keep({8: 0.1, 9: 0.2}, 9, known={("calculator", 4): 0.3})
+    assert demo.measured == [("validation", 8), ("validation", 9)]
+    assert (out.kept.version, out.kept.per_prompt) == (4, COLD.per_prompt) and out.loop_curve[0]["validation"] == 0.3

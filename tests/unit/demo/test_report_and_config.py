@@ -115,3 +115,18 @@ def test_the_units_task_has_its_own_agent_kinds_and_tokens_and_the_release_gate_
     demo = ToolsDemo(units, Stack(tmp_path, units.agent, config_models={"explorer": ExplorerConfig}))
     assert demo.task.tool_name == "convert" and {p.task for p in demo.split.heldout} == {"units"}
     assert "units_gate_problems" in str(demo.explorer_config()["release"])
+
+
+def test_keep_best_draws_the_validation_problems_last_and_every_version_stays(tmp_path):
+    from services.common.launch import Stack
+    from services.demo.tools_demo import ToolsDemo
+    from services.trainer.config import TrainerConfig
+
+    def demo(*overrides):
+        cfg = load_config(DemoConfig, None, ["task=tools", "release_check=false", *overrides], env={})
+        return ToolsDemo(cfg, Stack(tmp_path, cfg.agent, config_models={"trainer": TrainerConfig}))
+
+    plain, kept = demo(), demo("tools.keep_best=true", "tools.plateau.validation=12")
+    assert plain.split.validation == [] and len(kept.split.validation) == 12
+    assert kept.split.heldout == plain.split.heldout and kept.split.traffic == plain.split.traffic  # drawn last
+    assert kept.trainer_config()["checkpoints"]["keep_versions"] >= 1000  # the demo's Stack keeps every version to choose from
