@@ -30,6 +30,9 @@ top-16 term at its default weight), `explore-hints-light` the same with the top-
 the validation problems every 4 steps and at its end, the best measured on the held-out ones; the report adds
 "kept" and "kept over best" beside the loop's last version); the other settings sample the traffic at 1, as they
 were measured.
+`--arms-from DIR` takes each seed's demonstrations-only arm from its finished run in DIR (another bench's
+`--out`, or kept records: the held-out problems depend on the seed and task alone), so a longer loop on
+seeds already run need not train that arm again.
 `--task units` runs every setting on the second task (`tools.task=units`: a unit converter, a reward of
 1, 0.5 or 0; its runs are named `<setting>-units-seed<N>`).
 `demonstrations` is no setting of the loop: a run whose online loop lasts a second and whose
@@ -198,11 +201,35 @@ def pooled(pairs: list[tuple[list[float], list[float]]], *, rounds: int = 2000, 
     return mean, means[int(0.025 * rounds)], means[int(0.975 * rounds) - 1]
 
 
-def report(results: dict[tuple[int, str], dict], seeds: list[int], settings: list[str], task: str = "calculator") -> str:
+def _arms(results: dict[tuple[int, str], dict], seeds: list[int], settings: list[str],
+          arms: dict[int, dict] | None) -> dict[int, dict]:
+    """Each seed's run holding its plateau arm, if one ran: given (--arms-from), else the demonstrations
+    run's, else the first setting's."""
+    return {s: (arms or {}).get(s) or (results[s, ARM_ONLY] if ARM_ONLY in settings else results[s, settings[0]]) for s in seeds}
+
+
+def arms_from(folder: Path, seeds: list[int], task: str) -> dict[int, dict]:
+    """Each seed's finished run in ``folder`` (another bench's --out, or a kept record) whose
+    demonstrations-only arm was trained to its plateau: the seed's "over best" reference. The held-out
+    problems depend on the seed and the task alone, so any setting's run of the seed will do."""
+    out = {}
+    for seed in seeds:
+        suffix = f"-seed{seed}" if task == "calculator" else f"-{task}-seed{seed}"
+        runs = [d for d in sorted(folder.glob(f"*{suffix}")) if d.is_dir() and (task != "calculator" or "-units-" not in d.name)]
+        found = [json.loads(f.read_text()) for d in runs for f in d.glob("*/summary.json")]
+        found = [sm for sm in found if BEST in _by_label(sm)]
+        if not found:
+            raise ValueError(f"{folder} holds no finished {task} run of seed {seed} with a demonstrations-only arm trained to "
+                             "its plateau (a demonstrations run, or a first setting's run with --plateau-steps)")
+        out[seed] = found[0]
+    return out
+
+
+def report(results: dict[tuple[int, str], dict], seeds: list[int], settings: list[str], task: str = "calculator",
+           arms: dict[int, dict] | None = None) -> str:
     what = f"{'unit converter' if task == 'units' else 'calculator tool'}; held-out {_measure(task)}"
     lines = [f"learning (SmolLM2-135M-Instruct, {what}, 95% intervals)", ""]
-    # each seed's plateau arm, if one ran: the demonstrations run's, else the first setting's
-    arm = {s: results[s, ARM_ONLY] if ARM_ONLY in settings else results[s, settings[0]] for s in seeds}
+    arm = _arms(results, seeds, settings, arms)
     best = {s: _evals(arm[s]).get(BEST) for s in seeds}
     settings = [s for s in settings if s != ARM_ONLY]
     for seed in seeds:
@@ -255,7 +282,7 @@ def report(results: dict[tuple[int, str], dict], seeds: list[int], settings: lis
 
 
 def plot(results: dict[tuple[int, str], dict], seeds: list[int], settings: list[str], path: Path,
-         task: str = "calculator") -> None:
+         task: str = "calculator", arms: dict[int, dict] | None = None) -> None:
     """One panel a seed, against Trainer steps after the cold start: the demonstrations-only arm's
     validation curve and its best version's held-out score, and each setting's online loop and control
     arm on the held-out problems (at the loop's steps)."""
@@ -264,11 +291,11 @@ def plot(results: dict[tuple[int, str], dict], seeds: list[int], settings: list[
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    arm_setting = ARM_ONLY if ARM_ONLY in settings else settings[0]
     loops = [s for s in settings if s != ARM_ONLY]
+    arm_of = _arms(results, seeds, settings, arms)
     fig, axes = plt.subplots(1, len(seeds), figsize=(4.2 * len(seeds), 3.8), sharey=True, squeeze=False)
     for ax, seed in zip(axes[0], seeds):
-        arm = results[seed, arm_setting]
+        arm = arm_of[seed]
         by_label = _by_label(arm)
         start = by_label["after cold start"]["version"]
         curve = arm.get("curves", {}).get("demonstrations only (validation)", [])
@@ -318,11 +345,26 @@ def main(argv: list[str] | None = None) -> str:
                    help="Run each online loop until its traffic was served by this many new versions; 0: the demo's duration.")
     p.add_argument("--task", default="calculator", choices=["calculator", "units"],
                    help="The demo's task (tools.task) for every run: units is the second task, a unit converter with a graded reward.")
+    p.add_argument("--arms-from", type=Path, default=None,
+                   help="Take each seed's demonstrations-only arm (the \"over best\" reference) from its finished run in this "
+                   "folder (another bench's --out, or kept records), made with the same task; then no run here trains one "
+                   "(--plateau-steps 0).")
     p.add_argument("--plateau-steps", type=int, default=48,
                    help="The demonstrations-only arm's steps at most (tools.plateau.max_steps): in the demonstrations run if that "
                    "setting is given (0: 48), else in the first setting's run of each seed (0: off).")
     a = p.parse_args(argv if argv is not None else [])
     out = a.out or Path(tempfile.mkdtemp(prefix="kaizen-learning-"))
+    if a.arms_from is not None:
+        if ARM_ONLY in a.settings:
+            p.error(f"--arms-from takes each seed's arm from its folder: drop the {ARM_ONLY} setting")
+        if a.plateau_steps:
+            p.error("--arms-from takes each seed's arm from its folder: give --plateau-steps 0")
+        try:  # before any run: a missing reference is found now, not after hours
+            arms = arms_from(a.arms_from, a.seeds, a.task)
+        except ValueError as e:
+            p.error(str(e))
+    else:
+        arms = None
     loop = [f"min_new_versions={a.loop_steps}", "duration_s=1", "max_duration_s=7200"] if a.loop_steps else []
     plan = []
     for seed in a.seeds:
@@ -345,9 +387,11 @@ def main(argv: list[str] | None = None) -> str:
         if a.keep and a.keep.resolve() != out.resolve():
             keep_record(_run_dir(out, seed, setting, a.task), a.keep)
         print(f"  done: {setting} seed {seed} -> {results[seed, setting]['log']}", file=sys.stderr, flush=True)
-    text = report(results, a.seeds, a.settings, a.task)
+    text = report(results, a.seeds, a.settings, a.task, arms)
+    if a.arms_from is not None:
+        text += f"\n  (each seed's demonstrations-only arm from {a.arms_from})"
     (out / "learning.txt").write_text(text + "\n")  # first: a plot that fails loses no figure
-    plot(results, a.seeds, a.settings, out / "learning.png", a.task)
+    plot(results, a.seeds, a.settings, out / "learning.png", a.task, arms)
     text += f"\n  curves: {out / 'learning.png'}"
     (out / "learning.txt").write_text(text + "\n")
     return text

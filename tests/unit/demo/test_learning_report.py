@@ -150,3 +150,29 @@ def test_a_loop_that_kept_its_best_is_reported_beside_its_last_version():
     assert "keeping the best gave (1 seeds) +0.50" in pooled_line and "kept over the demonstrations' best (1 seeds) +0.25" in pooled_line
     text = report({(0, "explore"): _summary([1, 0], [0, 0])}, [0], ["explore"])  # no kept version: no such figure
     assert "kept" not in text
+
+
+def test_each_seeds_arm_can_come_from_another_benchs_runs(tmp_path, monkeypatch, capsys):
+    import json
+
+    import tests.bench.learning as bench
+
+    other = tmp_path / "other"
+    for name, best in (("explore-kept-seed7", [1, 1, 0, 0]), ("explore-units-seed7", [0, 0, 0, 0]), ("explore-seed8", None)):
+        d = other / name / "20261128-000000"
+        d.mkdir(parents=True)
+        d.joinpath("summary.json").write_text(json.dumps(_summary([0, 0, 0, 0], [0, 0, 0, 0], best=best)))
+    arms = bench.arms_from(other, [7], "calculator")  # the units run of seed 7 is another task's: not it
+    assert bench._evals(arms[7])[bench.BEST] == [1, 1, 0, 0]
+    assert bench._evals(bench.arms_from(other, [7], "units")[7])[bench.BEST] == [0, 0, 0, 0]
+    with pytest.raises(ValueError, match="no finished calculator run of seed 8 with a demonstrations-only arm"):
+        bench.arms_from(other, [8], "calculator")  # seed 8's run trained no arm
+    text = report({(7, "explore-kept"): _summary([1, 1, 1, 0], [0, 0, 0, 0])}, [7], ["explore-kept"], arms=arms)
+    assert "over the demonstrations' best (1 seeds) +0.25" in text
+    monkeypatch.setattr(bench, "run_demo", lambda *a, **k: pytest.fail("nothing may run"))
+    for args, why in ((["--plateau-steps", "0", "--seeds", "8", "--settings", "explore"], "no finished calculator run of seed 8"),
+                      (["--seeds", "7", "--settings", "explore"], "give --plateau-steps 0"),
+                      (["--plateau-steps", "0", "--seeds", "7", "--settings", "explore", "demonstrations"], "drop the demonstrations")):
+        with pytest.raises(SystemExit):
+            bench.main([*args, "--arms-from", str(other), "--out", str(tmp_path / "out")])
+        assert why in capsys.readouterr().err
