@@ -136,7 +136,8 @@ class ToolsSection(ConfigModel):
         description="The online loop keeps its best version, as a release gate on a validation suite would: after the loop "
         "its versions are measured on the validation problems (tools.plateau.validation of them, every tools.plateau.every "
         "steps from the cold start, and its last), and the earliest with the highest score is measured on the held-out "
-        "problems (the report's \"online loop, best on validation\"). The demonstrations-only arm's best is chosen the same way.")
+        "problems (the report's \"online loop, best on validation\"). The demonstrations-only arm's best is chosen by "
+        "the same rule, on its own curve (which stops at its plateau).")
     plateau: PlateauSection = Field(default_factory=PlateauSection)
     traffic: TrafficSection = Field(default_factory=lambda: TrafficSection(**_TOOLS_TRAFFIC))
 

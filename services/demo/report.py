@@ -63,6 +63,7 @@ def plot(stages: list[Stage], loop, rows: list[dict], path: Path, *, metric: str
     fig, (ax0, ax1, ax2) = plt.subplots(1, 3, figsize=(16, 4.5), gridspec_kw={"width_ratios": [0.8, 1.2, 1.0]})
     bars = stages + list(arms) + list(kept)
     names = [s.result.label.replace("after ", "after\n").replace(": ", ":\n").replace("demonstrations only", "demonstrations\nonly")
+             .replace(", best on", ",\nbest on")
              for s in bars]
     means = [s.result.mean for s in bars]
     errs = [[s.result.mean - s.result.low for s in bars], [s.result.high - s.result.mean for s in bars]]

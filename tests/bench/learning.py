@@ -196,7 +196,10 @@ def _mean(xs: list[float]) -> float:
 
 def pooled(pairs: list[tuple[list[float], list[float]]], *, rounds: int = 2000, seed: int = 0) -> tuple[float, float, float]:
     """Mean of after - before over every (run, problem), with a 95% interval from a bootstrap that
-    resamples problems within each run (the runs are the strata)."""
+    resamples problems within each run (the runs are the strata). Paired by problem: each run's two
+    lists must be as long (runs made with other held-out problems cannot be paired)."""
+    if bad := [(len(b), len(a)) for b, a in pairs if len(b) != len(a)]:
+        raise ValueError(f"scores of different held-out sets cannot be paired: {bad[0][0]} problems against {bad[0][1]}")
     diffs = [[a - b for b, a in zip(before, after)] for before, after in pairs]
     n = sum(len(d) for d in diffs)
     mean = sum(sum(d) for d in diffs) / n
@@ -212,16 +215,18 @@ def _arms(results: dict[tuple[int, str], dict], seeds: list[int], settings: list
     return {s: (arms or {}).get(s) or (results[s, ARM_ONLY] if ARM_ONLY in settings else results[s, settings[0]]) for s in seeds}
 
 
-def arms_from(folder: Path, seeds: list[int], task: str) -> dict[int, dict]:
-    """Each seed's finished run in ``folder`` (another bench's --out, or a kept record) whose
-    demonstrations-only arm was trained to its plateau: the seed's "over best" reference. The held-out
-    problems depend on the seed and the task alone, so any setting's run of the seed will do."""
+def arms_from(folder: Path, seeds: list[int], task: str) -> dict[int, tuple[Path, dict]]:
+    """Each seed's finished run in ``folder`` (another bench's --out, or kept records) whose
+    demonstrations-only arm was trained to its plateau, and its summary: the seed's "over best"
+    reference (the held-out problems depend on the seed and the task alone). The seed's `demonstrations`
+    run if there is one, else the first such run by name."""
     out = {}
     for seed in seeds:
         suffix = f"-seed{seed}" if task == "calculator" else f"-{task}-seed{seed}"
-        runs = [d for d in sorted(folder.glob(f"*{suffix}")) if d.is_dir() and (task != "calculator" or "-units-" not in d.name)]
-        found = [json.loads(f.read_text()) for d in runs for f in d.glob("*/summary.json")]
-        found = [sm for sm in found if BEST in _by_label(sm)]
+        runs = [d for d in sorted(folder.glob(f"*{suffix}"), key=lambda d: (not d.name.startswith(f"{ARM_ONLY}-"), d.name))
+                if d.is_dir() and (task != "calculator" or "-units-" not in d.name)]
+        found = [(d, json.loads(f.read_text())) for d in runs for f in d.glob("*/summary.json")]
+        found = [(d, sm) for d, sm in found if BEST in _by_label(sm)]
         if not found:
             raise ValueError(f"{folder} holds no finished {task} run of seed {seed} with a demonstrations-only arm trained to "
                              "its plateau (a demonstrations run, or a first setting's run with --plateau-steps)")
@@ -351,24 +356,31 @@ def main(argv: list[str] | None = None) -> str:
                    help="The demo's task (tools.task) for every run: units is the second task, a unit converter with a graded reward.")
     p.add_argument("--arms-from", type=Path, default=None,
                    help="Take each seed's demonstrations-only arm (the \"over best\" reference) from its finished run in this "
-                   "folder (another bench's --out, or kept records), made with the same task; then no run here trains one "
-                   "(--plateau-steps 0).")
-    p.add_argument("--plateau-steps", type=int, default=48,
+                   "folder (another bench's --out, or kept records), made with the same task and held-out problems; no run "
+                   "here trains one (--plateau-steps is 0 with it), and no run here may replace a run it reads.")
+    p.add_argument("--plateau-steps", type=int, default=None,
                    help="The demonstrations-only arm's steps at most (tools.plateau.max_steps): in the demonstrations run if that "
-                   "setting is given (0: 48), else in the first setting's run of each seed (0: off).")
+                   "setting is given (0: 48), else in the first setting's run of each seed (0: off). Default 48, or 0 "
+                   "with --arms-from.")
     a = p.parse_args(argv if argv is not None else [])
     out = a.out or Path(tempfile.mkdtemp(prefix="kaizen-learning-"))
+    arms, sources = None, {}
     if a.arms_from is not None:
         if ARM_ONLY in a.settings:
             p.error(f"--arms-from takes each seed's arm from its folder: drop the {ARM_ONLY} setting")
         if a.plateau_steps:
-            p.error("--arms-from takes each seed's arm from its folder: give --plateau-steps 0")
+            p.error("--arms-from takes each seed's arm from its folder: no --plateau-steps here")
         try:  # before any run: a missing reference is found now, not after hours
-            arms = arms_from(a.arms_from, a.seeds, a.task)
+            found = arms_from(a.arms_from, a.seeds, a.task)
         except ValueError as e:
             p.error(str(e))
-    else:
-        arms = None
+        arms = {seed: sm for seed, (_, sm) in found.items()}
+        sources = {seed: d for seed, (d, _) in found.items()}
+        mine = {_run_dir(root, seed, setting, a.task).resolve() for root in (out, a.keep) if root is not None
+                for seed in a.seeds for setting in a.settings}
+        if clash := sorted(str(d) for d in sources.values() if d.resolve() in mine):
+            p.error(f"--arms-from reads {', '.join(clash)}, which a run here (--out or --keep) would replace: choose other folders")
+    a.plateau_steps = 0 if a.arms_from is not None else (48 if a.plateau_steps is None else a.plateau_steps)
     loop = [f"min_new_versions={a.loop_steps}", "duration_s=1", "max_duration_s=7200"] if a.loop_steps else []
     plan = []
     for seed in a.seeds:
@@ -392,8 +404,8 @@ def main(argv: list[str] | None = None) -> str:
             keep_record(_run_dir(out, seed, setting, a.task), a.keep)
         print(f"  done: {setting} seed {seed} -> {results[seed, setting]['log']}", file=sys.stderr, flush=True)
     text = report(results, a.seeds, a.settings, a.task, arms)
-    if a.arms_from is not None:
-        text += f"\n  (each seed's demonstrations-only arm from {a.arms_from})"
+    if sources:
+        text += "\n  (each seed's demonstrations-only arm from " + ", ".join(f"seed {k}: {d}" for k, d in sources.items()) + ")"
     (out / "learning.txt").write_text(text + "\n")  # first: a plot that fails loses no figure
     plot(results, a.seeds, a.settings, out / "learning.png", a.task, arms)
     text += f"\n  curves: {out / 'learning.png'}"

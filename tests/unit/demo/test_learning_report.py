@@ -158,21 +158,27 @@ def test_each_seeds_arm_can_come_from_another_benchs_runs(tmp_path, monkeypatch,
     import tests.bench.learning as bench
 
     other = tmp_path / "other"
-    for name, best in (("explore-kept-seed7", [1, 1, 0, 0]), ("explore-units-seed7", [0, 0, 0, 0]), ("explore-seed8", None)):
+    for name, best in (("base-units-seed7", [0, 0, 0, 0]), ("explore-kept-seed7", [1, 1, 0, 0]), ("explore-seed8", None),
+                       ("explore-seed9", [1, 0, 0, 0]), ("demonstrations-seed9", [1, 1, 1, 0])):
         d = other / name / "20261128-000000"
         d.mkdir(parents=True)
         d.joinpath("summary.json").write_text(json.dumps(_summary([0, 0, 0, 0], [0, 0, 0, 0], best=best)))
-    arms = bench.arms_from(other, [7], "calculator")  # the units run of seed 7 is another task's: not it
-    assert bench._evals(arms[7])[bench.BEST] == [1, 1, 0, 0]
-    assert bench._evals(bench.arms_from(other, [7], "units")[7])[bench.BEST] == [0, 0, 0, 0]
+    arms = bench.arms_from(other, [7, 9], "calculator")  # seed 7's units run, first by name, is another task's: not it
+    assert arms[7][0] == other / "explore-kept-seed7" and bench._evals(arms[7][1])[bench.BEST] == [1, 1, 0, 0]
+    assert arms[9][0] == other / "demonstrations-seed9"  # the seed's demonstrations run before any other
+    assert bench._evals(bench.arms_from(other, [7], "units")[7][1])[bench.BEST] == [0, 0, 0, 0]
     with pytest.raises(ValueError, match="no finished calculator run of seed 8 with a demonstrations-only arm"):
         bench.arms_from(other, [8], "calculator")  # seed 8's run trained no arm
-    text = report({(7, "explore-kept"): _summary([1, 1, 1, 0], [0, 0, 0, 0])}, [7], ["explore-kept"], arms=arms)
+    text = report({(7, "explore-kept"): _summary([1, 1, 1, 0], [0, 0, 0, 0])}, [7], ["explore-kept"], arms={7: arms[7][1]})
     assert "over the demonstrations' best (1 seeds) +0.25" in text
+    with pytest.raises(ValueError, match="4 problems against 2"):  # an arm of other held-out problems is not paired
+        report({(7, "explore-kept"): _summary([1, 1], [0, 0])}, [7], ["explore-kept"], arms={7: arms[7][1]})
     monkeypatch.setattr(bench, "run_demo", lambda *a, **k: pytest.fail("nothing may run"))
-    for args, why in ((["--plateau-steps", "0", "--seeds", "8", "--settings", "explore"], "no finished calculator run of seed 8"),
-                      (["--seeds", "7", "--settings", "explore"], "give --plateau-steps 0"),
-                      (["--plateau-steps", "0", "--seeds", "7", "--settings", "explore", "demonstrations"], "drop the demonstrations")):
+    for args, why in ((["--seeds", "8", "--settings", "explore"], "no finished calculator run of seed 8"),
+                      (["--seeds", "7", "--settings", "explore", "--plateau-steps", "48"], "no --plateau-steps here"),
+                      (["--seeds", "7", "--settings", "explore", "demonstrations"], "drop the demonstrations"),
+                      # the run it would make (or keep) is the one it reads its arm from
+                      (["--seeds", "7", "--settings", "explore-kept", "--keep", str(other)], "explore-kept-seed7, which a run here")):
         with pytest.raises(SystemExit):
             bench.main([*args, "--arms-from", str(other), "--out", str(tmp_path / "out")])
         assert why in capsys.readouterr().err

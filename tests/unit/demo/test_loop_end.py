@@ -1,5 +1,6 @@
-"""What the demo measures at the end of its online loop (services/demo/tools_demo.py loop_end): the
-version the loop ended on, unless it is the cold start's, measured already."""
+"""What the demo measures at the end of its online loop (services/demo/tools_demo.py): the version the
+loop ended on, unless it is the cold start's, measured already (loop_end); with tools.keep_best, the
+loop's best version on the validation problems (keep_loop_best)."""
 
 from __future__ import annotations
 
@@ -89,3 +90,9 @@ def test_a_best_at_either_end_is_not_measured_twice():
     demo, out = _keep({8: 0.1, 9: 0.2}, 9, known={("calculator", 4): 0.3})
     assert demo.measured == [("validation", 8), ("validation", 9)]
     assert (out.kept.version, out.kept.per_prompt) == (4, COLD.per_prompt) and out.loop_curve[0]["validation"] == 0.3
+
+
+def test_a_loop_that_published_nothing_keeps_the_cold_start():
+    demo, out = _keep({4: 0.3}, 4)
+    assert demo.measured == [("validation", 4)] and [p["steps"] for p in out.loop_curve] == [0]
+    assert (out.kept.label, out.kept.version, out.kept.per_prompt) == ("online loop, best on validation (0 steps)", 4, [1.0, 1.0, 0.0])
