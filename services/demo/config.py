@@ -131,6 +131,10 @@ class ToolsSection(ConfigModel):
         "(\"call the calculator with ...\": the Trainer adds hint_coef times the self-distillation advantage on those "
         "calls) or corrections (the episode's first call as it should have been: a new demonstration).")
     hint_coef: float = Field(default=1.0, gt=0, description="words=hints: the Trainer's algorithm.grpo.hint_coef.")
+    hint_calls: Literal["episode", "tool"] = Field(
+        default="episode",
+        description="words=hints: which calls of a wrong episode get the hint (the reward goes to all of them): every call "
+        "(episode), or only its first call, the tool call the hint speaks about, and only when that call was wrong (tool).")
     keep_best: bool = Field(
         default=False,
         description="The online loop keeps its best version, as a release gate on a validation suite would: after the loop "

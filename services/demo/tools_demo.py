@@ -36,7 +36,7 @@ from services.demo.config import DemoConfig
 from services.demo.demonstrations_only import DemonstrationsOnly, Plateau
 from services.demo.loop import EvalResult, OnlineLoop, Round, demo_stack, gate_section, release_check, say
 from services.demo.report import Stage, report
-from services.demo.task import Problem
+from services.demo.task import Problem, Task
 
 MODEL_NAME = "smollm2-135m-instruct"
 KEPT = "online loop, best on validation"  # the label of the loop's kept version (tools.keep_best), before its steps
@@ -79,6 +79,28 @@ def mean_interval(scores: list[float], z: float = 1.96) -> tuple[float, float]:
         return 0.0, 1.0
     m, half = statistics.fmean(scores), z * statistics.stdev(scores) / math.sqrt(n)
     return max(0.0, m - half), min(1.0, m + half)
+
+
+def feedback_calls(ep: agent_app.Episode, task: Task, *, words: str = "off",
+                   hint_calls: str = "episode") -> list[dict]:
+    """The Explorer feedback requests (``ExplorerClient.feedback`` keywords) for one finished episode:
+    its reward for every call; after a wrong answer, with ``words="hints"``, the task's hint on every
+    call (``hint_calls="episode"``), or on the first call alone, the tool call the hint speaks about,
+    when that call was wrong (``"tool"``); with ``words="corrections"``, the right first call as the
+    correction of the episode's first, when that call was wrong."""
+    if not ep.msg_ids:
+        return []
+    wrong = ep.reward < 1.0
+    reward = {"msg_ids": ep.msg_ids, "reward": ep.reward, "task_id": ep.task_id, "run_id": ep.run_id}
+    if not wrong or words == "off":
+        return [reward]
+    if words == "hints" and hint_calls == "episode":
+        return [reward | {"hint": task.hint(ep.problem)}]
+    if ep.called_tool_right:  # the first call was right: the answer went wrong after it, which the words do not speak to
+        return [reward]
+    if words == "hints":
+        return [reward, {"msg_ids": ep.msg_ids[:1], "hint": task.hint(ep.problem)}]
+    return [reward, {"msg_ids": ep.msg_ids[:1], "correction": task.demonstration_turns(ep.problem)[0]["response"]}]
 
 
 class ToolsDemo:
@@ -240,14 +262,9 @@ class ToolsDemo:
                                                  temperature=self.t.temperature,
                                                  explore=self.t.explore_temperature is not None)
                 if ep.error is None:
-                    wrong = ep.reward < 1.0 and ep.msg_ids
                     try:
-                        await explorer.feedback(msg_ids=ep.msg_ids, reward=ep.reward, task_id=ep.task_id, run_id=ep.run_id,
-                                                hint=self.task.hint(p) if wrong and self.t.words == "hints" else None)
-                        # the first call, as it should have been (unless it was right, and the answer's unit was missing)
-                        if wrong and self.t.words == "corrections" and not ep.called_tool_right:
-                            await explorer.feedback(msg_ids=ep.msg_ids[:1],
-                                                    correction=self.task.demonstration_turns(p)[0]["response"])
+                        for kwargs in feedback_calls(ep, self.task, words=self.t.words, hint_calls=self.t.hint_calls):
+                            await explorer.feedback(**kwargs)
                     except Exception as e:  # one lost reward must not stop the traffic
                         ep.error = f"feedback failed: {e}"
                 return ep

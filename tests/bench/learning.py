@@ -26,7 +26,8 @@ users' words after a wrong answer (`tools.words`), to compare with `base` (rewar
 demo's default since it paid over seeds 3-6), the evaluations still at 1, and `explore-hints` is `explore`
 with hints, the per-token distillation term at a fifth (`tools.hint_coef=0.2`) and centred per call (the
 top-16 term at its default weight), `explore-hints-light` the same with the top-16 term at a fifth too,
-`explore-hints-token` the per-token term at full weight (centred) with the top-16 term at a fifth, and
+`explore-hints-token` the per-token term at full weight (centred) with the top-16 term at a fifth,
+`explore-hints-tool` the same with the hint on the tool call alone (`tools.hint_calls=tool`), and
 `explore-kept` is `explore` whose loop also keeps its best version (`tools.keep_best`: its versions measured on
 the validation problems every 4 steps and at its end, the best measured on the held-out ones; the report adds
 "kept" and "kept over best" beside the loop's last version); the other settings sample the traffic at 1, as they
@@ -86,6 +87,9 @@ SETTINGS: dict[str, list[str]] = {
     # the per-token distillation term at full weight (centred per call), the top-16 term kept at a fifth
     "explore-hints-token": [*EXPLORE, "tools.words=hints", "tools.hint_coef=1.0", "trainer.algorithm.grpo.hint_baseline=call",
                             "trainer.algorithm.grpo.top_k_coef=0.2"],
+    # the same, the hint given to the tool call alone (the first call, when it was wrong), never to the answer call
+    "explore-hints-tool": [*EXPLORE, "tools.words=hints", "tools.hint_coef=1.0", "tools.hint_calls=tool",
+                           "trainer.algorithm.grpo.hint_baseline=call", "trainer.algorithm.grpo.top_k_coef=0.2"],
     # `explore` whose online loop keeps its best version, chosen on the validation problems (tools.keep_best): the same
     # training, so each run gives explore's last version too
     "explore-kept": [*EXPLORE, "tools.keep_best=true"],

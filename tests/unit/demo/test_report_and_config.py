@@ -74,6 +74,8 @@ def test_words_hints_give_the_trainer_its_hint_term_and_are_refused_when_unknown
     assert trainer("tools.words=corrections")["algorithm"]["grpo"].get("hint_coef") is None
     with pytest.raises(Exception, match="words"):
         trainer("tools.words=shouts")
+    with pytest.raises(Exception, match="hint_calls"):
+        trainer("tools.words=hints", "tools.hint_calls=answer")
 
 
 def test_explore_temperature_gives_the_agent_its_exploration_temperature(tmp_path):
