@@ -55,6 +55,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+from services.demo import tasks
+
 REPO = Path(__file__).resolve().parents[2]
 
 EXPLORE = ["tools.levers=false", "tools.explore_temperature=1.3"]
@@ -164,6 +166,7 @@ def run_demo(seed: int, setting: str, out: Path, extra: list[str] = (), *, resum
         summary = json.loads(next(run_dir.glob("*/summary.json")).read_text())
     summary["log"] = str(log)
     summary["commit"] = json.loads(made.read_text())["commit"]
+    summary["overrides"] = json.loads(made.read_text())["overrides"]
     return summary
 
 
@@ -294,6 +297,35 @@ def report(results: dict[tuple[int, str], dict], seeds: list[int], settings: lis
     return "\n".join(lines)
 
 
+def phrasings(results: dict[tuple[int, str], dict], seeds: list[int], setting: str, task: str = "calculator",
+              arms: dict[int, dict] | None = None) -> list[str]:
+    """Where the online loop still fails: held-out success by phrasing, pooled over ``seeds``, for the
+    loop's last version, its control and the demonstrations' best (where a seed has one); ``*`` marks
+    the phrasings the demonstrations show. A seed's held-out problems are the first its split draws,
+    so they follow from the seed and their number alone."""
+    t = tasks.get(task)
+    arm = _arms(results, seeds, [setting], arms)
+    columns = {"online loop": "after online loop", "control": "control: demonstrations only", "best": BEST}
+    sums: dict[int, dict[str, list[float]]] = {}
+    shown: set[int] = set()
+    for seed in seeds:
+        ops = next((o.split("=", 1)[1] for o in results[seed, setting].get("overrides", [])
+                    if o.startswith("tools.demonstrated_operations=")), None)
+        shown |= {p.template for p in t.demonstration_problems(ops)}
+        ev = _evals(results[seed, setting]) | {BEST: _evals(arm[seed]).get(BEST)}
+        heldout = t.split(seed, 0, len(ev["after online loop"])).heldout
+        for name, label in columns.items():
+            for p, score in zip(heldout, ev[label] or []):
+                sums.setdefault(p.template, {}).setdefault(name, []).append(score)
+    lines = [f"  {setting} by phrasing, held-out {_measure(task)} pooled over {len(seeds)} seeds (* the demonstrations show it):"]
+    for template in sorted(sums):
+        kind, text = t.templates[template]
+        figures = ", ".join(f"{name} {_mean(xs):.2f}" for name, xs in sums[template].items())
+        mark = "*" if template in shown else " "
+        lines.append(f"    {kind} {template:>2}{mark} ({len(sums[template]['online loop']):>3} problems) {figures}: {text[:60]}")
+    return lines
+
+
 def plot(results: dict[tuple[int, str], dict], seeds: list[int], settings: list[str], path: Path,
          task: str = "calculator", arms: dict[int, dict] | None = None) -> None:
     """One panel a seed, against Trainer steps after the cold start: the demonstrations-only arm's
@@ -408,6 +440,8 @@ def main(argv: list[str] | None = None) -> str:
             keep_record(_run_dir(out, seed, setting, a.task), a.keep)
         print(f"  done: {setting} seed {seed} -> {results[seed, setting]['log']}", file=sys.stderr, flush=True)
     text = report(results, a.seeds, a.settings, a.task, arms)
+    text += "\n" + "\n".join(line for setting in a.settings if setting != ARM_ONLY
+                              for line in phrasings(results, a.seeds, setting, a.task, arms))
     if sources:
         text += "\n  (each seed's demonstrations-only arm from " + ", ".join(f"seed {k}: {d}" for k, d in sources.items()) + ")"
     (out / "learning.txt").write_text(text + "\n")  # first: a plot that fails loses no figure

@@ -182,3 +182,35 @@ def test_each_seeds_arm_can_come_from_another_benchs_runs(tmp_path, monkeypatch,
         with pytest.raises(SystemExit):
             bench.main([*args, "--arms-from", str(other), "--out", str(tmp_path / "out")])
         assert why in capsys.readouterr().err
+
+
+def test_phrasings_pool_held_out_success_by_phrasing_over_seeds():
+    from services.demo import tasks
+    from tests.bench.learning import phrasings
+
+    task = tasks.get("calculator")
+    # seed 3's first four held-out problems and seed 4's first two, as their splits draw them
+    h3, h4 = task.split(3, 0, 4).heldout, task.split(4, 0, 2).heldout
+    only = ["tools.demonstrated_operations=*+"]  # the runs' overrides say which phrasings their demonstrations showed
+    results = {(3, "s"): {**_summary([1, 0, 1, 1], [0, 0, 0, 1], best=[1, 1, 1, 1]), "overrides": ["seed=3", *only]},
+               (4, "s"): {**_summary([0, 1], [1, 1]), "overrides": ["seed=4", *only]}}
+    lines = phrasings(results, [3, 4], "s")
+    assert lines[0].startswith("  s by phrasing, held-out success pooled over 2 seeds")
+    by = {}
+    for p, loop, control, best in [*zip(h3, [1, 0, 1, 1], [0, 0, 0, 1], [1, 1, 1, 1]), *zip(h4, [0, 1], [1, 1], [None] * 2)]:
+        row = by.setdefault(p.template, {"loop": [], "control": [], "best": []})
+        row["loop"].append(loop), row["control"].append(control)
+        if best is not None:
+            row["best"].append(best)
+    assert len(lines) == 1 + len(by)
+    for template, row in sorted(by.items()):
+        line = next(x for x in lines[1:] if x.startswith(f"    {task.templates[template][0]} {template:>2}"))
+        assert f"({len(row['loop']):>3} problems) online loop {sum(row['loop']) / len(row['loop']):.2f}, " \
+               f"control {sum(row['control']) / len(row['control']):.2f}" in line
+        if row["best"]:
+            assert line.split(": ")[0].endswith(f"best {sum(row['best']) / len(row['best']):.2f}")
+        else:  # seed 4 has no demonstrations' best: a phrasing only it drew has no best column
+            assert "best" not in line.split(": ")[0]
+    shown = {p.template for p in task.demonstration_problems("*+")}
+    assert any(task.templates[t][0] in "-/" for t in by) and not shown & {t for t in by if task.templates[t][0] in "-/"}
+    assert [x[8] == "*" for x in lines[1:]] == [t in shown for t in sorted(by)]
