@@ -27,7 +27,8 @@ demo's default since it paid over seeds 3-6), the evaluations still at 1, and `e
 with hints, the per-token distillation term at a fifth (`tools.hint_coef=0.2`) and centred per call (the
 top-16 term at its default weight), `explore-hints-light` the same with the top-16 term at a fifth too,
 `explore-hints-token` the per-token term at full weight (centred) with the top-16 term at a fifth,
-`explore-hints-tool` the same with the hint on the tool call alone (`tools.hint_calls=tool`), and
+`explore-hints-tool` the same with the hint on the tool call alone (`tools.hint_calls=tool`), `explore-ops`
+`explore` with demonstrations of * and + only (the report pools the kinds no demonstration shows), and
 `explore-kept` is `explore` whose loop also keeps its best version (`tools.keep_best`: its versions measured on
 the validation problems every 4 steps and at its end, the best measured on the held-out ones; the report adds
 "kept" and "kept over best" beside the loop's last version); the other settings sample the traffic at 1, as they
@@ -92,6 +93,8 @@ SETTINGS: dict[str, list[str]] = {
     # the same, the hint given to the tool call alone (the first call, when it was wrong), never to the answer call
     "explore-hints-tool": [*EXPLORE, "tools.words=hints", "tools.hint_coef=1.0", "tools.hint_calls=tool",
                            "trainer.algorithm.grpo.hint_baseline=call", "trainer.algorithm.grpo.top_k_coef=0.2"],
+    # the demonstrations show * and + only: - and / are learnt from the traffic alone (issue 29's "what no demonstration showed")
+    "explore-ops": [*EXPLORE, "tools.demonstrated_operations=*+"],
     # `explore` whose online loop keeps its best version, chosen on the validation problems (tools.keep_best): the same
     # training, so each run gives explore's last version too
     "explore-kept": [*EXPLORE, "tools.keep_best=true"],
@@ -308,21 +311,31 @@ def phrasings(results: dict[tuple[int, str], dict], seeds: list[int], setting: s
     columns = {"online loop": "after online loop", "control": "control: demonstrations only", "best": BEST}
     sums: dict[int, dict[str, list[float]]] = {}
     shown: set[int] = set()
+    unshown: list[tuple[list[float], list[float]]] = []  # (control, loop) on the kinds no demonstration shows, a pair a seed
     for seed in seeds:
         ops = next((o.split("=", 1)[1] for o in results[seed, setting].get("overrides", [])
-                    if o.startswith("tools.demonstrated_operations=")), None)
+                    if o.startswith("tools.demonstrated_operations=")), t.operations)
         shown |= {p.template for p in t.demonstration_problems(ops)}
         ev = _evals(results[seed, setting]) | {BEST: _evals(arm[seed]).get(BEST)}
         heldout = t.split(seed, 0, len(ev["after online loop"])).heldout
         for name, label in columns.items():
             for p, score in zip(heldout, ev[label] or []):
                 sums.setdefault(p.template, {}).setdefault(name, []).append(score)
+        new = [i for i, p in enumerate(heldout) if t.operation(p) not in ops]
+        if new:
+            unshown.append(([ev[columns["control"]][i] for i in new], [ev[columns["online loop"]][i] for i in new]))
     lines = [f"  {setting} by phrasing, held-out {_measure(task)} pooled over {len(seeds)} seeds (* the demonstrations show it):"]
     for template in sorted(sums):
         kind, text = t.templates[template]
         figures = ", ".join(f"{name} {_mean(xs):.2f}" for name, xs in sums[template].items())
         mark = "*" if template in shown else " "
         lines.append(f"    {kind} {template:>2}{mark} ({len(sums[template]['online loop']):>3} problems) {figures}: {text[:60]}")
+    if unshown:  # issue 29: the traffic must teach what no demonstration showed
+        g, lo, hi = pooled(unshown)
+        control, loop = [x for c, _ in unshown for x in c], [x for _, o in unshown for x in o]
+        lines.append(f"    kinds no demonstration shows ({sum(map(len, (c for c, _ in unshown)))} problems, {len(unshown)} seeds): "
+                     f"online loop {_mean(loop):.2f}, control {_mean(control):.2f}, traffic gave {g:+.2f} [{lo:+.2f}, {hi:+.2f}] "
+                     "(pooled, paired by problem)")
     return lines
 
 
