@@ -35,6 +35,12 @@ class Episode:
         """Whether a tool call of this episode computed the answer (for the report)."""
         return tasks.get(self.problem.task).called_right(self.problem, self.messages)
 
+    @property
+    def first_call_right(self) -> bool:
+        """Whether the episode's first call was a tool call that computed the answer (its results follow it)."""
+        calls = self.messages[1].get("tool_calls") if len(self.messages) > 1 else None
+        return bool(calls) and tasks.get(self.problem.task).called_right(self.problem, self.messages[2:2 + len(calls)])
+
 
 async def run_episode(client, problem: Problem, *, model: str, task_id: str | None = None,
                       run_id: str | None = None, max_turns: int = 3, max_tokens: int = 48,

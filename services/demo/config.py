@@ -134,7 +134,8 @@ class ToolsSection(ConfigModel):
     hint_calls: Literal["episode", "tool"] = Field(
         default="episode",
         description="words=hints: which calls of a wrong episode get the hint (the reward goes to all of them): every call "
-        "(episode), or only its first call, the tool call the hint speaks about, and only when that call was wrong (tool).")
+        "(episode), or only its first call, the tool call the hint names, and only when that call did not compute the "
+        "answer (tool).")
     keep_best: bool = Field(
         default=False,
         description="The online loop keeps its best version, as a release gate on a validation suite would: after the loop "
@@ -158,6 +159,12 @@ class ToolsSection(ConfigModel):
             raise ValueError(f"demonstrated_operations must be some of {kinds!r} for task {self.task}, "
                              f"got {self.demonstrated_operations!r}")
         self.max_tokens = self.max_tokens or job.max_tokens
+        return self
+
+    @model_validator(mode="after")
+    def _hint_scope(self) -> "ToolsSection":
+        if self.hint_calls != "episode" and self.words != "hints":
+            raise ValueError(f"hint_calls={self.hint_calls} says which calls get a hint: it needs words=hints, not words={self.words}")
         return self
 
 

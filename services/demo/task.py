@@ -63,7 +63,9 @@ class Task:
 
     def split(self, seed: int, n_traffic: int, n_heldout: int, n_validation: int = 0) -> Split:
         """Distinct problems from a seeded generator; held-out and validation ones never appear in traffic
-        or demonstrations. The validation problems are drawn last, so the others do not depend on them."""
+        or demonstrations. The held-out problems are drawn first, so they depend on the seed and their
+        number alone (the learning bench regroups stored scores by them); the validation problems last,
+        so the others do not depend on them."""
         rng = random.Random(seed)
         taken = {d.question for d in self.pool}
         problems: list[Problem] = []

@@ -26,6 +26,7 @@ import statistics
 import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import Literal
 
 from runner_sdk import ExplorerClient
 from services.common import buffer
@@ -81,25 +82,27 @@ def mean_interval(scores: list[float], z: float = 1.96) -> tuple[float, float]:
     return max(0.0, m - half), min(1.0, m + half)
 
 
-def feedback_calls(ep: agent_app.Episode, task: Task, *, words: str = "off",
-                   hint_calls: str = "episode") -> list[dict]:
+def feedback_calls(ep: agent_app.Episode, task: Task, *, words: Literal["off", "hints", "corrections"] = "off",
+                   hint_calls: Literal["episode", "tool"] = "episode") -> list[dict]:
     """The Explorer feedback requests (``ExplorerClient.feedback`` keywords) for one finished episode:
     its reward for every call; after a wrong answer, with ``words="hints"``, the task's hint on every
     call (``hint_calls="episode"``), or on the first call alone, the tool call the hint speaks about,
-    when that call was wrong (``"tool"``); with ``words="corrections"``, the right first call as the
-    correction of the episode's first, when that call was wrong."""
+    when that call did not compute the answer (``"tool"``); with ``words="corrections"``, the right
+    first call as the correction of the episode's first, unless a tool call of the episode computed
+    the answer (the final reply went wrong after it, which a correction of the first call does not mend)."""
+    if words not in ("off", "hints", "corrections") or hint_calls not in ("episode", "tool"):
+        raise ValueError(f"unknown feedback in words: words={words!r}, hint_calls={hint_calls!r}")
     if not ep.msg_ids:
         return []
-    wrong = ep.reward < 1.0
     reward = {"msg_ids": ep.msg_ids, "reward": ep.reward, "task_id": ep.task_id, "run_id": ep.run_id}
-    if not wrong or words == "off":
+    if ep.reward >= 1.0 or words == "off":
         return [reward]
     if words == "hints" and hint_calls == "episode":
         return [reward | {"hint": task.hint(ep.problem)}]
-    if ep.called_tool_right:  # the first call was right: the answer went wrong after it, which the words do not speak to
-        return [reward]
     if words == "hints":
-        return [reward, {"msg_ids": ep.msg_ids[:1], "hint": task.hint(ep.problem)}]
+        return [reward] if ep.first_call_right else [reward, {"msg_ids": ep.msg_ids[:1], "hint": task.hint(ep.problem)}]
+    if ep.called_tool_right:
+        return [reward]
     return [reward, {"msg_ids": ep.msg_ids[:1], "correction": task.demonstration_turns(ep.problem)[0]["response"]}]
 
 

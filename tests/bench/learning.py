@@ -28,7 +28,7 @@ with hints, the per-token distillation term at a fifth (`tools.hint_coef=0.2`) a
 top-16 term at its default weight), `explore-hints-light` the same with the top-16 term at a fifth too,
 `explore-hints-token` the per-token term at full weight (centred) with the top-16 term at a fifth,
 `explore-hints-tool` the same with the hint on the tool call alone (`tools.hint_calls=tool`), `explore-ops`
-`explore` with demonstrations of * and + only (the report pools the kinds no demonstration shows), and
+is `explore` with demonstrations of * and + only (the report pools the kinds no demonstration shows), and
 `explore-kept` is `explore` whose loop also keeps its best version (`tools.keep_best`: its versions measured on
 the validation problems every 4 steps and at its end, the best measured on the held-out ones; the report adds
 "kept" and "kept over best" beside the loop's last version); the other settings sample the traffic at 1, as they
@@ -56,6 +56,7 @@ import sys
 import tempfile
 from pathlib import Path
 
+from services.common.config import parse_overrides
 from services.demo import tasks
 
 REPO = Path(__file__).resolve().parents[2]
@@ -168,8 +169,8 @@ def run_demo(seed: int, setting: str, out: Path, extra: list[str] = (), *, resum
         made.write_text(json.dumps({"overrides": overrides, "commit": commit}))
         summary = json.loads(next(run_dir.glob("*/summary.json")).read_text())
     summary["log"] = str(log)
-    summary["commit"] = json.loads(made.read_text())["commit"]
-    summary["overrides"] = json.loads(made.read_text())["overrides"]
+    record = json.loads(made.read_text())
+    summary["commit"], summary["overrides"] = record["commit"], record["overrides"]
     return summary
 
 
@@ -193,6 +194,12 @@ def _by_label(summary: dict) -> dict[str, dict]:
 def _evals(summary: dict) -> dict[str, list[float]]:
     """label -> per-problem scores (as _by_label)."""
     return {label: e["per_prompt"] for label, e in _by_label(summary).items()}
+
+
+def _demonstrated(summary: dict, task: str) -> str:
+    """The kinds of problem a run's demonstrations showed: its last tools.demonstrated_operations override, else all."""
+    ops = [v for k, v in parse_overrides(summary.get("overrides", [])) if k == "tools.demonstrated_operations"]
+    return str(ops[-1]) if ops and ops[-1] is not None else tasks.get(task).operations
 
 
 def _measure(task: str) -> str:
@@ -250,6 +257,7 @@ def report(results: dict[tuple[int, str], dict], seeds: list[int], settings: lis
     lines = [f"learning (SmolLM2-135M-Instruct, {what}, 95% intervals)", ""]
     arm = _arms(results, seeds, settings, arms)
     best = {s: _evals(arm[s]).get(BEST) for s in seeds}
+    shown = {s: _demonstrated(arm[s], task) for s in seeds}
     settings = [s for s in settings if s != ARM_ONLY]
     for seed in seeds:
         curve = arm[seed].get("curves", {}).get("demonstrations only (validation)", [])
@@ -266,7 +274,9 @@ def report(results: dict[tuple[int, str], dict], seeds: list[int], settings: lis
             g, lo, hi = pooled([(control, online)])
             line = (f"  {setting:<18} seed {seed}: online {_mean(online):.2f}, control {_mean(control):.2f}, traffic gave "
                     f"{g:+.2f} [{lo:+.2f}, {hi:+.2f}], {results[seed, setting]['trainer_steps']} Trainer steps in all (code {results[seed, setting].get('commit', '?')})")
-            if best[seed]:
+            if best[seed] and _demonstrated(results[seed, setting], task) != shown[seed]:
+                line += "; no over best (its demonstrations show other kinds than the arm's)"
+            elif best[seed]:
                 over.append((best[seed], online))
                 g, lo, hi = pooled([(best[seed], online)])
                 line += f"; over best {g:+.2f} [{lo:+.2f}, {hi:+.2f}]"
@@ -274,7 +284,7 @@ def report(results: dict[tuple[int, str], dict], seeds: list[int], settings: lis
                 kept = ev[KEPT]
                 kept_gain.append((online, kept))
                 line += f"; kept {_mean(kept):.2f} (v{by[KEPT]['version']}, of v{by['after online loop']['version']})"
-                if best[seed]:
+                if best[seed] and _demonstrated(results[seed, setting], task) == shown[seed]:
                     kept_over.append((best[seed], kept))
                     g, lo, hi = pooled([(best[seed], kept)])
                     line += f", kept over best {g:+.2f} [{lo:+.2f}, {hi:+.2f}]"
@@ -303,38 +313,40 @@ def report(results: dict[tuple[int, str], dict], seeds: list[int], settings: lis
 def phrasings(results: dict[tuple[int, str], dict], seeds: list[int], setting: str, task: str = "calculator",
               arms: dict[int, dict] | None = None) -> list[str]:
     """Where the online loop still fails: held-out success by phrasing, pooled over ``seeds``, for the
-    loop's last version, its control and the demonstrations' best (where a seed has one); ``*`` marks
-    the phrasings the demonstrations show. A seed's held-out problems are the first its split draws,
-    so they follow from the seed and their number alone."""
+    loop's last version, its control and the demonstrations' best (``arms``: each seed's run holding it,
+    as ``_arms`` gives; left out where its demonstrations showed other kinds than this setting's);
+    ``*`` marks the phrasings this setting's demonstrations show. A seed's held-out problems are the
+    first its split draws, so they follow from the seed and their number alone."""
     t = tasks.get(task)
-    arm = _arms(results, seeds, [setting], arms)
     columns = {"online loop": "after online loop", "control": "control: demonstrations only", "best": BEST}
-    sums: dict[int, dict[str, list[float]]] = {}
+    scores: dict[int, dict[str, list[float]]] = {}
     shown: set[int] = set()
     unshown: list[tuple[list[float], list[float]]] = []  # (control, loop) on the kinds no demonstration shows, a pair a seed
     for seed in seeds:
-        ops = next((o.split("=", 1)[1] for o in results[seed, setting].get("overrides", [])
-                    if o.startswith("tools.demonstrated_operations=")), t.operations)
+        run = results[seed, setting]
+        ops = _demonstrated(run, task)
         shown |= {p.template for p in t.demonstration_problems(ops)}
-        ev = _evals(results[seed, setting]) | {BEST: _evals(arm[seed]).get(BEST)}
+        ev = {label: xs for label, xs in _evals(run).items() if label != BEST}  # the best is the arm's alone
+        if arms and seed in arms and _demonstrated(arms[seed], task) == ops:
+            ev[BEST] = _evals(arms[seed]).get(BEST)
         heldout = t.split(seed, 0, len(ev["after online loop"])).heldout
         for name, label in columns.items():
-            for p, score in zip(heldout, ev[label] or []):
-                sums.setdefault(p.template, {}).setdefault(name, []).append(score)
+            for p, score in zip(heldout, ev.get(label) or []):
+                scores.setdefault(p.template, {}).setdefault(name, []).append(score)
         new = [i for i, p in enumerate(heldout) if t.operation(p) not in ops]
         if new:
             unshown.append(([ev[columns["control"]][i] for i in new], [ev[columns["online loop"]][i] for i in new]))
-    lines = [f"  {setting} by phrasing, held-out {_measure(task)} pooled over {len(seeds)} seeds (* the demonstrations show it):"]
-    for template in sorted(sums):
+    lines = [f"  {setting} by phrasing, held-out {_measure(task)} pooled over {len(seeds)} seed(s) (* the demonstrations show it):"]
+    for template in sorted(scores):
         kind, text = t.templates[template]
-        figures = ", ".join(f"{name} {_mean(xs):.2f}" for name, xs in sums[template].items())
+        figures = ", ".join(f"{name} {_mean(xs):.2f}" for name, xs in scores[template].items())
         mark = "*" if template in shown else " "
-        lines.append(f"    {kind} {template:>2}{mark} ({len(sums[template]['online loop']):>3} problems) {figures}: {text[:60]}")
+        lines.append(f"    {kind} {template:>2}{mark} ({len(scores[template]['online loop']):>3} problems) {figures}: {text[:60]}")
     if unshown:  # issue 29: the traffic must teach what no demonstration showed
         g, lo, hi = pooled(unshown)
         control, loop = [x for c, _ in unshown for x in c], [x for _, o in unshown for x in o]
-        lines.append(f"    kinds no demonstration shows ({sum(map(len, (c for c, _ in unshown)))} problems, {len(unshown)} seeds): "
-                     f"online loop {_mean(loop):.2f}, control {_mean(control):.2f}, traffic gave {g:+.2f} [{lo:+.2f}, {hi:+.2f}] "
+        lines.append(f"    kinds no demonstration shows ({len(loop)} problems, {len(unshown)} seed(s)): online loop "
+                     f"{_mean(loop):.2f}, control {_mean(control):.2f}, traffic gave {g:+.2f} [{lo:+.2f}, {hi:+.2f}] "
                      "(pooled, paired by problem)")
     return lines
 
@@ -453,11 +465,13 @@ def main(argv: list[str] | None = None) -> str:
             keep_record(_run_dir(out, seed, setting, a.task), a.keep)
         print(f"  done: {setting} seed {seed} -> {results[seed, setting]['log']}", file=sys.stderr, flush=True)
     text = report(results, a.seeds, a.settings, a.task, arms)
-    text += "\n" + "\n".join(line for setting in a.settings if setting != ARM_ONLY
-                              for line in phrasings(results, a.seeds, setting, a.task, arms))
     if sources:
         text += "\n  (each seed's demonstrations-only arm from " + ", ".join(f"seed {k}: {d}" for k, d in sources.items()) + ")"
-    (out / "learning.txt").write_text(text + "\n")  # first: a plot that fails loses no figure
+    (out / "learning.txt").write_text(text + "\n")  # first: a breakdown or a plot that fails loses no figure
+    arm = _arms(results, a.seeds, a.settings, arms)
+    text += "\n" + "\n".join(line for setting in a.settings if setting != ARM_ONLY
+                              for line in phrasings(results, a.seeds, setting, a.task, arm))
+    (out / "learning.txt").write_text(text + "\n")
     plot(results, a.seeds, a.settings, out / "learning.png", a.task, arms)
     text += f"\n  curves: {out / 'learning.png'}"
     (out / "learning.txt").write_text(text + "\n")

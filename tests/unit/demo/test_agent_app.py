@@ -6,7 +6,7 @@ import asyncio
 import json
 from types import SimpleNamespace as NS
 
-from services.demo import agent_app, tasks, tools_task
+from services.demo import agent_app, tools_task
 
 PROBLEM = tools_task.Problem("A crate holds 36 bottles. How many bottles are in 24 crates?", "36 * 24", 864)
 
@@ -106,32 +106,3 @@ def test_a_units_episode_sends_the_converter_runs_it_and_scores_by_its_rule():
     assert gate.reset() is problem and gate.step("22.53 kilometres")[1] == 1.0
     assert {p.task for p in agent_app.units_gate_problems()} == {"units"} and len(agent_app.units_gate_problems()) == 32
 
-
-def test_feedback_calls_scope_the_words_to_the_calls_they_speak_about():
-    from services.demo.tools_demo import feedback_calls
-
-    task = tasks.get("calculator")
-    hint = task.hint(PROBLEM)
-    right = _run(FakeClient(_call("36 * 24"), _text("The answer is 864.")), task_id="t", run_id="0")
-    bad_call = _run(FakeClient(_call("36 + 24"), _text("The answer is 60.")), task_id="t", run_id="1")
-    bad_answer = _run(FakeClient(_call("36 * 24"), _text("The answer is 846.")), task_id="t", run_id="2")
-    reward = {"msg_ids": ["chatcmpl-1", "chatcmpl-2"], "reward": 0.0, "task_id": "t", "run_id": "1"}
-
-    for words in ("off", "hints", "corrections"):  # a right answer gets its reward alone, whatever the words
-        for scope in ("episode", "tool"):
-            assert feedback_calls(right, task, words=words, hint_calls=scope) == [
-                {"msg_ids": ["chatcmpl-1", "chatcmpl-2"], "reward": 1.0, "task_id": "t", "run_id": "0"}]
-    assert feedback_calls(bad_call, task) == [reward]
-    # hints on the whole episode: the reward and the hint together, for every call, the wrong call's or not
-    assert feedback_calls(bad_call, task, words="hints") == [reward | {"hint": hint}]
-    assert feedback_calls(bad_answer, task, words="hints")[0]["hint"] == hint
-    # scoped to the tool call: the reward for every call, the hint on the first call alone, and only when it was wrong
-    assert feedback_calls(bad_call, task, words="hints", hint_calls="tool") == [
-        reward, {"msg_ids": ["chatcmpl-1"], "hint": hint}]
-    assert feedback_calls(bad_answer, task, words="hints", hint_calls="tool") == [reward | {"run_id": "2"}]
-    # corrections: the first call as it should have been, only when it was wrong
-    fixed = feedback_calls(bad_call, task, words="corrections")
-    assert fixed[0] == reward and fixed[1]["msg_ids"] == ["chatcmpl-1"]
-    assert fixed[1]["correction"] == task.demonstration_turns(PROBLEM)[0]["response"]
-    assert feedback_calls(bad_answer, task, words="corrections") == [reward | {"run_id": "2"}]
-    assert feedback_calls(_run(FakeClient(RuntimeError("503"))), task, words="hints") == []  # no call recorded

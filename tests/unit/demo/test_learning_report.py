@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from tests.bench.learning import pooled, report
+from services.demo import tasks
+from tests.bench.learning import phrasings, pooled, report
 
 
 def _summary(online, control, best=None, steps=3, curve=()):
@@ -185,37 +186,37 @@ def test_each_seeds_arm_can_come_from_another_benchs_runs(tmp_path, monkeypatch,
 
 
 def test_phrasings_pool_held_out_success_by_phrasing_over_seeds():
-    from services.demo import tasks
-    from tests.bench.learning import phrasings
-
     task = tasks.get("calculator")
-    # seed 3's first four held-out problems and seed 4's first two, as their splits draw them
-    h3, h4 = task.split(3, 0, 4).heldout, task.split(4, 0, 2).heldout
+    # seed 3's first four held-out problems (+, /, /, /) and seed 4's first two (+, *), as their splits draw them
+    assert [(p.template, task.operation(p)) for p in task.split(3, 0, 4).heldout] == [(7, "+"), (15, "/"), (17, "/"), (15, "/")]
+    assert [(p.template, task.operation(p)) for p in task.split(4, 0, 2).heldout] == [(7, "+"), (2, "*")]
     only = ["tools.demonstrated_operations=*+"]  # the runs' overrides say which phrasings their demonstrations showed
-    results = {(3, "s"): {**_summary([1, 0, 1, 1], [0, 0, 0, 1], best=[1, 1, 1, 1]), "overrides": ["seed=3", *only]},
+    results = {(3, "s"): {**_summary([1, 0, 1, 1], [0, 0, 0, 1], best=[1, 1, 0, 1]), "overrides": ["seed=3", *only]},
                (4, "s"): {**_summary([0, 1], [1, 1]), "overrides": ["seed=4", *only]}}
-    lines = phrasings(results, [3, 4], "s")
-    assert lines[0].startswith("  s by phrasing, held-out success pooled over 2 seeds")
-    by = {}
-    for p, loop, control, best in [*zip(h3, [1, 0, 1, 1], [0, 0, 0, 1], [1, 1, 1, 1]), *zip(h4, [0, 1], [1, 1], [None] * 2)]:
-        row = by.setdefault(p.template, {"loop": [], "control": [], "best": []})
-        row["loop"].append(loop), row["control"].append(control)
-        if best is not None:
-            row["best"].append(best)
-    assert len(lines) == 1 + len(by) + 1
-    # the kinds no demonstration shows (- and /: here seed 3's three / problems; seed 4 drew none), paired by problem
-    assert lines[-1].startswith("    kinds no demonstration shows (3 problems, 1 seeds): online loop 0.67, control 0.33, traffic gave +0.33 [")
+    lines = phrasings(results, [3, 4], "s", arms={3: results[3, "s"]})
+    assert lines == [
+        "  s by phrasing, held-out success pooled over 2 seed(s) (* the demonstrations show it):",
+        "    *  2  (  1 problems) online loop 1.00, control 1.00: Each of {b} rooms has {a} {x}. How many {x} are there in all",
+        "    +  7  (  2 problems) online loop 0.50, control 0.50, best 1.00: {n} counted {a} {x} in one room and {b} in another. How many",
+        "    / 15  (  2 problems) online loop 0.50, control 0.50, best 1.00: {a} {x} are shared equally by {b} friends. How many {x} does",
+        "    / 17  (  1 problems) online loop 1.00, control 0.00, best 0.00: {b} kids split {a} {x} evenly. How many {x} does each kid ge",
+        lines[-1],
+    ]
+    # the kinds no demonstration shows (- and /: seed 3's three / problems; seed 4 drew none), paired by problem
+    assert lines[-1].startswith("    kinds no demonstration shows (3 problems, 1 seed(s)): online loop 0.67, control 0.33, traffic gave +0.33 [")
+    # an arm whose demonstrations showed every kind is no "best" for runs shown * and + alone
+    assert "best" not in "".join(phrasings(results, [3, 4], "s", arms={3: {**results[3, "s"], "overrides": []}}))
     for run in results.values():
         run["overrides"] = []
-    assert not any("no demonstration shows" in x for x in phrasings(results, [3, 4], "s"))  # every kind shown
-    for template, row in sorted(by.items()):
-        line = next(x for x in lines[1:-1] if x.startswith(f"    {task.templates[template][0]} {template:>2}"))
-        assert f"({len(row['loop']):>3} problems) online loop {sum(row['loop']) / len(row['loop']):.2f}, " \
-               f"control {sum(row['control']) / len(row['control']):.2f}" in line
-        if row["best"]:
-            assert line.split(": ")[0].endswith(f"best {sum(row['best']) / len(row['best']):.2f}")
-        else:  # seed 4 has no demonstrations' best: a phrasing only it drew has no best column
-            assert "best" not in line.split(": ")[0]
-    shown = {p.template for p in task.demonstration_problems("*+")}
-    assert any(task.templates[t][0] in "-/" for t in by) and not shown & {t for t in by if task.templates[t][0] in "-/"}
-    assert [x[8] == "*" for x in lines[1:-1]] == [t in shown for t in sorted(by)]
+    every = phrasings(results, [3, 4], "s")  # every kind shown, phrasings 15 among them (not 2, 7 or 17)
+    assert not any("no demonstration shows" in x for x in every)
+    assert [x[4:9] for x in every[1:]] == ["*  2 ", "+  7 ", "/ 15*", "/ 17 "]
+
+
+def test_a_run_whose_demonstrations_show_other_kinds_is_not_set_against_the_arms_best():
+    results = {(0, "base"): _summary([1, 0], [0, 0], best=[1, 1]),
+               (0, "ops"): {**_summary([1, 1], [0, 0]), "overrides": ["seed=0", "tools.demonstrated_operations=*+"]}}
+    text = report(results, [0], ["base", "ops"])
+    base, ops = [line for line in text.splitlines() if " seed 0: online" in line]
+    assert "over best -0.50" in base and "over best" not in ops.replace("no over best", "")
+    assert "no over best (its demonstrations show other kinds than the arm's)" in ops

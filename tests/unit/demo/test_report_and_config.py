@@ -76,6 +76,9 @@ def test_words_hints_give_the_trainer_its_hint_term_and_are_refused_when_unknown
         trainer("tools.words=shouts")
     with pytest.raises(Exception, match="hint_calls"):
         trainer("tools.words=hints", "tools.hint_calls=answer")
+    with pytest.raises(Exception, match="hint_calls=tool says which calls get a hint: it needs words=hints, not words=off"):
+        trainer("tools.hint_calls=tool")
+    assert trainer("tools.words=hints", "tools.hint_calls=tool")["algorithm"]["grpo"]["hint_coef"] == 1.0
 
 
 def test_explore_temperature_gives_the_agent_its_exploration_temperature(tmp_path):

@@ -115,3 +115,14 @@ def test_validation_problems_are_apart_from_the_rest_and_change_nothing_else():
     assert len(validation) == 40
     others = {p.question for p in v.traffic + v.heldout + t.DEMONSTRATION_POOL}
     assert not validation & others
+
+
+def test_the_held_out_problems_depend_on_the_seed_and_their_number_alone():
+    from services.demo import tasks
+
+    for name in ("calculator", "units"):
+        task = tasks.get(name)
+        full = task.split(11, 2000, 80, 40).heldout
+        assert task.split(11, 16, 80).heldout == full == task.split(11, 0, 80).heldout
+        assert task.split(11, 0, 40).heldout == full[:40]
+        assert task.split(12, 0, 80).heldout != full
