@@ -28,7 +28,8 @@ with hints, the per-token distillation term at a fifth (`tools.hint_coef=0.2`) a
 top-16 term at its default weight), `explore-hints-light` the same with the top-16 term at a fifth too,
 `explore-hints-token` the per-token term at full weight (centred) with the top-16 term at a fifth,
 `explore-hints-tool` the same with the hint on the tool call alone (`tools.hint_calls=tool`), `explore-ops`
-is `explore` with demonstrations of * and + only (the report pools the kinds no demonstration shows), and
+is `explore` with demonstrations of * and + only (the report pools the kinds no demonstration shows),
+`explore-wide` is `explore` with four problems a Trainer step instead of two, and
 `explore-kept` is `explore` whose loop also keeps its best version (`tools.keep_best`: its versions measured on
 the validation problems every 4 steps and at its end, the best measured on the held-out ones; the report adds
 "kept" and "kept over best" beside the loop's last version); the other settings sample the traffic at 1, as they
@@ -96,6 +97,9 @@ SETTINGS: dict[str, list[str]] = {
                            "trainer.algorithm.grpo.hint_baseline=call", "trainer.algorithm.grpo.top_k_coef=0.2"],
     # the demonstrations show * and + only: - and / are learnt from the traffic alone (issue 29's "what no demonstration showed")
     "explore-ops": [*EXPLORE, "tools.demonstrated_operations=*+"],
+    # four problems a step, not two (64 calls a batch, the backlog as large): at --loop-steps 12 as many episodes as
+    # `explore` at 24, in about the same time
+    "explore-wide": [*EXPLORE, "tools.traffic.tasks_per_batch=4", "tools.traffic.max_backlog=64"],
     # `explore` whose online loop keeps its best version, chosen on the validation problems (tools.keep_best): the same
     # training, so each run gives explore's last version too
     "explore-kept": [*EXPLORE, "tools.keep_best=true"],
