@@ -278,9 +278,10 @@ def report(results: dict[tuple[int, str], dict], seeds: list[int], settings: lis
             g, lo, hi = pooled([(control, online)])
             line = (f"  {setting:<18} seed {seed}: online {_mean(online):.2f}, control {_mean(control):.2f}, traffic gave "
                     f"{g:+.2f} [{lo:+.2f}, {hi:+.2f}], {results[seed, setting]['trainer_steps']} Trainer steps in all (code {results[seed, setting].get('commit', '?')})")
-            if best[seed] and _demonstrated(results[seed, setting], task) != shown[seed]:
+            comparable = best[seed] and _demonstrated(results[seed, setting], task) == shown[seed]
+            if best[seed] and not comparable:
                 line += "; no over best (its demonstrations show other kinds than the arm's)"
-            elif best[seed]:
+            elif comparable:
                 over.append((best[seed], online))
                 g, lo, hi = pooled([(best[seed], online)])
                 line += f"; over best {g:+.2f} [{lo:+.2f}, {hi:+.2f}]"
@@ -288,7 +289,7 @@ def report(results: dict[tuple[int, str], dict], seeds: list[int], settings: lis
                 kept = ev[KEPT]
                 kept_gain.append((online, kept))
                 line += f"; kept {_mean(kept):.2f} (v{by[KEPT]['version']}, of v{by['after online loop']['version']})"
-                if best[seed] and _demonstrated(results[seed, setting], task) == shown[seed]:
+                if comparable:
                     kept_over.append((best[seed], kept))
                     g, lo, hi = pooled([(best[seed], kept)])
                     line += f", kept over best {g:+.2f} [{lo:+.2f}, {hi:+.2f}]"

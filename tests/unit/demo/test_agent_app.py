@@ -105,4 +105,3 @@ def test_a_units_episode_sends_the_converter_runs_it_and_scores_by_its_rule():
     gate = agent_app.GateEnv(problem)
     assert gate.reset() is problem and gate.step("22.53 kilometres")[1] == 1.0
     assert {p.task for p in agent_app.units_gate_problems()} == {"units"} and len(agent_app.units_gate_problems()) == 32
-
