@@ -5,6 +5,7 @@ section (services/trainer/recipes/)."""
 from __future__ import annotations
 
 import logging
+import math
 from typing import Any, Literal
 
 from pydantic import ConfigDict, Field, ValidationError, model_validator
@@ -95,6 +96,26 @@ class OptimSection(ConfigModel):
     betas: tuple[float, float] = Field(default=(0.9, 0.999), description="AdamW betas.")
     grad_clip: float = Field(default=1.0, gt=0, description="Clip the global gradient norm to this.")
     warmup_steps: int = Field(default=0, ge=0, description="Linear learning-rate warm-up steps.")
+    decay_steps: int | None = Field(
+        default=None, ge=1, description="After the warm-up, the learning rate falls to min_lr_ratio x lr over this many "
+        "of the agent's steps, then stays there (absent: constant). An online loop's early steps learn the task "
+        "fast; later ones only refine it, and at the full rate they let one batch's success (a multiplication group) "
+        "pull a shared habit (the operator) its way on every problem.")
+    decay: Literal["cosine", "linear"] = Field(default="cosine", description="The shape of the decay.")
+    min_lr_ratio: float = Field(default=0.1, ge=0, le=1, description="The learning rate at the decay's end, "
+                                "as a fraction of lr.")
+
+    def lr_at(self, step: int) -> float:
+        """The learning rate of the agent's step ``step`` (0 the first): warm-up, then decay, then the floor."""
+        if step < 0:
+            raise ValueError(f"step must be >= 0, got {step}")
+        if self.warmup_steps and step < self.warmup_steps:
+            return self.lr * (step + 1) / self.warmup_steps
+        if self.decay_steps is None:
+            return self.lr
+        done = min(1.0, (step - self.warmup_steps) / self.decay_steps)
+        fall = done if self.decay == "linear" else (1 - math.cos(math.pi * done)) / 2
+        return self.lr * (1 - (1 - self.min_lr_ratio) * fall)
 
 
 class CheckpointsTrainerSection(CheckpointsSection):

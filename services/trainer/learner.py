@@ -203,7 +203,7 @@ class LearnerWorker:
         mean KL, before || after, pooled over the learners' shards) is refused the same way."""
         cfg = self.cfg
         self.policy.activate(agent)
-        lr = cfg.optim.lr * min(1.0, (step + 1) / cfg.optim.warmup_steps) if cfg.optim.warmup_steps else cfg.optim.lr
+        lr = cfg.optim.lr_at(step)
         g = cfg.guard
         # every learner takes the same branches, whatever its shard holds: the KL and each attempt's verdict
         # are all-reduced

@@ -5,14 +5,18 @@ For each hinted call (first calls, then answer turns), with the run's adapter ``
 start's by default): the log-probability of the right reply (the calculator call with the hint's
 expression; "The answer is N." after its result) without and with the hint (the teacher's prompt the
 Explorer rendered), and the same for the reply actually sampled, with the mean per-token gap (the
-distillation advantage the Trainer gives those tokens). A teacher that prefers the right reply and
-disfavours the sampled one carries the signal self-distillation needs.
+distillation advantage the Trainer gives those tokens), and the probability of the right reply's first
+token (for a first call, the one that opens the calculator call) without and with the hint. A teacher
+that prefers the right reply and disfavours the sampled one carries the signal self-distillation
+needs; one that, reading the hint, is less sure to call the calculator at all teaches the agent to
+answer in words.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import re
 import sqlite3
 import statistics
@@ -62,7 +66,7 @@ def main() -> None:
                      if turn == "first calls" else tok.encode(final_reply(calculate(expr)), add_special_tokens=False) + [end])
             teacher = hint["prompt_token_ids"]
             out.append((logprob(prompt, right), logprob(teacher, right), logprob(prompt, sampled), logprob(teacher, sampled),
-                        len(sampled)))
+                        len(sampled), logprob(prompt, right[:1]), logprob(teacher, right[:1])))
             if len(out) >= args.calls:
                 break
         if not out:
@@ -71,7 +75,9 @@ def main() -> None:
         med = lambda k: statistics.median(o[k] for o in out)  # noqa: E731
         print(f"{turn} ({len(out)} hinted, v{args.version}): right reply {med(0):.2f} without the hint, {med(1):.2f} "
               f"reading it (higher in {sum(o[1] > o[0] for o in out)}); sampled reply {med(2):.2f} without, {med(3):.2f} "
-              f"reading it; mean per-token gap on the sampled tokens {sum(o[3] - o[2] for o in out) / sum(o[4] for o in out):+.3f}")
+              f"reading it; mean per-token gap on the sampled tokens {sum(o[3] - o[2] for o in out) / sum(o[4] for o in out):+.3f}; "
+              f"the right reply's first token ({tok.decode(right[:1])!r}) has probability {math.exp(med(5)):.2f} without the "
+              f"hint, {math.exp(med(6)):.2f} reading it (lower in {sum(o[6] < o[5] for o in out)})")
 
 
 if __name__ == "__main__":

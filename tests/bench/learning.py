@@ -32,7 +32,10 @@ is `explore` with demonstrations of * and + only (the report pools the kinds no 
 `explore-wide` is `explore` with four problems a Trainer step instead of two, and
 `explore-kept` is `explore` whose loop also keeps its best version (`tools.keep_best`: its versions measured on
 the validation problems every 4 steps and at its end, the best measured on the held-out ones; the report adds
-"kept" and "kept over best" beside the loop's last version); the other settings sample the traffic at 1, as they
+"kept" and "kept over best" beside the loop's last version), and `explore-decay` is `explore` with the learning rate
+falling to a tenth over the first 28 Trainer steps (`trainer.optim.decay_steps`), `explore-si` is `explore` with
+the agent's own successes replayed at a quarter of the demonstrations' weight, `explore-corrections` is `explore`
+with the users' corrections of wrong first calls; the other settings sample the traffic at 1, as they
 were measured.
 `--arms-from DIR` takes each seed's demonstrations-only arm from its finished run in DIR (another bench's
 `--out`, or kept records: the held-out problems depend on the seed and task alone), so a longer loop on
@@ -103,6 +106,17 @@ SETTINGS: dict[str, list[str]] = {
     # `explore` whose online loop keeps its best version, chosen on the validation problems (tools.keep_best): the same
     # training, so each run gives explore's last version too
     "explore-kept": [*EXPLORE, "tools.keep_best=true"],
+    # `explore` whose learning rate falls (cosine) to a tenth over the Trainer's first 28 steps (the cold start's 4 and
+    # a 24-version loop), then stays there: against the operator drift of the loop's late versions
+    "explore-decay": [*EXPLORE, "trainer.optim.decay_steps=28"],
+    # `explore` with the simulated users' corrections (a wrong episode's first call, as it should have been, posted as a
+    # new demonstration): the one signal that reaches a phrasing every run gets wrong (an all-wrong group teaches nothing)
+    "explore-corrections": [*EXPLORE, "tools.words=corrections"],
+    # `explore` with the agent's own successes replayed at a quarter of the demonstrations' weight (the best run of each
+    # group, one a task, 8 calls a step, ramped in over 4 steps): what holds the right operator on the phrasings the
+    # traffic already solves, where GRPO's all-right groups teach nothing
+    "explore-si": [*EXPLORE, "trainer.algorithm.self_imitation.coef=0.25", "trainer.algorithm.self_imitation.ramp_steps=4",
+                   "trainer.algorithm.self_imitation.batch_size=8", "trainer.algorithm.self_imitation.per_task=1"],
     # no online loop to speak of (one round of traffic at most): the demonstrations-only arm from the cold start to its plateau
     "demonstrations": ["tools.levers=false", "tools.control=false", "duration_s=1", "min_new_versions=0"],
 }
