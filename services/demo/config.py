@@ -136,6 +136,12 @@ class ToolsSection(ConfigModel):
         description="words=hints: which calls of a wrong episode get the hint (the reward goes to all of them): every call "
         "(episode), or only its first call, the tool call the hint names, and only when that call did not compute the "
         "answer (tool).")
+    correct_runs: Literal["seen", "all"] = Field(
+        default="seen",
+        description="words=corrections: which runs of a task a user corrects: the one served to them (seen: run 0; the "
+        "others are the repeat runs the Explorer makes beside it), or every wrong run (all, as measured before "
+        "2026-11-28: up to `repeat` copies of one correction a task, which crowd the 16 demonstrations out of the "
+        "Trainer's in-turn replay).")
     keep_best: bool = Field(
         default=False,
         description="The online loop keeps its best version, as a release gate on a validation suite would: after the loop "
@@ -165,6 +171,9 @@ class ToolsSection(ConfigModel):
     def _hint_scope(self) -> "ToolsSection":
         if self.hint_calls != "episode" and self.words != "hints":
             raise ValueError(f"hint_calls={self.hint_calls} says which calls get a hint: it needs words=hints, not words={self.words}")
+        if self.correct_runs != "seen" and self.words != "corrections":
+            raise ValueError(f"correct_runs={self.correct_runs} says which runs get a correction: it needs words=corrections, "
+                             f"not words={self.words}")
         return self
 
 

@@ -83,13 +83,14 @@ def mean_interval(scores: list[float], z: float = 1.96) -> tuple[float, float]:
 
 
 def feedback_calls(ep: agent_app.Episode, task: Task, *, words: Literal["off", "hints", "corrections"] = "off",
-                   hint_calls: Literal["episode", "tool"] = "episode") -> list[dict]:
+                   hint_calls: Literal["episode", "tool"] = "episode", corrects: bool = True) -> list[dict]:
     """The Explorer feedback requests (``ExplorerClient.feedback`` keywords) for one finished episode:
     its reward for every call; after a wrong answer, with ``words="hints"``, the task's hint on every
     call (``hint_calls="episode"``), or on the first call alone, the tool call the hint speaks about,
     when that call did not compute the answer (``"tool"``); with ``words="corrections"``, the right
     first call as the correction of the episode's first, unless a tool call of the episode computed
-    the answer (the final reply went wrong after it, which a correction of the first call does not mend)."""
+    the answer (the final reply went wrong after it, which a correction of the first call does not mend), and
+    only if the user ``corrects`` this episode (the one they were served, ``tools.correct_runs``)."""
     if words not in ("off", "hints", "corrections") or hint_calls not in ("episode", "tool"):
         raise ValueError(f"unknown feedback in words: words={words!r}, hint_calls={hint_calls!r}")
     if not ep.msg_ids:
@@ -101,7 +102,7 @@ def feedback_calls(ep: agent_app.Episode, task: Task, *, words: Literal["off", "
         return [reward | {"hint": task.hint(ep.problem)}]
     if words == "hints":
         return [reward] if ep.first_call_right else [reward, {"msg_ids": ep.msg_ids[:1], "hint": task.hint(ep.problem)}]
-    if ep.called_tool_right:
+    if ep.called_tool_right or not corrects:
         return [reward]
     return [reward, {"msg_ids": ep.msg_ids[:1], "correction": task.demonstration_turns(ep.problem)[0]["response"]}]
 
@@ -266,7 +267,9 @@ class ToolsDemo:
                                                  explore=self.t.explore_temperature is not None)
                 if ep.error is None:
                     try:
-                        for kwargs in feedback_calls(ep, self.task, words=self.t.words, hint_calls=self.t.hint_calls):
+                        corrects = run == 0 or self.t.correct_runs == "all"  # run 0 is the one a user was served
+                        for kwargs in feedback_calls(ep, self.task, words=self.t.words, hint_calls=self.t.hint_calls,
+                                                     corrects=corrects):
                             await explorer.feedback(**kwargs)
                     except Exception as e:  # one lost reward must not stop the traffic
                         ep.error = f"feedback failed: {e}"

@@ -32,6 +32,7 @@ TOOLS = [CALCULATOR]
 # ---------------------------------------------------------------------------------------- the tool
 
 _OPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv}
+_SIGNS = {ast.Add: "+", ast.Sub: "-", ast.Mult: "*", ast.Div: "/"}
 
 
 def _eval(node: ast.AST) -> float:
@@ -47,12 +48,32 @@ def _eval(node: ast.AST) -> float:
     raise ValueError("only numbers, + - * / and parentheses are allowed")
 
 
+def _parse(expression: str) -> ast.Expression:
+    return ast.parse(expression.replace("×", "*").replace("÷", "/").strip(), mode="eval")
+
+
+def operators(expression: str) -> str | None:
+    """The operators of an expression the calculator takes, left to right as written ("" for a bare number);
+    None for one it refuses (a division by zero still names its operators)."""
+    if len(expression) > 200:
+        return None
+    try:
+        tree = _parse(expression)
+        _eval(tree)
+    except ZeroDivisionError:
+        pass
+    except (SyntaxError, ValueError, TypeError, RecursionError):
+        return None
+    ops = sorted((n for n in ast.walk(tree) if isinstance(n, ast.BinOp)), key=lambda n: (n.right.lineno, n.right.col_offset))
+    return "".join(_SIGNS[type(n.op)] for n in ops)
+
+
 def calculate(expression: str) -> str:
     """The calculator the app runs: the value as text (an integer when whole), or "error: ..."."""
     if len(expression) > 200:
         return "error: expression too long"
     try:
-        value = _eval(ast.parse(expression.replace("×", "*").replace("÷", "/").strip(), mode="eval"))
+        value = _eval(_parse(expression))
     except ZeroDivisionError:
         return "error: division by zero"
     except (SyntaxError, ValueError, TypeError, RecursionError) as e:

@@ -98,12 +98,16 @@ class OptimSection(ConfigModel):
     warmup_steps: int = Field(default=0, ge=0, description="Linear learning-rate warm-up steps.")
     decay_steps: int | None = Field(
         default=None, ge=1, description="After the warm-up, the learning rate falls to min_lr_ratio x lr over this many "
-        "of the agent's steps, then stays there (absent: constant). An online loop's early steps learn the task "
-        "fast; later ones only refine it, and at the full rate they let one batch's success (a multiplication group) "
-        "pull a shared habit (the operator) its way on every problem.")
+        "of the agent's steps, then stays there (absent: constant). The value head of ppo keeps critic_lr.")
     decay: Literal["cosine", "linear"] = Field(default="cosine", description="The shape of the decay.")
     min_lr_ratio: float = Field(default=0.1, ge=0, le=1, description="The learning rate at the decay's end, "
-                                "as a fraction of lr.")
+                                "as a fraction of lr (0: an online learner stops learning there).")
+
+    @model_validator(mode="after")
+    def _decay_needs_steps(self) -> "OptimSection":
+        if self.decay_steps is None and (given := sorted({"decay", "min_lr_ratio"} & self.model_fields_set)):
+            raise ValueError(f"optim.{given[0]} shapes the learning rate's decay: it needs optim.decay_steps")
+        return self
 
     def lr_at(self, step: int) -> float:
         """The learning rate of the agent's step ``step`` (0 the first): warm-up, then decay, then the floor."""

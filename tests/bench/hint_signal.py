@@ -48,10 +48,11 @@ def main() -> None:
         "select response_token_ids from experiences where completion_id like 'demo-%' and response like '%tool_calls%' limit 1")))
     end = tok.convert_tokens_to_ids("<|im_end|>")
 
-    def logprob(prompt: list[int], reply: list[int]) -> float:
+    def logprobs(prompt: list[int], reply: list[int]) -> torch.Tensor:
+        """Each reply token's log-probability after the prompt and the reply's tokens before it."""
         with torch.no_grad():
             logits = model(torch.tensor([prompt + reply])).logits[0, len(prompt) - 1: -1].float()
-        return torch.log_softmax(logits, -1).gather(-1, torch.tensor(reply).unsqueeze(-1)).sum().item()
+        return torch.log_softmax(logits, -1).gather(-1, torch.tensor(reply).unsqueeze(-1)).squeeze(-1)
 
     rows = db.execute("select prompt_token_ids, hint, messages, response_token_ids from experiences "
                       "where hint is not null and hint != 'null' order by seq").fetchall()
@@ -65,8 +66,9 @@ def main() -> None:
             right = (tok.encode(re.sub(r'"expression": "[^"]*"', f'"expression": "{expr}"', call_text), add_special_tokens=False)
                      if turn == "first calls" else tok.encode(final_reply(calculate(expr)), add_special_tokens=False) + [end])
             teacher = hint["prompt_token_ids"]
-            out.append((logprob(prompt, right), logprob(teacher, right), logprob(prompt, sampled), logprob(teacher, sampled),
-                        len(sampled), logprob(prompt, right[:1]), logprob(teacher, right[:1])))
+            student, reading = logprobs(prompt, right), logprobs(teacher, right)
+            out.append((student.sum().item(), reading.sum().item(), logprobs(prompt, sampled).sum().item(),
+                        logprobs(teacher, sampled).sum().item(), len(sampled), student[0].item(), reading[0].item()))
             if len(out) >= args.calls:
                 break
         if not out:

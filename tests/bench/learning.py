@@ -20,7 +20,8 @@ Settings are the demo overrides below: `base` is plain GRPO with the demonstrati
 step, `levers` turns on the Trainer's levers (services/demo/tools_demo.py LEVERS), and each
 `no-*` setting is `levers` with one lever off (the ablation), `self-imitation` is `base` with that one lever
 on; `hints` and `corrections` are `base` with the simulated
-users' words after a wrong answer (`tools.words`), to compare with `base` (rewards alone), and
+users' words after a wrong answer (`tools.words`; `corrections` corrects every wrong run, as it was
+measured: `tools.correct_runs=all`), to compare with `base` (rewards alone), and
 `hints-centred` is `hints` with the distillation advantage centred per call (`hint_baseline=call`);
 `explore` is `base` with the traffic sampled at temperature 1.3 (`tools.explore_temperature`, the
 demo's default since it paid over seeds 3-6), the evaluations still at 1, and `explore-hints` is `explore`
@@ -35,7 +36,7 @@ the validation problems every 4 steps and at its end, the best measured on the h
 "kept" and "kept over best" beside the loop's last version), and `explore-decay` is `explore` with the learning rate
 falling to a tenth over the first 28 Trainer steps (`trainer.optim.decay_steps`), `explore-si` is `explore` with
 the agent's own successes replayed at a quarter of the demonstrations' weight, `explore-corrections` is `explore`
-with the users' corrections of wrong first calls; the other settings sample the traffic at 1, as they
+with the users' corrections of wrong first calls (of the run each user was served); the other settings sample the traffic at 1, as they
 were measured.
 `--arms-from DIR` takes each seed's demonstrations-only arm from its finished run in DIR (another bench's
 `--out`, or kept records: the held-out problems depend on the seed and task alone), so a longer loop on
@@ -84,7 +85,8 @@ SETTINGS: dict[str, list[str]] = {
     "hints": ["tools.explore_temperature=null", "tools.levers=false", "tools.words=hints"],
     # hints with the distillation advantage centred per call (algorithm.grpo.hint_baseline=call)
     "hints-centred": ["tools.explore_temperature=null", "tools.levers=false", "tools.words=hints", "trainer.algorithm.grpo.hint_baseline=call"],
-    "corrections": ["tools.explore_temperature=null", "tools.levers=false", "tools.words=corrections"],
+    # every wrong run corrected, as measured (tools.correct_runs=all)
+    "corrections": ["tools.explore_temperature=null", "tools.levers=false", "tools.words=corrections", "tools.correct_runs=all"],
     # `base` with the traffic sampled hotter than the evaluations (exploration runs; the Trainer scores them at 1.3)
     "explore": EXPLORE,
     # hints on the demo's traffic at 1.3: the per-token distillation term at a fifth, centred per call; the top-16 term
@@ -110,7 +112,8 @@ SETTINGS: dict[str, list[str]] = {
     # a 24-version loop), then stays there: against the operator drift of the loop's late versions
     "explore-decay": [*EXPLORE, "trainer.optim.decay_steps=28"],
     # `explore` with the simulated users' corrections (a wrong episode's first call, as it should have been, posted as a
-    # new demonstration): the one signal that reaches a phrasing every run gets wrong (an all-wrong group teaches nothing)
+    # new demonstration) of the run each was served: the one signal that reaches a phrasing every run gets wrong (an
+    # all-wrong group teaches nothing)
     "explore-corrections": [*EXPLORE, "tools.words=corrections"],
     # `explore` with the agent's own successes replayed at a quarter of the demonstrations' weight (the best run of each
     # group, one a task, 8 calls a step, ramped in over 4 steps): what holds the right operator on the phrasings the
@@ -134,8 +137,9 @@ def _commit() -> str:
 
 def _plain(overrides: list[str]) -> list[str]:
     """Overrides as compared for resuming: the traffic's temperature pinned to null (the demo's default
-    before 1.3) is what a run made without it did too."""
-    return [o for o in overrides if o != "tools.explore_temperature=null"]
+    before 1.3) and every wrong run corrected (before tools.correct_runs) are what a run made without
+    them did too."""
+    return [o for o in overrides if o not in ("tools.explore_temperature=null", "tools.correct_runs=all")]
 
 
 def _overrides(seed: int, setting: str, extra: list[str]) -> list[str]:

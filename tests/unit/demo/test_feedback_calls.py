@@ -76,6 +76,12 @@ def test_corrections_correct_the_first_call_unless_a_tool_call_computed_the_answ
         assert feedback_calls(ep, TASK, words="corrections", hint_calls=scope) == [_reward(ep)]
 
 
+def test_a_run_the_user_was_not_served_gets_no_correction_and_hints_still():
+    for ep in (BAD_CALL, NO_TOOL):
+        assert feedback_calls(ep, TASK, words="corrections", corrects=False) == [_reward(ep)]
+    assert feedback_calls(BAD_CALL, TASK, words="hints", corrects=False) == [_reward(BAD_CALL) | {"hint": HINT}]
+
+
 def test_no_call_recorded_no_feedback_and_unknown_words_refused():
     assert feedback_calls(Episode(problem=PROBLEM, task_id="t", run_id="9"), TASK, words="hints") == []
     with pytest.raises(ValueError, match="words='shouts'"):

@@ -75,6 +75,11 @@ def test_a_finished_run_with_the_same_overrides_is_read_back_and_one_with_others
     (tmp_path / "bench.json").rename(made / "bench.json")
     shuffled = ["tools.plateau.max_steps=48", *reversed(bench.SETTINGS["base"]), "seed=0"]  # the same, in another order
     assert bench._finished_with_other_overrides(made, shuffled) is None
+    # `corrections` as measured before tools.correct_runs corrected every wrong run: the same as correct_runs=all now
+    (made / "bench.json").write_text(json.dumps({"overrides": ["seed=0", "tools.explore_temperature=null", "tools.levers=false",
+                                                               "tools.words=corrections"], "commit": "abc1234"}))
+    assert bench._finished_with_other_overrides(made, ["seed=0", *bench.SETTINGS["corrections"]]) is None
+    (made / "bench.json").write_text(json.dumps({"overrides": overrides, "commit": "abc1234"}))
     with pytest.raises(RuntimeError, match=r"kaizen demo failed \(base, seed 0\)"):  # asked for: cleared, run again
         bench.run_demo(0, "base", tmp_path, ["tools.plateau.max_steps=0"], resume=False)
     assert len(ran) == 1 and not (made / "20261126-000000").exists()

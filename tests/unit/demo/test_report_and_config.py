@@ -79,6 +79,11 @@ def test_words_hints_give_the_trainer_its_hint_term_and_are_refused_when_unknown
     with pytest.raises(Exception, match="hint_calls=tool says which calls get a hint: it needs words=hints, not words=off"):
         trainer("tools.hint_calls=tool")
     assert trainer("tools.words=hints", "tools.hint_calls=tool")["algorithm"]["grpo"]["hint_coef"] == 1.0
+    with pytest.raises(Exception, match="correct_runs=all says which runs get a correction: it needs words=corrections"):
+        trainer("tools.words=hints", "tools.correct_runs=all")
+    with pytest.raises(Exception, match="correct_runs"):
+        trainer("tools.words=corrections", "tools.correct_runs=some")
+    assert trainer("tools.words=corrections", "tools.correct_runs=all")["algorithm"]["grpo"].get("hint_coef") is None
 
 
 def test_explore_temperature_gives_the_agent_its_exploration_temperature(tmp_path):

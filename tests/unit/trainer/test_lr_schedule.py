@@ -39,10 +39,14 @@ def test_cosine_decay_after_warmup():
 
 def test_bad_settings_are_named():
     with pytest.raises(ValidationError, match="min_lr_ratio"):
-        OptimSection(min_lr_ratio=1.5)
+        OptimSection(decay_steps=4, min_lr_ratio=1.5)
     with pytest.raises(ValidationError, match="decay_steps"):
         OptimSection(decay_steps=0)
     with pytest.raises(ValidationError, match="decay"):
         OptimSection(decay="step")
+    with pytest.raises(ValidationError, match="optim.min_lr_ratio shapes the learning rate's decay: it needs optim.decay_steps"):
+        OptimSection(min_lr_ratio=0.5)
+    with pytest.raises(ValidationError, match="optim.decay shapes"):
+        OptimSection(decay="linear")
     with pytest.raises(ValueError, match="step must be >= 0"):
         OptimSection().lr_at(-1)
