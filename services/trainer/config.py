@@ -105,7 +105,9 @@ class OptimSection(ConfigModel):
 
     @model_validator(mode="after")
     def _decay_needs_steps(self) -> "OptimSection":
-        if self.decay_steps is None and (given := sorted({"decay", "min_lr_ratio"} & self.model_fields_set)):
+        # by value, not by the keys given: a config dumped whole (to the learners) names every key
+        defaults = {k: type(self).model_fields[k].default for k in ("decay", "min_lr_ratio")}
+        if self.decay_steps is None and (given := sorted(k for k, v in defaults.items() if getattr(self, k) != v)):
             raise ValueError(f"optim.{given[0]} shapes the learning rate's decay: it needs optim.decay_steps")
         return self
 
