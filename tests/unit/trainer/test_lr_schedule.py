@@ -50,3 +50,9 @@ def test_bad_settings_are_named():
         OptimSection(decay="linear")
     with pytest.raises(ValueError, match="step must be >= 0"):
         OptimSection().lr_at(-1)
+
+
+def test_a_config_dumped_whole_validates_again():
+    # the Trainer sends its config to the learners as a dump naming every key
+    for o in (OptimSection(), OptimSection(decay_steps=8, decay="linear", min_lr_ratio=0.0)):
+        assert OptimSection.model_validate(o.model_dump(mode="json")) == o
