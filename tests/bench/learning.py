@@ -30,14 +30,13 @@ top-16 term at its default weight), `explore-hints-light` the same with the top-
 `explore-hints-token` the per-token term at full weight (centred) with the top-16 term at a fifth,
 `explore-hints-tool` the same with the hint on the tool call alone (`tools.hint_calls=tool`), `explore-ops`
 is `explore` with demonstrations of * and + only (the report pools the kinds no demonstration shows),
-`explore-wide` is `explore` with four problems a Trainer step instead of two, and
+`explore-wide` is `explore` with four problems a Trainer step instead of two,
 `explore-kept` is `explore` whose loop also keeps its best version (`tools.keep_best`: its versions measured on
 the validation problems every 4 steps and at its end, the best measured on the held-out ones; the report adds
-"kept" and "kept over best" beside the loop's last version), and `explore-decay` is `explore` with the learning rate
-falling to a tenth over the first 28 Trainer steps (`trainer.optim.decay_steps`), `explore-si` is `explore` with
-the agent's own successes replayed at a quarter of the demonstrations' weight, `explore-corrections` is `explore`
-with the users' corrections of wrong first calls (of the run each user was served); the other settings sample the traffic at 1, as they
-were measured.
+"kept" and "kept over best" beside the loop's last version), `explore-decay` is `explore` with the learning rate
+falling to a tenth over the first 28 Trainer steps (`trainer.optim.decay_steps`), and `explore-corrections` is
+`explore` with the users' corrections of wrong first calls (of the run each user was served); the other settings
+sample the traffic at 1, as they were measured.
 `--arms-from DIR` takes each seed's demonstrations-only arm from its finished run in DIR (another bench's
 `--out`, or kept records: the held-out problems depend on the seed and task alone), so a longer loop on
 seeds already run need not train that arm again.
@@ -115,11 +114,6 @@ SETTINGS: dict[str, list[str]] = {
     # new demonstration) of the run each was served: the one signal that reaches a phrasing every run gets wrong (an
     # all-wrong group teaches nothing)
     "explore-corrections": [*EXPLORE, "tools.words=corrections"],
-    # `explore` with the agent's own successes replayed at a quarter of the demonstrations' weight (the best run of each
-    # group, one a task, 8 calls a step, ramped in over 4 steps): what holds the right operator on the phrasings the
-    # traffic already solves, where GRPO's all-right groups teach nothing
-    "explore-si": [*EXPLORE, "trainer.algorithm.self_imitation.coef=0.25", "trainer.algorithm.self_imitation.ramp_steps=4",
-                   "trainer.algorithm.self_imitation.batch_size=8", "trainer.algorithm.self_imitation.per_task=1"],
     # no online loop to speak of (one round of traffic at most): the demonstrations-only arm from the cold start to its plateau
     "demonstrations": ["tools.levers=false", "tools.control=false", "duration_s=1", "min_new_versions=0"],
 }
