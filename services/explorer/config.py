@@ -79,6 +79,13 @@ class EngineSection(ConfigModel):
         "instead of PyTorch's SDPA kernel, 5-6.5x faster at 8-32 sequences and as accurate; prefill keeps SDPA. "
         "For the common decoder families on SDPA attention (llama, mistral, qwen2/3, phi3, gemma ...); others keep theirs.",
     )
+    fast_decode: bool = Field(
+        default=True,
+        description="hf on CPU: decode steps through the engine's own forward of the model's layers (fused q/k/v and "
+        "gate/up products, adapters' products on the fused inputs, keys and values written in place) instead of "
+        "transformers' and peft's modules, for llama, mistral and qwen2 decoders and LoRA adapters on their linear "
+        "layers; others keep transformers' forward. The fused weights are a copy within the packed copy's budget.",
+    )
     replicas: int = Field(default=1, ge=1, description="Engines behind this Explorer, requests spread by load (vllm: one per GPU group).")
     vllm: VLLMSection = Field(default_factory=VLLMSection)
 

@@ -106,16 +106,17 @@ def test_packed_linears_give_the_models_logits_and_step_aside_for_gradients():
 
 @pytest.fixture(scope="module")
 def engines(tiny_model):
-    """The tiny model in float32 with both fast paths (packing forced on: float32's default is off) and
-    with neither."""
+    """The tiny model in float32 with the fast paths (packing forced on: float32's default is off; the
+    engine's own decode step, fast_decode.py, on packed weights) and with none of them."""
     out = []
     for fast in (True, False):
         e = HFEngine(model_path=str(tiny_model), dtype="float32", device="cpu", max_batch_size=32,
-                     packed_weights=fast, decode_attention=fast)
+                     packed_weights=fast, decode_attention=fast, fast_decode=fast)
         e._load()
         out.append(e)
     assert out[0].packed_linears > 0 and out[0].decode_attention and out[0]._base.config._attn_implementation == DECODE_ATTENTION
-    assert out[1].packed_linears == 0 and not out[1].decode_attention
+    assert out[0].fast is not None and out[0].fast.packed
+    assert out[1].packed_linears == 0 and not out[1].decode_attention and out[1].fast is None
     return out
 
 
@@ -127,8 +128,10 @@ def test_the_engine_decodes_the_same_with_its_fast_paths(engines):
     eos = fast._eos
     schedule = {0: [request("a", ids(rng, 40, eos), max_tokens=12), request("b", ids(rng, 7, eos), n=2, max_tokens=12)],
                 3: [request("c", ids(rng, 90, eos), max_tokens=10), request("d", ids(rng, 3, eos), max_tokens=10)]}
+    before = fast.fast_decode_steps
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
         got = drive(fast, schedule)
+    assert fast.fast_decode_steps - before >= 11  # every decode step (12 tokens: the last is never fed back)
     want = drive(stock, schedule)
     assert got.keys() == want.keys() and len(got) == 5
     for key in want:
@@ -199,7 +202,9 @@ def test_adapters_on_packed_weights_decode_the_same(engines, tiny_model, tmp_pat
         return {0: reqs}
 
     mixed = schedule([refs[0], refs[1], None])
+    before = fast.fast_decode_steps
     got, want = drive(fast, mixed), drive(stock, mixed)
+    assert fast.fast_decode_steps - before >= 7 and fast.fast.refused == {}  # mixed adapters' steps take the fast path
     for key in want:
         assert got[key][0] == want[key][0], key
         torch.testing.assert_close(torch.tensor(got[key][1]), torch.tensor(want[key][1]), rtol=0, atol=1e-4)

@@ -57,6 +57,7 @@ def _build_one(config, replica: int) -> Engine:
             prefix_cache_mb=e.prefix_cache_mb,
             packed_weights=e.packed_weights,
             decode_attention=e.cpu_decode_attention,
+            fast_decode=e.fast_decode,
         )
     if e.kind == "vllm":
         from services.explorer.serving.engines.vllm import build_vllm_engine

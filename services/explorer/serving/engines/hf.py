@@ -36,6 +36,7 @@ from services.explorer.serving.engines.base import (
     GenerateRequest,
 )
 from services.explorer.serving.engines.detokenizer import IncrementalDetokenizer
+from services.explorer.serving.engines.fast_decode import FastDecoder
 from services.explorer.serving.engines.hf_batch import QueuedRequest, Row, aborted_update, pad_left
 from services.explorer.serving.engines.cpu_paths import (
     default_torch_threads, linear_bytes, pack_linears, packing_budget, packing_helps, use_decode_attention,
@@ -68,6 +69,7 @@ class HFEngine:
         prefix_cache_mb: int = 256,
         packed_weights: bool | None = None,
         decode_attention: bool = True,
+        fast_decode: bool = True,
     ):
         self.model_path = model_path
         self._chat_template = chat_template
@@ -91,6 +93,10 @@ class HFEngine:
         if packed_weights and self._device.type != "cpu":
             raise EngineError(f"engine.packed_weights is for the CPU; this engine runs on {self._device}")
         self._decode_attention = decode_attention and self._device.type == "cpu"
+        # decode steps on the CPU through fast_decode.py's own forward (None: transformers' forward)
+        self._fast_decode = fast_decode and self._device.type == "cpu"
+        self.fast: FastDecoder | None = None
+        self.fast_decode_steps = 0
         self.packed_linears = 0
         self.decode_attention = False  # whether the model took it (an SDPA model does)
         self.tokenizer: Any = None
@@ -102,7 +108,7 @@ class HFEngine:
         self._cmds: queue.SimpleQueue = queue.SimpleQueue()
         self._waiting: collections.deque[QueuedRequest] = collections.deque()
         self._rows: list[Row] = []
-        self._cache: Any = None
+        self._cache: list[tuple[torch.Tensor, torch.Tensor]] | None = None  # per layer: keys, values (B, KV, T, D)
         self._attn: torch.Tensor | None = None
         self._pos: torch.Tensor | None = None
         self._logits: torch.Tensor | None = None
@@ -144,15 +150,23 @@ class HFEngine:
                                   f"CPU ({e}); leave it unset or false") from e
         if self._decode_attention:
             self.decode_attention = use_decode_attention(model)
+        fast_note = "off"
+        if self._fast_decode:
+            # the fused copies take what packing left of the budget (packing_budget: a quarter of the memory available)
+            budget = packing_budget() - (extra if self.packed_linears else 0)
+            self.fast, why = FastDecoder.build(model, self._device, packed=bool(self.packed_linears), fuse_budget=budget)
+            fast_note = (f"on ({self.fast.extra_bytes / 2**20:.0f} MiB of fused weights)" if self.fast
+                         else f"off: {why}")
         self._base = model
         ctx = getattr(model.config, "max_position_embeddings", None) or 2048
         self.max_model_len = min(self._max_model_len_cfg or ctx, ctx)
         self._eos = stop_token_ids(self.tokenizer, model)
         log.info(
             "hf engine: %s on %s (%s), max_model_len %d, max_batch_size %d, %d linear layers on packed weights "
-            "(%.0f MiB more memory), decode attention %s, %s torch threads", self.model_path, self._device, self._dtype,
-            self.max_model_len, self.max_batch_size, self.packed_linears, extra / 2**20 if self.packed_linears else 0.0,
-            "as products" if self.decode_attention else "by the model's own",
+            "(%.0f MiB more memory), decode attention %s, fast decode %s, %s torch threads", self.model_path, self._device,
+            self._dtype, self.max_model_len, self.max_batch_size, self.packed_linears,
+            extra / 2**20 if self.packed_linears else 0.0, "as products" if self.decode_attention else "by the model's own",
+            fast_note,
             self._torch_threads or torch.get_num_threads(),
         )
 
@@ -180,6 +194,7 @@ class HFEngine:
                 "prefix_cache_hits": float(self._prefix.hits),
                 "prefix_cache_tokens_reused": float(self._prefix.tokens_reused),
                 "prefix_cache_bytes": float(self._prefix.bytes),
+                "fast_decode_steps": float(self.fast_decode_steps),
             },
         )
 
@@ -261,6 +276,8 @@ class HFEngine:
                 if f".{ref.name}." in name and "lora_" in name:
                     param.data = param.data.to(self._dtype)
         self._active_adapter = None  # peft may have switched the active adapter
+        if self.fast is not None:
+            self.fast.add_adapter(ref.name, self._peft)
         self._adapters[ref.name] = ref
         log.info("loaded adapter %s from %s in %.0f ms", ref.name, ref.path, (time.monotonic() - t0) * 1e3)
 
@@ -270,6 +287,8 @@ class HFEngine:
         if any(r.adapter_name == ref.name and not r.request.aborted for r in self._rows):
             raise EngineError(f"adapter {ref.name} is still in use by a running request")
         self._peft.delete_adapter(ref.name)
+        if self.fast is not None:
+            self.fast.remove_adapter(ref.name)
         self._prefix.drop_adapter(ref.name)
         self._active_adapter = None
         del self._adapters[ref.name]
@@ -341,6 +360,8 @@ class HFEngine:
 
     def _reset_batch(self) -> None:
         self._rows, self._cache, self._attn, self._pos, self._logits = [], None, None, None, None
+        if self.fast is not None:
+            self.fast.release()
 
     def _forward(self, input_ids, attention_mask, position_ids, cache, adapters: list[str | None]):
         """One forward pass, choosing the cheapest way to apply this batch's adapters."""
@@ -408,8 +429,6 @@ class HFEngine:
 
     def _admit_group(self, admitted: list[QueuedRequest]) -> None:
         """Prefill ``admitted`` in one batch and merge them into the running batch."""
-        from transformers import DynamicCache
-
         prompts = [st.req.prompt_token_ids for st in admitted]
         adapters = [st.req.adapter.name if st.req.adapter else None for st in admitted]
         try:
@@ -439,18 +458,18 @@ class HFEngine:
                 matcher = self._grammars().matcher(p.grammar) if p.grammar else None
                 new_rows.append(Row(st, i, gen, detok, len(st.req.prompt_token_ids), matcher=matcher))
         if not self._rows:
-            self._cache = DynamicCache(ddp_cache_data=new_layers)
+            self._cache = new_layers
             self._attn, self._pos, self._logits = new_mask, new_pos, new_logits
         else:
             old_t, new_t = self._attn.shape[1], new_mask.shape[1]
             t = max(old_t, new_t)
             merged = []
-            for (ko, vo, *_), (kn, vn) in zip(self._cache, new_layers):
+            for (ko, vo), (kn, vn) in zip(self._cache, new_layers):
                 merged.append((
                     torch.cat([pad_left(ko, t - old_t, 2), pad_left(kn, t - new_t, 2)], 0),
                     torch.cat([pad_left(vo, t - old_t, 2), pad_left(vn, t - new_t, 2)], 0),
                 ))
-            self._cache = DynamicCache(ddp_cache_data=merged)
+            self._cache = merged
             self._attn = torch.cat([pad_left(self._attn, t - old_t, 1), pad_left(new_mask, t - new_t, 1)], 0)
             self._pos = torch.cat([self._pos, new_pos])
             self._logits = torch.cat([self._logits, new_logits])
@@ -539,7 +558,7 @@ class HFEngine:
                             r.request.req.request_id, len(cols), len(tokens))
                 continue
             self._prefix.store(r.adapter_name, tokens, owned=True,  # index_select copies: these tensors are the cache's own
-                               layers=[(k[i : i + 1].index_select(2, cols), v[i : i + 1].index_select(2, cols)) for k, v, *_ in self._cache])
+                               layers=[(k[i : i + 1].index_select(2, cols), v[i : i + 1].index_select(2, cols)) for k, v in self._cache])
 
     def _grammar_ready(self, st: QueuedRequest) -> bool:
         """Compile a constrained request's grammar before it joins the batch; a grammar that fails
@@ -670,18 +689,23 @@ class HFEngine:
         self._attn = attn[:, first:]
         self._pos = self._pos.index_select(0, idx)
         self._logits = self._logits.index_select(0, idx)
-        from transformers import DynamicCache
-
-        self._cache = DynamicCache(
-            ddp_cache_data=[(k.index_select(0, idx)[:, :, first:], v.index_select(0, idx)[:, :, first:]) for k, v, *_ in self._cache]
-        )
+        self._cache = [(k.index_select(0, idx)[:, :, first:], v.index_select(0, idx)[:, :, first:]) for k, v in self._cache]
 
     def _decode(self) -> None:
         rows = self._rows
-        ids = torch.tensor([[r.out_ids[-1]] for r in rows], dtype=torch.long, device=self._attn.device)
+        adapters = [r.adapter_name for r in rows]
+        ids = torch.tensor([r.out_ids[-1] for r in rows], dtype=torch.long, device=self._attn.device)
         attn = torch.cat([self._attn, self._attn.new_ones((len(rows), 1))], dim=1)
-        out = self._forward(ids, attn, self._pos.unsqueeze(-1), self._cache, [r.adapter_name for r in rows])
-        self._cache = out.past_key_values
+        if self.fast is not None and self.fast.runs(adapters):
+            self._logits, self._cache = self.fast.step(ids, attn, self._pos, self._cache, adapters)
+            self.fast_decode_steps += 1
+        else:
+            from transformers import DynamicCache
+
+            if self.fast is not None:
+                self.fast.release()  # its buffers no longer hold the batch's cache after this step
+            out = self._forward(ids.unsqueeze(-1), attn, self._pos.unsqueeze(-1), DynamicCache(ddp_cache_data=self._cache), adapters)
+            self._cache = [(k, v) for k, v, *_ in out.past_key_values]
+            self._logits = out.logits[:, -1, :].float()
         self._attn = attn
         self._pos = self._pos + 1
-        self._logits = out.logits[:, -1, :].float()

@@ -1,0 +1,378 @@
+"""The hf engine's decode step on a CPU as one lean forward of its own, LoRA adapters included.
+
+At one to eight sequences a decode step of SmolLM2 through transformers and peft spent about two
+thirds of its time between kernels: Python dispatch of ~40 modules a layer, peft's wrappers around
+each of the seven linear layers, the attention mask built anew, a DynamicCache that concatenates
+every layer's keys and values onto a new tensor each step. This module computes the same step
+directly from the model's weights (measured in docs/ENGINES.md):
+
+- the query, key and value products as one product on the three weights side by side, the gate and
+  up products as one, each on a copy packed for oneDNN where packing is on (``cpu_paths``);
+- an adapter's products on the same fused inputs: its A matrices side by side, its B matrices block
+  by block with the adapter's scaling folded in, rows of each adapter in one product;
+- rotary embeddings on queries and keys together, the padding mask once a step, attention as
+  ``cpu_paths.decode_attention`` computes it (float32 products);
+- keys and values written in place into per-layer buffers with room to grow, so a step copies one
+  token's worth of them instead of the whole cache.
+
+It computes what the model computes, in the model's dtype and order of operations (the engine's tests
+hold it to the stock forward's tokens and logprobs), for the llama-shaped decoders of
+``FAST_DECODE_MODELS``; for any other model or adapter (DoRA, adapted embeddings, a bias in LoRA, ...)
+``FastDecoder.build`` or ``FastDecoder.adapter`` says why not and the engine keeps transformers' forward.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+log = logging.getLogger(__name__)
+
+# decoders whose layer is exactly: RMSNorm, q/k/v (optional bias), rotary embedding, attention over all
+# earlier tokens, o, residual, RMSNorm, act(gate) * up, down, residual
+FAST_DECODE_MODELS = ("llama", "mistral", "qwen2")
+_GROWTH = 64  # tokens of room a cache buffer gets beyond what it holds when it is (re)allocated
+
+
+def _base(module: nn.Module) -> nn.Module:
+    """The model's own module under peft's wrapper (a LoRA layer's base layer, a saved module's
+    original), or the module itself."""
+    for attr in ("base_layer", "original_module"):
+        inner = getattr(module, attr, None)
+        if isinstance(inner, nn.Module):
+            return inner
+    return module
+
+
+class _Linear:
+    """One product ``x @ W.T + b`` on a weight packed for oneDNN (when ``packed``) or as it is."""
+
+    __slots__ = ("weight", "bias", "packed", "out")
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, packed: bool):
+        self.out = weight.shape[0]
+        self.bias = bias
+        self.packed = packed
+        self.weight = torch.ops.mkldnn._reorder_linear_weight(weight, None) if packed else weight
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.packed:
+            return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
+        return nn.functional.linear(x, self.weight, self.bias)
+
+    @classmethod
+    def fused(cls, layers: list[nn.Linear], packed: bool) -> "_Linear":
+        if len(layers) == 1 and packed and hasattr(layers[0], "_kaizen_packed"):  # cpu_paths already packed it
+            lin = cls.__new__(cls)
+            lin.weight, lin.bias, lin.packed, lin.out = layers[0]._kaizen_packed, layers[0].bias, True, layers[0].out_features
+            return lin
+        weight = torch.cat([m.weight.detach() for m in layers]) if len(layers) > 1 else layers[0].weight.detach()
+        biases = [m.bias for m in layers]
+        bias = None
+        if any(b is not None for b in biases):
+            bias = torch.cat([b.detach() if b is not None else m.weight.new_zeros(m.out_features) for b, m in zip(biases, layers)])
+        return cls(weight, bias, packed)
+
+
+@dataclass
+class _Lora:
+    """One adapter on one fused product: ``x @ a.T @ b.T`` is its term (scaling folded into ``b``)."""
+
+    a: torch.Tensor  # (in, sum of ranks): the targets' A matrices, transposed, side by side
+    b: torch.Tensor  # (sum of ranks, out): each target's B (transposed, times its scaling) in its own block, zeros elsewhere
+
+
+@dataclass
+class _Layer:
+    norm_in: torch.Tensor
+    norm_post: torch.Tensor
+    qkv: _Linear
+    o: _Linear
+    gate_up: _Linear
+    down: _Linear
+
+
+@dataclass
+class FastDecoder:
+    """The decode-step forward over ``model``'s weights (see the module's docstring)."""
+
+    model: nn.Module
+    layers: list[_Layer]
+    heads: int
+    kv_heads: int
+    head_dim: int
+    eps: float
+    intermediate: int
+    packed: bool
+    extra_bytes: int  # the fused copies' bytes
+    embed: nn.Module
+    norm: nn.Module
+    head: _Linear
+    acts: list[nn.Module]
+    adapters: dict[str, list[dict[str, _Lora]]] = field(default_factory=dict)
+    refused: dict[str, str] = field(default_factory=dict)  # adapter name -> why this path cannot run it
+    _bufs: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)  # per layer: keys, values with room
+
+    # ------------------------------------------------------------------ building
+
+    @staticmethod
+    def unsupported(model: nn.Module, device: torch.device) -> str | None:
+        """Why ``model`` cannot take this path (None: it can)."""
+        config = model.config
+        if device.type != "cpu":
+            return f"it is for the CPU; this engine runs on {device}"
+        if config.model_type not in FAST_DECODE_MODELS:
+            return f"model type {config.model_type!r} is not one of {', '.join(FAST_DECODE_MODELS)}"
+        if getattr(config, "mlp_bias", False):
+            return "the MLP has biases"
+        layer_types = getattr(config, "layer_types", None) or []
+        if any(t != "full_attention" for t in layer_types) or (
+                getattr(config, "use_sliding_window", config.model_type == "mistral") and getattr(config, "sliding_window", None)):
+            return "the model uses sliding-window attention"
+        inner = getattr(model, "model", None)
+        if inner is None or not hasattr(inner, "layers") or not hasattr(inner, "rotary_emb"):
+            return "the model's layout is not a llama-shaped decoder"
+        return None
+
+    @classmethod
+    def build(cls, model: nn.Module, device: torch.device, packed: bool, fuse_budget: int) -> tuple["FastDecoder | None", str]:
+        """The decoder for ``model`` (packed products when ``packed``; the fused copies only when their
+        bytes fit ``fuse_budget``, otherwise each product on its own weight), or None and why not."""
+        why = cls.unsupported(model, device)
+        if why:
+            return None, why
+        config = model.config
+        heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+        blocks = model.model.layers
+        fuse_bytes = sum(
+            sum(_base(m).weight.numel() * _base(m).weight.element_size() for m in group)
+            for b in blocks for group in ((b.self_attn.q_proj, b.self_attn.k_proj, b.self_attn.v_proj), (b.mlp.gate_proj, b.mlp.up_proj)))
+        fuse = fuse_bytes <= fuse_budget
+        layers = []
+        try:
+            for b in blocks:
+                att, mlp = b.self_attn, b.mlp
+                qkv = [_base(att.q_proj), _base(att.k_proj), _base(att.v_proj)]
+                gu = [_base(mlp.gate_proj), _base(mlp.up_proj)]
+                layers.append(_Layer(
+                    norm_in=_base(b.input_layernorm).weight.detach(), norm_post=_base(b.post_attention_layernorm).weight.detach(),
+                    qkv=_Linear.fused(qkv, packed) if fuse else _Split(qkv, packed),
+                    o=_Linear.fused([_base(att.o_proj)], packed),
+                    gate_up=_Linear.fused(gu, packed) if fuse else _Split(gu, packed),
+                    down=_Linear.fused([_base(mlp.down_proj)], packed),
+                ))
+            head = _Linear.fused([_base(model.lm_head)], packed)
+        except RuntimeError as e:  # oneDNN refused to pack
+            return None, f"oneDNN cannot pack the weights ({e})"
+        return cls(model=model, layers=layers, heads=heads, kv_heads=kv_heads, head_dim=head_dim,
+                   eps=_base(blocks[0].input_layernorm).variance_epsilon, intermediate=config.intermediate_size, packed=packed,
+                   extra_bytes=fuse_bytes if fuse else 0, embed=_base(model.model.embed_tokens), norm=_base(model.model.norm),
+                   head=head, acts=[b.mlp.act_fn for b in blocks]), ""
+
+    # ------------------------------------------------------------------ adapters
+
+    def add_adapter(self, name: str, peft_model: nn.Module) -> None:
+        """Take adapter ``name``'s weights from ``peft_model`` (loaded there, in the engine's dtype), or
+        record why this path cannot run it (its rows then go through transformers' forward)."""
+        self.adapters.pop(name, None)
+        self.refused.pop(name, None)
+        cfg = getattr(peft_model, "peft_config", {}).get(name)
+        why = None
+        if cfg is None or getattr(cfg, "peft_type", None) is None or str(getattr(cfg.peft_type, "value", cfg.peft_type)) != "LORA":
+            why = "it is not a LoRA adapter"
+        elif getattr(cfg, "use_dora", False):
+            why = "it uses DoRA"
+        elif getattr(cfg, "bias", "none") != "none" or getattr(cfg, "lora_bias", False):
+            why = "it trains biases"
+        elif getattr(cfg, "modules_to_save", None):
+            why = "it saves whole modules"
+        else:
+            why = self._adapted_elsewhere(name)
+        if why:
+            self.refused[name] = why
+            log.info("fast decode: adapter %s goes through transformers' forward: %s", name, why)
+            return
+        per_layer = []
+        try:
+            for b in self.model.model.layers:
+                att, mlp = b.self_attn, b.mlp
+                per_layer.append({k: lora for k, lora in (
+                    ("qkv", _lora([att.q_proj, att.k_proj, att.v_proj], name)),
+                    ("o", _lora([att.o_proj], name)),
+                    ("gate_up", _lora([mlp.gate_proj, mlp.up_proj], name)),
+                    ("down", _lora([mlp.down_proj], name)),
+                ) if lora is not None})
+        except Exception as e:  # noqa: BLE001 - an adapter of a shape not foreseen: transformers' forward still runs it
+            self.refused[name] = f"its weights could not be read ({type(e).__name__}: {e})"
+            log.warning("fast decode: adapter %s goes through transformers' forward: %s", name, self.refused[name])
+            return
+        self.adapters[name] = per_layer
+
+    def _adapted_elsewhere(self, name: str) -> str | None:
+        """Whether adapter ``name`` adapts a module this path does not apply it on (embeddings, the LM head, norms)."""
+        covered = set()
+        for b in self.model.model.layers:
+            covered.update(id(m) for m in (b.self_attn.q_proj, b.self_attn.k_proj, b.self_attn.v_proj, b.self_attn.o_proj,
+                                           b.mlp.gate_proj, b.mlp.up_proj, b.mlp.down_proj))
+        for mod_name, m in self.model.named_modules():
+            if id(m) in covered:
+                continue
+            for attr in ("lora_A", "lora_embedding_A", "lora_magnitude_vector"):
+                d = getattr(m, attr, None)
+                if d is not None and name in d:
+                    return f"it adapts {mod_name}"
+        return None
+
+    def remove_adapter(self, name: str) -> None:
+        self.adapters.pop(name, None)
+        self.refused.pop(name, None)
+
+    def runs(self, adapters: list[str | None]) -> bool:
+        """Whether a batch on these adapters (None: the base model) can take this path."""
+        return all(a is None or a in self.adapters for a in adapters)
+
+    # ------------------------------------------------------------------ the step
+
+    def step(self, ids: torch.Tensor, attn: torch.Tensor, pos: torch.Tensor,
+             cache: list[tuple[torch.Tensor, torch.Tensor]], adapters: list[str | None]):
+        """One decode step: ``ids`` (B,) the new tokens, ``attn`` (B, T + 1) the padding mask with them,
+        ``pos`` (B,) their positions, ``cache`` each layer's keys and values (B, KV, T, D) of the earlier
+        tokens. Returns (float32 logits (B, vocab), each layer's keys and values with the new token)."""
+        with torch.inference_mode():
+            return self._step(ids, attn, pos, cache, adapters)
+
+    def _step(self, ids, attn, pos, cache, adapters):
+        B, T = attn.shape[0], attn.shape[1] - 1
+        H, KV, D, G, I = self.heads, self.kv_heads, self.head_dim, self.heads // self.kv_heads, self.intermediate
+        groups = _groups(adapters)
+        x = self.embed(ids)  # (B, hidden)
+        cos, sin = self.model.model.rotary_emb(x, pos.unsqueeze(-1))  # (B, 1, D) each, in x's dtype
+        # rotate_half(q) * sin as roll(q, D/2) * (sin with its first half negated): the same products
+        sin = sin * self._signs(D, sin.dtype)
+        # the padding mask as scores to add, once for every layer: (B * KV, 1, T + 1)
+        bias = (torch.zeros(attn.shape, dtype=torch.float32).masked_fill_(attn == 0, float("-inf"))
+                .view(B, 1, 1, T + 1).expand(B, KV, 1, T + 1).reshape(B * KV, 1, T + 1))
+        bufs = self._buffers(cache, B, T)
+        out_cache = []
+        scale = D ** -0.5
+        for li, layer in enumerate(self.layers):
+            loras = [(rows, self.adapters[a][li]) for a, rows in groups if a is not None]
+            h = self._rms(x, layer.norm_in)
+            qkv = _apply(layer.qkv, h, loras, "qkv").view(B, H + 2 * KV, D)
+            qk = qkv[:, : H + KV]
+            qk = qk * cos + qk.roll(D // 2, -1) * sin
+            kbuf, vbuf = bufs[li]
+            kbuf[:, :, T].copy_(qk[:, H:])
+            vbuf[:, :, T].copy_(qkv[:, H + KV :])
+            k, v = kbuf[:, :, : T + 1], vbuf[:, :, : T + 1]
+            out_cache.append((k, v))
+            # cpu_paths.decode_attention's products: float32, query heads grouped by their key-value head
+            # (a float32 copy of the cache kept beside it was no faster at 1-32 sequences: docs/ENGINES.md)
+            q = qk[:, :H].reshape(B * KV, G, D).float()
+            scores = torch.baddbmm(bias, q, k.float().view(B * KV, T + 1, D).transpose(1, 2), alpha=scale)
+            a = torch.bmm(torch.softmax(scores, dim=-1), v.float().view(B * KV, T + 1, D)).view(B, H * D).to(x.dtype)
+            x = x + _apply(layer.o, a, loras, "o")
+            h = self._rms(x, layer.norm_post)
+            gu = _apply(layer.gate_up, h, loras, "gate_up")
+            x = x + _apply(layer.down, self.acts[li](gu[:, :I]) * gu[:, I:], loras, "down")
+        return self.head(self.norm(x)).float(), out_cache
+
+    def _rms(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """transformers' RMSNorm of the llama family (float32 inside, the weight applied in x's dtype)."""
+        return weight * nn.functional.rms_norm(x.float(), (x.shape[-1],), eps=self.eps).to(x.dtype)
+
+    @staticmethod
+    @functools.cache
+    def _signs(D: int, dtype: torch.dtype) -> torch.Tensor:
+        return torch.cat([torch.full((D // 2,), -1.0), torch.ones(D - D // 2)]).to(dtype)
+
+    def _buffers(self, cache, B: int, T: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Per layer, key and value buffers (B, KV, >T, D) whose first T positions are ``cache``'s: the
+        buffers of the last step when ``cache`` is what it returned (the engine neither admitted nor
+        pruned rows since) and they have room, else new ones with ``_GROWTH`` positions to spare."""
+        if (len(self._bufs) == len(cache) and cache and self._bufs[0][0].shape[0] == B and self._bufs[0][0].shape[2] > T
+                and cache[0][0].data_ptr() == self._bufs[0][0].data_ptr() and cache[0][0].shape[2] == T
+                and all(k.data_ptr() == kb.data_ptr() and v.data_ptr() == vb.data_ptr()
+                        for (k, v), (kb, vb) in zip(cache, self._bufs))):
+            return self._bufs
+        cap = T + 1 + _GROWTH
+        bufs = []
+        for k, v in cache:
+            kb = k.new_empty((B, k.shape[1], cap, k.shape[3]))
+            vb = v.new_empty((B, v.shape[1], cap, v.shape[3]))
+            kb[:, :, :T].copy_(k)
+            vb[:, :, :T].copy_(v)
+            bufs.append((kb, vb))
+        self._bufs = bufs
+        return bufs
+
+    def release(self) -> None:
+        """Forget the cache buffers (the batch is gone)."""
+        self._bufs = []
+
+
+class _Split:
+    """Several products on one input, each on its own weight, their outputs side by side (when the
+    fused copy does not fit the memory budget)."""
+
+    __slots__ = ("parts",)
+
+    def __init__(self, layers: list[nn.Linear], packed: bool):
+        self.parts = [_Linear.fused([m], packed) for m in layers]
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.cat([p(x) for p in self.parts], dim=-1)
+
+
+def _lora(modules: list[nn.Module], name: str) -> _Lora | None:
+    """Adapter ``name`` on the fused product of ``modules`` (peft LoRA layers or plain ones), or None
+    when it adapts none of them."""
+    parts = []
+    for m in modules:
+        lora_a = getattr(m, "lora_A", None)
+        if lora_a is None or name not in lora_a:
+            parts.append((None, _base(m).out_features))
+            continue
+        scale = m.scaling[name]
+        b = m.lora_B[name].weight.detach()
+        parts.append((lora_a[name].weight.detach(), (b.float() * scale).to(b.dtype)))
+    if all(a is None for a, _ in parts):
+        return None
+    ranks = [a.shape[0] if a is not None else 0 for a, _ in parts]
+    outs = [b.shape[0] if a is not None else b for a, b in parts]
+    ref = next(a for a, _ in parts if a is not None)
+    a_cat = torch.cat([a for a, _ in parts if a is not None])
+    b_full = ref.new_zeros((sum(outs), sum(ranks)))
+    row = col = 0
+    for (a, b), r, o in zip(parts, ranks, outs):
+        if a is not None:
+            b_full[row : row + o, col : col + r] = b
+        row, col = row + o, col + r
+    return _Lora(a=a_cat.T.contiguous(), b=b_full.T.contiguous())
+
+
+def _apply(lin, x: torch.Tensor, loras, key: str) -> torch.Tensor:
+    """``lin(x)`` plus each adapter's term on its rows (``rows`` None: all of them)."""
+    y = lin(x)
+    for rows, per in loras:
+        lora = per.get(key)
+        if lora is None:
+            continue
+        if rows is None:
+            y = y + (x @ lora.a) @ lora.b
+        else:
+            y = y.index_add(0, rows, (x.index_select(0, rows) @ lora.a) @ lora.b)
+    return y
+
+
+def _groups(adapters: list[str | None]) -> list[tuple[str | None, torch.Tensor | None]]:
+    """Rows per adapter: [(name, row indices or None for all rows)]."""
+    distinct = list(dict.fromkeys(adapters))
+    if len(distinct) == 1:
+        return [(distinct[0], None)]
+    return [(a, torch.tensor([i for i, x in enumerate(adapters) if x == a], dtype=torch.long)) for a in distinct]
