@@ -6,7 +6,8 @@ start's by default): the log-probability of the right reply (the calculator call
 expression; "The answer is N." after its result) without and with the hint (the teacher's prompt the
 Explorer rendered), and the same for the reply actually sampled, with the mean per-token gap (the
 distillation advantage the Trainer gives those tokens), and the probability of the right reply's first
-token (for a first call, the one that opens the calculator call) without and with the hint. A teacher
+token (for a first call, the one that opens the calculator call) without and with the hint, and the
+right reply's log-probability past that token (what a teacher could teach once the call is opened). A teacher
 that prefers the right reply and disfavours the sampled one carries the signal self-distillation
 needs; one that, reading the hint, is less sure to call the calculator at all teaches the agent to
 answer in words.
@@ -68,7 +69,8 @@ def main() -> None:
             teacher = hint["prompt_token_ids"]
             student, reading = logprobs(prompt, right), logprobs(teacher, right)
             out.append((student.sum().item(), reading.sum().item(), logprobs(prompt, sampled).sum().item(),
-                        logprobs(teacher, sampled).sum().item(), len(sampled), student[0].item(), reading[0].item()))
+                        logprobs(teacher, sampled).sum().item(), len(sampled), student[0].item(), reading[0].item(),
+                        student[1:].sum().item(), reading[1:].sum().item()))
             if len(out) >= args.calls:
                 break
         if not out:
@@ -79,7 +81,8 @@ def main() -> None:
               f"reading it (higher in {sum(o[1] > o[0] for o in out)}); sampled reply {med(2):.2f} without, {med(3):.2f} "
               f"reading it; mean per-token gap on the sampled tokens {sum(o[3] - o[2] for o in out) / sum(o[4] for o in out):+.3f}; "
               f"the right reply's first token ({tok.decode(right[:1])!r}) has probability {math.exp(med(5)):.2f} without the "
-              f"hint, {math.exp(med(6)):.2f} reading it (lower in {sum(o[6] < o[5] for o in out)})")
+              f"hint, {math.exp(med(6)):.2f} reading it (lower in {sum(o[6] < o[5] for o in out)}); the right reply past "
+              f"that token {med(7):.2f} without, {med(8):.2f} reading it (higher in {sum(o[8] > o[7] for o in out)})")
 
 
 if __name__ == "__main__":

@@ -66,6 +66,7 @@ def test_one_step_gives_the_models_logits_and_cache(kind, dtype):
     got, got_cache = dec.step(new, attn, pos, cache, [None] * 4)
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(got, want, rtol=tol, atol=tol)
+    assert len(got_cache) == len(want_cache) == 2
     for (k, v), (wk, wv) in zip(got_cache, want_cache):
         # padding positions are whatever the prefill left there; the new token's keys and values are the model's
         torch.testing.assert_close(k, wk, rtol=tol, atol=tol)
@@ -95,28 +96,36 @@ def _peft(model, tmp_path, names=("x", "y"), **lora):
     return peft.eval()
 
 
-def test_adapters_on_their_rows_give_pefts_mixed_batch(tmp_path):
-    """Adapters of different ranks, one on q/v and the MLP only: each row gets its own adapter's terms
-    (the base model's rows none), as peft's mixed-batch forward gives them."""
-    model = _model("qwen2", torch.float32)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_adapters_on_their_rows_give_pefts_mixed_batch(tmp_path, dtype):
+    """Adapters of different ranks, on q/v and the MLP only: each row gets its own adapter's terms
+    (the base model's rows none), as peft's mixed-batch forward gives them; in bfloat16 (the adapters in
+    the model's dtype, as the engine holds them) within bfloat16's rounding."""
+    model = _model("qwen2", dtype)
     peft = _peft(model, tmp_path, target_modules=["q_proj", "v_proj", "gate_proj", "down_proj"])
+    if dtype != torch.float32:
+        for param_name, param in peft.named_parameters():
+            if "lora_" in param_name:
+                param.data = param.data.to(dtype)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
     rows = ["x", None, "y", "x"]
     want, _, (new, attn, pos, cache) = _one_step(peft, rows)
     dec, _ = FastDecoder.build(model, CPU, packed=False, fuse_budget=1 << 30)
     for name in ("x", "y"):
         dec.add_adapter(name, peft)
-    assert dec.refused == {} and dec.runs(rows)
-    torch.testing.assert_close(dec.step(new, attn, pos, cache, rows)[0], want, rtol=1e-5, atol=1e-5)
+    assert dec.refused == {} and not dec.disabled and dec.runs(rows)
+    torch.testing.assert_close(dec.step(new, attn, pos, cache, rows)[0], want, rtol=tol, atol=tol)
     with peft.disable_adapter():
         base, _, _ = _one_step(peft)
-    torch.testing.assert_close(want[1], base[1], rtol=1e-5, atol=1e-5)  # the base model's row is the base model's
+    torch.testing.assert_close(want[1], base[1], rtol=tol, atol=tol)  # the base model's row is the base model's
     assert not torch.allclose(want[0], base[0], atol=1e-3)  # an adapter's is not
     dec.remove_adapter("y")
     assert not dec.runs(rows) and dec.runs(["x", None])
 
 
 @pytest.mark.parametrize("lora, why", [({"use_dora": True}, "DoRA"), ({"bias": "lora_only"}, "trains biases"),
-                                       ({"target_modules": ["q_proj", "embed_tokens"]}, "adapts model.embed_tokens")])
+                                       ({"target_modules": ["q_proj", "embed_tokens"]}, "adapts model.embed_tokens"),
+                                       ({"trainable_token_indices": [3, 5]}, "trainable tokens")])
 def test_adapters_it_cannot_run_are_refused_with_the_reason(tmp_path, lora, why):
     model = _model("qwen2", torch.float32)
     peft = _peft(model, tmp_path, names=("x",), **({"target_modules": "all-linear"} | lora))
@@ -125,11 +134,32 @@ def test_adapters_it_cannot_run_are_refused_with_the_reason(tmp_path, lora, why)
     assert why in dec.refused["x"] and not dec.runs(["x"]) and dec.runs([None])
 
 
+def test_base_weights_changed_by_an_adapters_load_turn_it_off(tmp_path):
+    """An adapter whose loading rewrites the base model's weights (PiSSA-style initialisations do): every
+    product here was built from the old weights, so the path runs nothing from then on."""
+    model = _model("qwen2", torch.float32)
+    dec, _ = FastDecoder.build(model, CPU, packed=False, fuse_budget=1 << 30)
+    peft = _peft(model, tmp_path, names=("x",), target_modules="all-linear")
+    dec.add_adapter("x", peft)
+    assert not dec.disabled and dec.runs(["x", None])  # a plain adapter's load leaves them as they were
+    with torch.no_grad():
+        model.model.layers[0].mlp.up_proj.base_layer.weight.mul_(2)
+    dec.add_adapter("x", peft)
+    assert "weights changed" in dec.disabled and not dec.runs([None])
+
+
 def test_models_it_does_not_know_are_left_to_transformers():
     small = dict(SHAPE, head_dim=16)
     assert "qwen3" in FastDecoder.build(Qwen3ForCausalLM(Qwen3Config(**small)), CPU, False, 1 << 30)[1]
     assert "sliding-window" in FastDecoder.build(MistralForCausalLM(MistralConfig(**SHAPE)), CPU, False, 1 << 30)[1]
     assert "CPU" in FastDecoder.build(_model("llama", torch.float32), torch.device("meta"), False, 1 << 30)[1]
+
+    class Quantized(torch.nn.Linear):
+        pass
+
+    odd = _model("llama", torch.float32)
+    odd.lm_head = Quantized(64, 256, bias=False)
+    assert "not plain nn.Linear" in FastDecoder.build(odd, CPU, False, 1 << 30)[1]
 
 
 @pytest.fixture(scope="module")
@@ -151,19 +181,63 @@ def _same(got, want):
         torch.testing.assert_close(torch.tensor(got[key][1]), torch.tensor(want[key][1]), rtol=0, atol=1e-4)
 
 
-def test_long_requests_joined_midway_decode_as_transformers_does(pair):
-    """Two requests of 150 tokens (their key and value buffers grow twice), joined after 70 steps by a
-    third, and one ending early (the batch is pruned): the same tokens and logprobs as transformers'
-    forward, every decode step through the fast path."""
+@pytest.fixture
+def no_eos(pair):
+    """Requests end at their max_tokens alone (the tiny model's greedy choices could end one early)."""
+    eos = [e._eos for e in pair]
+    for e in pair:
+        e._eos = set()
+    yield eos[0]
+    for e, s in zip(pair, eos):
+        e._eos = s
+
+
+def test_long_requests_joined_midway_decode_as_transformers_does(pair, no_eos):
+    """A request of 150 tokens (its key and value buffers grow twice), one of 20 (the batch is pruned
+    when it ends), two choices of a third joining at step 70 (merged into the batch): the same tokens
+    and logprobs as transformers' forward, every decode step through the fast path."""
     fast, stock = pair
     rng = random.Random(5)
-    eos = fast._eos
-    schedule = {0: [request("a", ids(rng, 30, eos), max_tokens=150), request("b", ids(rng, 5, eos), max_tokens=20)],
-                70: [request("c", ids(rng, 12, eos), n=2, max_tokens=100)]}
-    before = fast.fast_decode_steps
+    schedule = {0: [request("a", ids(rng, 30, no_eos), max_tokens=150), request("b", ids(rng, 5, no_eos), max_tokens=20)],
+                70: [request("c", ids(rng, 12, no_eos), n=2, max_tokens=100)]}
+    before, allocations = fast.fast_decode_steps, fast.fast.allocations
     got = drive(fast, schedule)
     _same(got, drive(stock, schedule))
-    assert fast.fast_decode_steps - before >= 150 - 1
+    assert [len(got[k][0]) for k in (("a", 0), ("b", 0), ("c", 0), ("c", 1))] == [150, 20, 100, 100]
+    assert fast.fast_decode_steps - before == 170 - 1  # steps 0-169 decode, but the last (nothing left to feed)
+    # the first step, the prune at step 20, the growth past 30 + 1 + 64 tokens, the merge at step 70, the growth after it
+    assert fast.fast.allocations - allocations >= 5
+
+
+def test_a_batch_switches_to_transformers_and_back_as_an_adapter_it_cannot_run_comes_and_goes(pair, no_eos, tiny_model, tmp_path):
+    """A request on an adapter that trains biases (transformers and peft run its batches) joins a batch
+    on the base model and leaves it: the steps before and after it take the fast path, the ones
+    beside it do not, and every token and logprob is the stock engine's."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(30)
+    base = AutoModelForCausalLM.from_pretrained(str(tiny_model), dtype=torch.float32)
+    get_peft_model(base, LoraConfig(r=4, lora_alpha=8, init_lora_weights=False, bias="lora_only",
+                                    target_modules="all-linear")).save_pretrained(tmp_path / "biased")
+    ref = AdapterRef(agent="biased", version=1, name="biased-v1", int_id=9, path=str(tmp_path / "biased"))
+    fast, stock = pair
+    for e in pair:
+        e._add_adapter(ref)
+    try:
+        assert "biases" in fast.fast.refused["biased-v1"]
+        rng = random.Random(8)
+        joined = request("j", ids(rng, 9, no_eos), max_tokens=10)
+        joined.adapter = ref
+        schedule = {0: [request("long", ids(rng, 20, no_eos), max_tokens=40)], 10: [joined]}
+        before = fast.fast_decode_steps
+        _same(drive(fast, schedule), drive(stock, schedule))
+        # 39 decode steps (the last token is never fed back), 9 of them beside the joined request (it samples
+        # its 10 tokens at steps 10-19 and leaves before step 19's decode)
+        assert fast.fast_decode_steps - before == 39 - 9
+    finally:
+        for e in pair:
+            e._remove_adapter(ref)
 
 
 def test_a_batch_with_an_adapter_it_cannot_run_goes_through_peft(pair, tiny_model, tmp_path):
@@ -198,3 +272,22 @@ def test_a_batch_with_an_adapter_it_cannot_run_goes_through_peft(pair, tiny_mode
         for ref in refs:
             e._remove_adapter(ref)
     assert fast.fast.adapters == {} and fast.fast.refused == {}
+
+
+def test_a_failing_fast_step_falls_back_to_transformers_for_good(pair, tiny_model, caplog):
+    """Should the fast step ever raise, that step and every later one run through transformers: the
+    requests get the stock engine's tokens, and the failure is logged once, not sent to them."""
+    _, stock = pair
+    e = HFEngine(model_path=str(tiny_model), dtype="float32", device="cpu", max_batch_size=8)
+    e._load()
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("a bug in the fast path")
+
+    e.fast.step = broken
+    rng = random.Random(9)
+    schedule = {0: [request("a", ids(rng, 15, e._eos), max_tokens=8), request("b", ids(rng, 6, e._eos), max_tokens=8)]}
+    with caplog.at_level("ERROR"):
+        _same(drive(e, schedule), drive(stock, schedule))
+    assert e.fast is None and e.fast_decode_steps == 0
+    assert sum("fast decode failed" in r.message for r in caplog.records) == 1

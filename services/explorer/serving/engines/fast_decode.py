@@ -15,10 +15,11 @@ directly from the model's weights (measured in docs/ENGINES.md):
 - keys and values written in place into per-layer buffers with room to grow, so a step copies one
   token's worth of them instead of the whole cache.
 
-It computes what the model computes, in the model's dtype and order of operations (the engine's tests
-hold it to the stock forward's tokens and logprobs), for the llama-shaped decoders of
-``FAST_DECODE_MODELS``; for any other model or adapter (DoRA, adapted embeddings, a bias in LoRA, ...)
-``FastDecoder.build`` or ``FastDecoder.adapter`` says why not and the engine keeps transformers' forward.
+It computes what the model computes, in the model's dtype and order of operations (but an adapter's
+scaling, folded into its B once; the engine's tests hold it to the stock forward's tokens and logprobs),
+for the llama-shaped decoders of ``FAST_DECODE_MODELS`` and plain LoRA adapters on their linear layers;
+for any other model or adapter (a LoRA variant such as DoRA, adapted embeddings, a bias in LoRA, ...)
+``FastDecoder.build`` or ``FastDecoder.add_adapter`` says why not and the engine keeps transformers' forward.
 """
 
 from __future__ import annotations
@@ -66,7 +67,8 @@ class _Linear:
 
     @classmethod
     def fused(cls, layers: list[nn.Linear], packed: bool) -> "_Linear":
-        if len(layers) == 1 and packed and hasattr(layers[0], "_kaizen_packed"):  # cpu_paths already packed it
+        if (len(layers) == 1 and packed and hasattr(layers[0], "_kaizen_packed")  # cpu_paths already packed it, as it is now
+                and layers[0]._kaizen_of == (layers[0].weight.data_ptr(), layers[0].weight._version)):
             lin = cls.__new__(cls)
             lin.weight, lin.bias, lin.packed, lin.out = layers[0]._kaizen_packed, layers[0].bias, True, layers[0].out_features
             return lin
@@ -115,6 +117,9 @@ class FastDecoder:
     acts: list[nn.Module]
     adapters: dict[str, list[dict[str, _Lora]]] = field(default_factory=dict)
     refused: dict[str, str] = field(default_factory=dict)  # adapter name -> why this path cannot run it
+    disabled: str = ""  # why this path runs nothing any more (the base weights changed under it)
+    allocations: int = 0  # key and value buffers (re)allocated
+    _weights: list[tuple[torch.Tensor, int, int]] = field(default_factory=list)  # base weights as built from
     _bufs: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)  # per layer: keys, values with room
 
     # ------------------------------------------------------------------ building
@@ -136,13 +141,21 @@ class FastDecoder:
         inner = getattr(model, "model", None)
         if inner is None or not hasattr(inner, "layers") or not hasattr(inner, "rotary_emb"):
             return "the model's layout is not a llama-shaped decoder"
+        for b in inner.layers:
+            for m in (b.self_attn.q_proj, b.self_attn.k_proj, b.self_attn.v_proj, b.self_attn.o_proj,
+                      b.mlp.gate_proj, b.mlp.up_proj, b.mlp.down_proj, model.lm_head):
+                if type(_base(m)) is not nn.Linear:
+                    return f"its linear layers are {type(_base(m)).__name__}, not plain nn.Linear (a quantized model?)"
         return None
 
     @classmethod
     def build(cls, model: nn.Module, device: torch.device, packed: bool, fuse_budget: int) -> tuple["FastDecoder | None", str]:
         """The decoder for ``model`` (packed products when ``packed``; the fused copies only when their
         bytes fit ``fuse_budget``, otherwise each product on its own weight), or None and why not."""
-        why = cls.unsupported(model, device)
+        try:
+            why = cls.unsupported(model, device)
+        except Exception as e:  # noqa: BLE001 - a layout this path does not know: transformers' forward runs it
+            why = f"its layout could not be read ({type(e).__name__}: {e})"
         if why:
             return None, why
         config = model.config
@@ -169,10 +182,12 @@ class FastDecoder:
             head = _Linear.fused([_base(model.lm_head)], packed)
         except RuntimeError as e:  # oneDNN refused to pack
             return None, f"oneDNN cannot pack the weights ({e})"
+        weights = [m.weight for m in model.modules() if type(m) in (nn.Linear, nn.Embedding)]
         return cls(model=model, layers=layers, heads=heads, kv_heads=kv_heads, head_dim=head_dim,
                    eps=_base(blocks[0].input_layernorm).variance_epsilon, intermediate=config.intermediate_size, packed=packed,
                    extra_bytes=fuse_bytes if fuse else 0, embed=_base(model.model.embed_tokens), norm=_base(model.model.norm),
-                   head=head, acts=[b.mlp.act_fn for b in blocks]), ""
+                   head=head, acts=[b.mlp.act_fn for b in blocks],
+                   _weights=[(w, w.data_ptr(), w._version) for w in weights]), ""
 
     # ------------------------------------------------------------------ adapters
 
@@ -191,8 +206,15 @@ class FastDecoder:
             why = "it trains biases"
         elif getattr(cfg, "modules_to_save", None):
             why = "it saves whole modules"
+        elif any(getattr(cfg, k, None) for k in ("trainable_token_indices", "layer_replication", "alora_invocation_tokens",
+                                                  "arrow_config")):
+            why = "it uses trainable tokens, layer replication, activated LoRA or Arrow"
         else:
             why = self._adapted_elsewhere(name)
+        if self._weights and any(w.data_ptr() != ptr or w._version != version for w, ptr, version in self._weights):
+            # loading it rewrote the base model's weights (an initialisation such as PiSSA's): every product here is stale
+            self.disabled = f"the base model's weights changed when adapter {name} was loaded"
+            log.warning("fast decode: off from now on: %s", self.disabled)
         if why:
             self.refused[name] = why
             log.info("fast decode: adapter %s goes through transformers' forward: %s", name, why)
@@ -214,18 +236,27 @@ class FastDecoder:
         self.adapters[name] = per_layer
 
     def _adapted_elsewhere(self, name: str) -> str | None:
-        """Whether adapter ``name`` adapts a module this path does not apply it on (embeddings, the LM head, norms)."""
+        """Why adapter ``name`` is more than plain LoRA on the seven linear layers of each decoder layer
+        (None: it is not): a module elsewhere adapted (embeddings, the LM head), a LoRA variant (DoRA,
+        KaSA, ...), or weights of its own besides A and B on any module (peft's ``adapter_layer_names``)."""
+        blocks = self.model.model.layers
+        if len(blocks) != len(self.layers):
+            return f"the model has {len(blocks)} layers now, {len(self.layers)} when this path was built"
         covered = set()
-        for b in self.model.model.layers:
+        for b in blocks:
             covered.update(id(m) for m in (b.self_attn.q_proj, b.self_attn.k_proj, b.self_attn.v_proj, b.self_attn.o_proj,
                                            b.mlp.gate_proj, b.mlp.up_proj, b.mlp.down_proj))
         for mod_name, m in self.model.named_modules():
-            if id(m) in covered:
-                continue
-            for attr in ("lora_A", "lora_embedding_A", "lora_magnitude_vector"):
+            if name in (getattr(m, "lora_variant", None) or {}):
+                return f"it is a LoRA variant ({type(m.lora_variant[name]).__name__}) on {mod_name}"
+            for attr in getattr(m, "adapter_layer_names", ()):
                 d = getattr(m, attr, None)
-                if d is not None and name in d:
+                if d is None or name not in d:
+                    continue
+                if id(m) not in covered:
                     return f"it adapts {mod_name}"
+                if attr not in ("lora_A", "lora_B"):
+                    return f"it has {attr} on {mod_name}"
         return None
 
     def remove_adapter(self, name: str) -> None:
@@ -234,7 +265,7 @@ class FastDecoder:
 
     def runs(self, adapters: list[str | None]) -> bool:
         """Whether a batch on these adapters (None: the base model) can take this path."""
-        return all(a is None or a in self.adapters for a in adapters)
+        return not self.disabled and all(a is None or a in self.adapters for a in adapters)
 
     # ------------------------------------------------------------------ the step
 
@@ -300,6 +331,8 @@ class FastDecoder:
                 and all(k.data_ptr() == kb.data_ptr() and v.data_ptr() == vb.data_ptr()
                         for (k, v), (kb, vb) in zip(cache, self._bufs))):
             return self._bufs
+        self._bufs = []  # the last step's buffers go now, before the new ones are filled
+        self.allocations += 1
         cap = T + 1 + _GROWTH
         bufs = []
         for k, v in cache:

@@ -109,6 +109,7 @@ class HFEngine:
         self._waiting: collections.deque[QueuedRequest] = collections.deque()
         self._rows: list[Row] = []
         self._cache: list[tuple[torch.Tensor, torch.Tensor]] | None = None  # per layer: keys, values (B, KV, T, D)
+        self._hf_cache: tuple[Any, list] | None = None  # (the DynamicCache a transformers step returned, the list taken from it)
         self._attn: torch.Tensor | None = None
         self._pos: torch.Tensor | None = None
         self._logits: torch.Tensor | None = None
@@ -360,6 +361,7 @@ class HFEngine:
 
     def _reset_batch(self) -> None:
         self._rows, self._cache, self._attn, self._pos, self._logits = [], None, None, None, None
+        self._hf_cache = None
         if self.fast is not None:
             self.fast.release()
 
@@ -696,16 +698,25 @@ class HFEngine:
         adapters = [r.adapter_name for r in rows]
         ids = torch.tensor([r.out_ids[-1] for r in rows], dtype=torch.long, device=self._attn.device)
         attn = torch.cat([self._attn, self._attn.new_ones((len(rows), 1))], dim=1)
+        done = False
         if self.fast is not None and self.fast.runs(adapters):
-            self._logits, self._cache = self.fast.step(ids, attn, self._pos, self._cache, adapters)
-            self.fast_decode_steps += 1
-        else:
+            try:
+                self._logits, self._cache = self.fast.step(ids, attn, self._pos, self._cache, adapters)
+                self.fast_decode_steps += 1
+                done = True
+            except Exception:  # noqa: BLE001 - a bug of this path must not fail requests transformers can serve
+                log.exception("fast decode failed; this engine decodes through transformers from now on")
+                self.fast = None
+        if not done:
             from transformers import DynamicCache
 
             if self.fast is not None:
                 self.fast.release()  # its buffers no longer hold the batch's cache after this step
-            out = self._forward(ids.unsqueeze(-1), attn, self._pos.unsqueeze(-1), DynamicCache(ddp_cache_data=self._cache), adapters)
+            # the DynamicCache of the last such step while nothing replaced its layers (a new one copies them all)
+            cache = self._hf_cache[0] if self._hf_cache and self._hf_cache[1] is self._cache else DynamicCache(ddp_cache_data=self._cache)
+            out = self._forward(ids.unsqueeze(-1), attn, self._pos.unsqueeze(-1), cache, adapters)
             self._cache = [(k, v) for k, v, *_ in out.past_key_values]
+            self._hf_cache = (out.past_key_values, self._cache)
             self._logits = out.logits[:, -1, :].float()
         self._attn = attn
         self._pos = self._pos + 1
