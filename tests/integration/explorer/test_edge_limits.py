@@ -4,6 +4,7 @@ a 500 keeps the connection and names no internals, and nothing leaks a server pa
 
 from __future__ import annotations
 
+import re
 import socket
 import time
 
@@ -107,6 +108,8 @@ def _stalled_upload(url: str, *, sent: int = 10, declared: int = 100) -> socket.
 
 
 def _read_status(s: socket.socket, timeout: float) -> tuple[int, bytes, float]:
+    """(status, the response as read: headers and the whole body its content-length declares, seconds
+    until the headers came). The body may arrive in a later packet than the headers."""
     t0 = time.monotonic()
     s.settimeout(timeout)
     data = b""
@@ -115,7 +118,15 @@ def _read_status(s: socket.socket, timeout: float) -> tuple[int, bytes, float]:
         if not chunk:
             break
         data += chunk
-    return int(data.split(b" ", 2)[1]), data, time.monotonic() - t0
+    waited = time.monotonic() - t0
+    head, _, body = data.partition(b"\r\n\r\n")
+    length = re.search(rb"(?im)^content-length:\s*(\d+)", head)
+    while length and len(body) < int(length.group(1)):
+        chunk = s.recv(4096)
+        if not chunk:
+            break
+        body += chunk
+    return int(data.split(b" ", 2)[1]), head + b"\r\n\r\n" + body, waited
 
 
 def test_a_stalled_upload_gets_408_and_the_concurrency_limit_503(make_explorer):
