@@ -209,7 +209,7 @@ class GRPO(BaseRecipe):
         a = self.config
         advantages, stats = mb.advantages, {}
         if a.hint_coef > 0:  # the reward's advantage on every token, plus the teacher's on a hinted call's
-            hinted, hint_mask = hint_advantage(mb, clip=a.hint_clip)
+            hinted, hint_mask = hint_advantage(mb, clip=a.hint_clip, skip=a.hint_skip_first)
             trained = trained_hint_advantage(hinted, hint_mask, a.hint_baseline)
             advantages = advantages.unsqueeze(-1).expand_as(mb.mask) + a.hint_coef * trained
             stats = hint_statistics(mb, hinted, hint_mask)
@@ -240,7 +240,7 @@ class GRPO(BaseRecipe):
             normalizer = mb.norms.sequences
         loss, own = grpo_loss(**inputs, normalizer=normalizer, **clip_args(mb.objective))
         if a.hint_coef > 0 and a.top_k:
-            top, figures = hint_top_k_loss(mb, a.top_k_coef)
+            top, figures = hint_top_k_loss(mb, a.top_k_coef, a.hint_skip_first)
             loss, stats = loss + top, {**stats, **figures}
         if by_response:  # its token figures as shares of the batch's tokens, as at token level
             scale = mb.norms.sequences / max(mb.norms.tokens, 1.0)

@@ -47,7 +47,7 @@ class OPD(BaseRecipe):
         return teacher_inputs(items, scorer, self.config.teacher, self.config.top_k)
 
     def loss(self, mb: MicroBatch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        adv, mask = hint_advantage(mb, clip=self.config.hint_clip)
+        adv, mask = hint_advantage(mb, clip=self.config.hint_clip, skip=self.config.hint_skip_first)
         trained = trained_hint_advantage(adv, mask, self.config.hint_baseline)
         # each token is an action here, whatever algorithm.level says: the teacher grades every token
         loss, stats = grpo_loss(logprobs=mb.logprobs, old_logprobs=mb.old_logprobs, advantages=trained * self.config.coef,
@@ -55,7 +55,7 @@ class OPD(BaseRecipe):
                                 **clip_args(mb.objective))
         stats = {**stats, **hint_statistics(mb, adv, mask)}
         if self.config.top_k:
-            top, figures = hint_top_k_loss(mb, self.config.top_k_coef)
+            top, figures = hint_top_k_loss(mb, self.config.top_k_coef, self.config.hint_skip_first)
             loss, stats = loss + top, {**stats, **figures}
         return loss, stats
 

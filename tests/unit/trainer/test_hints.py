@@ -174,3 +174,32 @@ def test_calls_sampled_under_a_grammar_get_the_sampled_term_only_and_a_hint_alon
     g = cfg("algorithm.name=grpo", "train_batch_size=1")
     sel = select_batch([row(2, reward=None)], recipe=g.algorithm.recipe(), cfg=g, current_version=0, now=NOW)
     assert sel.discarded["e2"] == "no reward, a hint alone (algorithm opd learns from those)"
+
+
+def test_skipping_the_first_token_leaves_the_call_or_words_choice_to_the_reward():
+    """hint_skip_first=1: the teacher's gap on a hinted call's first token (the one that opens a tool call
+    or starts an answer in words) is not trained, in grpo (the reward's advantage stays on it) and in the
+    top-k term; the tokens after it are trained as before."""
+    from services.trainer.recipes.base import GATHER_IDS
+
+    c = cfg("algorithm.name=grpo", "train_batch_size=1", "algorithm.grpo.hint_coef=0.5", "algorithm.level=token",
+            "algorithm.grpo.min_group_size=1", "algorithm.grpo.top_k=2", "algorithm.grpo.hint_skip_first=1")
+    recipe = c.algorithm.recipe()
+    sel = select_batch([row(1, reward=1.0)], recipe=recipe, cfg=c, current_version=0, now=NOW)
+    x = recipe.extra_inputs(sel.items, FixedScorer(torch.tensor([[-0.1, -1.5]])))
+    lp = torch.full((1, 2), -0.5, requires_grad=True)
+    mb = _micro(recipe, sel.items, lp, x["teacher"], advantages=[1.0])
+    mb.extra.update(x)
+    gathered = torch.log(torch.tensor([[[0.3, 0.3], [0.5, 0.4]]])).requires_grad_()
+    mb.gathered = gathered
+    loss, stats = recipe.loss(mb)
+    loss.backward()
+    # A = 1 on the first token (its +0.4 gap skipped), 1 + 0.5 * (-1.0) = 0.5 on the second; 2 tokens: grad = -A / 2
+    assert lp.grad.tolist() == [[approx(-0.5), approx(-0.25)]]
+    # the top-k term: nothing at the first position; at the second the student (0.5, 0.4) already matches the teacher
+    assert gathered.grad[0, 0].abs().sum().item() == 0
+    figures = hint_figures({k: float(v) for k, v in stats.items()})
+    assert figures["hinted_share"] == approx(0.5) and figures["distill_advantage"] == approx(-1.0)
+    with pytest.raises(ConfigError, match="hint_skip_first"):
+        cfg("algorithm.name=grpo", "algorithm.grpo.hint_skip_first=-1")
+    assert GATHER_IDS in x
