@@ -99,6 +99,11 @@ SETTINGS: dict[str, list[str]] = {
     # the same, the hint given to the tool call alone (the first call, when it was wrong), never to the answer call
     "explore-hints-tool": [*EXPLORE, "tools.words=hints", "tools.hint_coef=1.0", "tools.hint_calls=tool",
                            "trainer.algorithm.grpo.hint_baseline=call", "trainer.algorithm.grpo.top_k_coef=0.2"],
+    # the same, no distillation on a hinted call's first token (the call-or-words choice, left to the reward): by mid-loop
+    # the agent reading a hint hardly ever opens the call but still prefers the right call's arguments (hint_signal.py)
+    "explore-hints-skip": [*EXPLORE, "tools.words=hints", "tools.hint_coef=1.0", "tools.hint_calls=tool",
+                           "trainer.algorithm.grpo.hint_baseline=call", "trainer.algorithm.grpo.top_k_coef=0.2",
+                           "trainer.algorithm.grpo.hint_skip_first=1"],
     # the demonstrations show * and + only: - and / are learnt from the traffic alone (issue 29's "what no demonstration showed")
     "explore-ops": [*EXPLORE, "tools.demonstrated_operations=*+"],
     # four problems a step, not two (64 calls a batch, the backlog as large): at --loop-steps 12 as many episodes as
