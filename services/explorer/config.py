@@ -86,6 +86,14 @@ class EngineSection(ConfigModel):
         "transformers' and peft's modules, for llama, mistral and qwen2 decoders and LoRA adapters on their linear "
         "layers; others keep transformers' forward. The fused weights are a copy within the packed copy's budget.",
     )
+    decode_kernel: bool | None = Field(
+        default=None,
+        description="hf on CPU, in the fast decode step: the products of batches of 1-8 sequences on Kaizen's own "
+        "bfloat16 kernel (engines/gemv.cpp, AVX-512 BF16; built by `make install` or on first use), which reads the "
+        "weights about twice as fast as oneDNN there; a copy of the weights in its layout, within the packed copy's "
+        "budget. Unset: used where it runs (a bfloat16 model, a CPU with AVX-512 BF16, a C++ compiler); true: "
+        "required (the engine refuses to start without it); false: off.",
+    )
     replicas: int = Field(default=1, ge=1, description="Engines behind this Explorer, requests spread by load (vllm: one per GPU group).")
     vllm: VLLMSection = Field(default_factory=VLLMSection)
 

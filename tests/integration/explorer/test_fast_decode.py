@@ -1,7 +1,8 @@
 """The hf engine's own decode step (services/explorer/serving/engines/fast_decode.py) against
 transformers' and peft's forward: one step on llama, qwen2 (biases on q/k/v) and mistral decoders with
 padded rows, with adapters on some rows; whole requests through the engine, long enough for the key
-and value buffers to grow; and the models and adapters it leaves to transformers."""
+and value buffers to grow; the models and adapters it leaves to transformers; and the products of
+small bfloat16 batches on the gemv kernel (engines/gemv.py), where this CPU runs it."""
 
 from __future__ import annotations
 
@@ -11,7 +12,8 @@ import pytest
 import torch
 from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
-from services.explorer.serving.engines.base import AdapterRef
+from services.explorer.serving.engines import gemv
+from services.explorer.serving.engines.base import AdapterRef, EngineError
 from services.explorer.serving.engines.fast_decode import FastDecoder
 from services.explorer.serving.engines.hf import HFEngine
 from tests.integration.explorer.engine_steps import drive, ids, request
@@ -291,3 +293,84 @@ def test_a_failing_fast_step_falls_back_to_transformers_for_good(pair, tiny_mode
         _same(drive(e, schedule), drive(stock, schedule))
     assert e.fast is None and e.fast_decode_steps == 0
     assert sum("fast decode failed" in r.message for r in caplog.records) == 1
+
+
+# ---------------------------------------------------------------------- the gemv kernel (engines/gemv.py)
+
+needs_kernel = pytest.mark.skipif(gemv.unsupported() is not None, reason=f"the gemv kernel does not run here: {gemv.unsupported()}")
+
+
+@needs_kernel
+@pytest.mark.parametrize("n, k", [(960, 576), (50, 101), (17, 32)])
+def test_the_kernels_products_are_onednns(n, k):
+    """1 to 8 rows, outputs not a multiple of 16, an odd number of inputs, with and without a bias:
+    float32 sums rounded once to bfloat16, as oneDNN's products give them (they may differ by the order
+    of the sums: one bfloat16 step at most, and rarely)."""
+    mod, why = gemv.load()
+    assert mod is not None, why
+    torch.manual_seed(0)
+    w = torch.randn(n, k, dtype=torch.bfloat16)
+    b = torch.randn(n, dtype=torch.bfloat16)
+    for bias in (None, b):
+        packed = gemv.Packed(mod, w, bias)
+        for rows in range(1, gemv.MAX_ROWS + 1):
+            x = torch.randn(rows, k, dtype=torch.bfloat16)
+            got, want = packed(x), torch.nn.functional.linear(x, w, bias)
+            assert got.dtype == torch.bfloat16 and got.shape == (rows, n)
+            exact = x.double() @ w.double().T + (bias.double() if bias is not None else 0)
+            step = want.float().abs().clamp(min=1e-3) * 2**-7  # one bfloat16 step at that magnitude
+            assert ((got.float() - want.float()).abs() <= step).all()
+            assert (got == want).float().mean() > 0.99
+            assert ((got.double() - exact).abs() <= step * 1.01).all()  # both are the exact sum, rounded once
+    with pytest.raises(RuntimeError, match="1 to 8 rows"):
+        packed(torch.randn(9, k, dtype=torch.bfloat16))
+    with pytest.raises(RuntimeError, match="bfloat16"):
+        packed(torch.randn(1, k))
+    with pytest.raises(RuntimeError, match="does not match"):
+        packed(torch.randn(1, k + 2, dtype=torch.bfloat16))
+
+
+@needs_kernel
+@pytest.mark.parametrize("kind", ["llama", "qwen2"])
+def test_a_bfloat16_step_on_the_kernel_gives_the_models_logits(kind):
+    """In bfloat16 the products of batches of up to 8 rows run on the kernel (counted), and the step
+    gives what transformers' forward gives, as closely as on oneDNN's products."""
+    model = _model(kind, torch.bfloat16)
+    want, _, (new, attn, pos, cache) = _one_step(model)
+    on, why = FastDecoder.build(model, CPU, packed=True, fuse_budget=1 << 30)
+    off, _ = FastDecoder.build(model, CPU, packed=True, fuse_budget=1 << 30, kernel=False)
+    assert on.kernel == "" and off.kernel == "engine.decode_kernel is false", why
+    assert on.extra_bytes > off.extra_bytes  # the kernel's copy of the weights
+    got = on.step(new, attn, pos, [(k.clone(), v.clone()) for k, v in cache], [None] * 4)[0]
+    assert on.kernel_steps == 1 and off.kernel_steps == 0
+    ref = off.step(new, attn, pos, cache, [None] * 4)[0]
+    torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2)
+    assert (got - want).abs().max() <= (ref - want).abs().max() + 2e-2
+
+
+def test_where_the_kernel_cannot_run_the_products_stay_on_onednn(monkeypatch):
+    """A float32 model, a copy over the budget, a CPU without AVX-512 BF16 (or no compiler): the step
+    runs oneDNN's products and says why; asked for with decode_kernel true, the reason is the error."""
+    model32 = _model("llama", torch.float32)
+    dec, _ = FastDecoder.build(model32, CPU, packed=True, fuse_budget=1 << 30)
+    assert dec.kernel == "the model is in float32; the kernel is for bfloat16"
+    model = _model("llama", torch.bfloat16)
+    fuse = FastDecoder.build(model, CPU, packed=True, fuse_budget=1 << 30, kernel=False)[0].extra_bytes
+    dec, _ = FastDecoder.build(model, CPU, packed=True, fuse_budget=fuse + 1000)
+    assert "does not fit what is left of the packed copies' budget" in dec.kernel and dec.extra_bytes == fuse
+    monkeypatch.setattr(gemv, "load", lambda: (None, "this CPU has no AVX-512 BF16"))
+    dec, _ = FastDecoder.build(model, CPU, packed=True, fuse_budget=1 << 30)
+    assert dec.kernel == "this CPU has no AVX-512 BF16"
+    want, _, (new, attn, pos, cache) = _one_step(model)
+    torch.testing.assert_close(dec.step(new, attn, pos, cache, [None] * 4)[0], want, rtol=2e-2, atol=2e-2)
+    assert dec.kernel_steps == 0
+    dec, why = FastDecoder.build(model, CPU, packed=True, fuse_budget=1 << 30, kernel=True)
+    assert dec is None and why == "engine.decode_kernel is true, but this CPU has no AVX-512 BF16"
+
+
+def test_the_engine_refuses_a_kernel_it_cannot_run(tiny_model):
+    with pytest.raises(EngineError, match="needs engine.fast_decode"):
+        HFEngine(model_path=str(tiny_model), dtype="bfloat16", device="cpu", fast_decode=False, decode_kernel=True)
+    e = HFEngine(model_path=str(tiny_model), dtype="float32", device="cpu", decode_kernel=True)
+    with pytest.raises(EngineError, match="engine.decode_kernel: .*the kernel is for bfloat16"):
+        e._load()
