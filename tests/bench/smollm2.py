@@ -37,8 +37,8 @@ Knobs: KAIZEN_BENCH_ROUNDS (default 3), KAIZEN_BENCH_THREADS (2), KAIZEN_BENCH_S
 (engines,trainer; the limits are always measured), KAIZEN_BENCH_SMOLLM2_TOTALS (requests per run,
 "1:2,8:8,32:32": one wave at 8 and 32), KAIZEN_BENCH_SMOLLM2_MAX_TOKENS (64),
 KAIZEN_BENCH_SMOLLM2_ENGINES (hf,hf-stock,vllm: hf-stock is the hf engine without its CPU fast paths,
-engines/cpu_paths.py and engines/fast_decode.py; hf-onednn, not in the default, is the hf engine with its
-decode products on oneDNN instead of engines/gemv.cpp), the dtypes above, KAIZEN_BENCH_SMOLLM2_TRAIN_WARMUP (1 step
+engines/cpu_paths.py and engines/fast_decode.py; hf-no-kernels, not in the default, is the hf engine without
+engines/decode_kernels.cpp: its decode products on oneDNN, its attention and norms in torch), the dtypes above, KAIZEN_BENCH_SMOLLM2_TRAIN_WARMUP (1 step
 per side), KAIZEN_BENCH_VLLM_BIND, KAIZEN_BENCH_QUICK=1 (everything small: a smoke run, ~4 min).
 On an idle 2-core machine the default run takes about 11-14 minutes (the engines' part about 4-5 of them) and peaks near 10 GB of memory
 (the float32 training steps); pass KAIZEN_BENCH_SMOLLM2_TRAIN_SEQS=8 to halve the trainer's share.
@@ -247,11 +247,11 @@ class EngineTarget:
 
     async def start(self) -> None:
         t0 = time.monotonic()
-        if self.kind in ("hf", "hf-stock", "hf-onednn"):
+        if self.kind in ("hf", "hf-stock", "hf-no-kernels"):
             from services.explorer.serving.engines.hf import HFEngine
 
             stock = ({"packed_weights": False, "decode_attention": False, "fast_decode": False} if self.kind == "hf-stock"
-                     else {"decode_kernel": False} if self.kind == "hf-onednn" else {})
+                     else {"decode_kernels": False} if self.kind == "hf-no-kernels" else {})
             self.engine = HFEngine(model_path=self.model, dtype=self.dtype, device="cpu", max_batch_size=max(CONCURRENCIES),
                                    max_model_len=MAX_MODEL_LEN, torch_threads=self.threads, seed=0, **stock)
         else:
@@ -397,8 +397,8 @@ def engines_report(results: dict, targets: list[EngineTarget], info: dict, ml: M
         out += "\nvllm/hf tokens/s, paired by round: " + "; ".join(pairs)
     if fast := paired("hf", "hf-stock"):
         out += "\nhf/hf-stock tokens/s (the CPU fast paths on / off), paired by round: " + "; ".join(fast)
-    if kern := paired("hf", "hf-onednn"):
-        out += "\nhf/hf-onednn tokens/s (decode products on the gemv kernel / on oneDNN), paired by round: " + "; ".join(kern)
+    if kern := paired("hf", "hf-no-kernels"):
+        out += "\nhf/hf-no-kernels tokens/s (engines/decode_kernels.cpp on / off), paired by round: " + "; ".join(kern)
     starts = ", ".join(f"{t.name} {t.start_s:.0f}s" for t in ok)
     out += (
         f"\n(limit: the roofline, min(concurrency x read bandwidth / weight bytes, GEMM FLOP/s / (2 x params)); "

@@ -2,7 +2,7 @@
 transformers' and peft's forward: one step on llama, qwen2 (biases on q/k/v) and mistral decoders with
 padded rows, with adapters on some rows; whole requests through the engine, long enough for the key
 and value buffers to grow; the models and adapters it leaves to transformers; and the products of
-small bfloat16 batches on the gemv kernel (engines/gemv.py), where this CPU runs it."""
+bfloat16 steps on our own kernels (engines/decode_kernels.py), where this CPU runs them."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import pytest
 import torch
 from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
-from services.explorer.serving.engines import gemv
+from services.explorer.serving.engines import decode_kernels
 from services.explorer.serving.engines.base import AdapterRef, EngineError
 from services.explorer.serving.engines.fast_decode import FastDecoder
 from services.explorer.serving.engines.hf import HFEngine
@@ -22,11 +22,11 @@ SHAPE = dict(vocab_size=256, hidden_size=64, intermediate_size=96, num_hidden_la
 CPU = torch.device("cpu")
 
 
-def _model(kind: str, dtype: torch.dtype):
+def _model(kind: str, dtype: torch.dtype, shape: dict = SHAPE):
     torch.manual_seed(0)
-    cls, cfg = {"llama": (LlamaForCausalLM, LlamaConfig(**SHAPE)),
-                "qwen2": (Qwen2ForCausalLM, Qwen2Config(**SHAPE)),
-                "mistral": (MistralForCausalLM, MistralConfig(**SHAPE, sliding_window=None))}[kind]
+    cls, cfg = {"llama": (LlamaForCausalLM, LlamaConfig(**shape)),
+                "qwen2": (Qwen2ForCausalLM, Qwen2Config(**shape)),
+                "mistral": (MistralForCausalLM, MistralConfig(**shape, sliding_window=None))}[kind]
     model = cls(cfg).eval()
     with torch.no_grad():  # random biases, so a bias left out would show
         for m in model.modules():
@@ -295,9 +295,9 @@ def test_a_failing_fast_step_falls_back_to_transformers_for_good(pair, tiny_mode
     assert sum("fast decode failed" in r.message for r in caplog.records) == 1
 
 
-# ---------------------------------------------------------------------- the gemv kernel (engines/gemv.py)
+# ---------------------------------------------------------------------- engines/decode_kernels.py
 
-needs_kernel = pytest.mark.skipif(gemv.unsupported() is not None, reason=f"the gemv kernel does not run here: {gemv.unsupported()}")
+needs_kernel = pytest.mark.skipif(decode_kernels.unsupported() is not None, reason=f"decode_kernels do not run here: {decode_kernels.unsupported()}")
 
 
 @needs_kernel
@@ -306,14 +306,14 @@ def test_the_kernels_products_are_onednns(n, k):
     """1 to 8 rows, outputs not a multiple of 16, an odd number of inputs, with and without a bias:
     float32 sums rounded once to bfloat16, as oneDNN's products give them (they may differ by the order
     of the sums: one bfloat16 step at most, and rarely)."""
-    mod, why = gemv.load()
+    mod, why = decode_kernels.load()
     assert mod is not None, why
     torch.manual_seed(0)
     w = torch.randn(n, k, dtype=torch.bfloat16)
     b = torch.randn(n, dtype=torch.bfloat16)
     for bias in (None, b):
-        packed = gemv.Packed(mod, w, bias)
-        for rows in range(1, gemv.MAX_ROWS + 1):
+        packed = decode_kernels.Packed(mod, w, bias)
+        for rows in range(1, decode_kernels.MAX_ROWS + 1):
             x = torch.randn(rows, k, dtype=torch.bfloat16)
             got, want = packed(x), torch.nn.functional.linear(x, w, bias)
             assert got.dtype == torch.bfloat16 and got.shape == (rows, n)
@@ -332,45 +332,152 @@ def test_the_kernels_products_are_onednns(n, k):
 
 @needs_kernel
 @pytest.mark.parametrize("kind", ["llama", "qwen2"])
-def test_a_bfloat16_step_on_the_kernel_gives_the_models_logits(kind):
-    """In bfloat16 the products of batches of up to 8 rows run on the kernel (counted), and the step
-    gives what transformers' forward gives, as closely as on oneDNN's products."""
-    model = _model(kind, torch.bfloat16)
-    want, _, (new, attn, pos, cache) = _one_step(model)
+def test_a_bfloat16_step_on_the_kernels_gives_the_models_logits(kind):
+    """In bfloat16 the step runs on the kernels (counted): products of batches of up to 8 rows,
+    attention, norms, rotary embedding (heads of 32: a multiple of 32, as the rotary kernel takes);
+    it gives what transformers' forward gives, as closely as the step without them."""
+    model = _model(kind, torch.bfloat16, dict(SHAPE, hidden_size=128))
+    want, want_cache, (new, attn, pos, cache) = _one_step(model)
     on, why = FastDecoder.build(model, CPU, packed=True, fuse_budget=1 << 30)
-    off, _ = FastDecoder.build(model, CPU, packed=True, fuse_budget=1 << 30, kernel=False)
-    assert on.kernel == "" and off.kernel == "engine.decode_kernel is false", why
-    assert on.extra_bytes > off.extra_bytes  # the kernel's copy of the weights
-    got = on.step(new, attn, pos, [(k.clone(), v.clone()) for k, v in cache], [None] * 4)[0]
+    off, _ = FastDecoder.build(model, CPU, packed=True, fuse_budget=1 << 30, kernels=False)
+    assert on.kernel == "" and off.kernel == "engine.decode_kernels is false", why
+    assert on._kattention and on._krope and on._krms
+    assert on.extra_bytes > off.extra_bytes  # the products' copy of the weights
+    got, got_cache = on.step(new, attn, pos, [(k.clone(), v.clone()) for k, v in cache], [None] * 4)
     assert on.kernel_steps == 1 and off.kernel_steps == 0
-    ref = off.step(new, attn, pos, cache, [None] * 4)[0]
+    ref, ref_cache = off.step(new, attn, pos, cache, [None] * 4)
     torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2)
     assert (got - want).abs().max() <= (ref - want).abs().max() + 2e-2
+    for (k, v), (rk, rv) in zip(got_cache, ref_cache):  # the same keys and values written
+        torch.testing.assert_close(k[:, :, -1], rk[:, :, -1], rtol=2e-2, atol=2e-2)
+        torch.testing.assert_close(v[:, :, -1], rv[:, :, -1], rtol=2e-2, atol=2e-2)
+
+
+def _one_bf16_step(x: torch.Tensor) -> torch.Tensor:
+    return x.float().abs().clamp(min=1e-3) * 2**-7  # one bfloat16 step at x's magnitude
+
+
+@needs_kernel
+@pytest.mark.parametrize("B, H, KV, D, T", [(1, 9, 3, 64, 40), (5, 4, 2, 32, 17), (3, 8, 1, 16, 9), (2, 8, 8, 128, 70)])
+def test_the_kernels_attention_is_the_float32_products(B, H, KV, D, T):
+    """Queries as a view into the fused product's output, key and value buffers with room past T,
+    rows padded on the left: the float32 products the step computes without the kernel (and the exact
+    sums, rounded once), within one bfloat16 step and almost always equal."""
+    mod, _ = decode_kernels.load()
+    torch.manual_seed(B * 100 + D)
+    qkv = torch.randn(B, H + 2 * KV, D, dtype=torch.bfloat16)
+    q = qkv[:, :H]
+    k, v = (torch.randn(B, KV, T + 7, D, dtype=torch.bfloat16) for _ in range(2))
+    keep = torch.ones(B, T, dtype=torch.bool)
+    for b in range(B):
+        keep[b, : 3 * b] = False
+    scale = D ** -0.5
+    bias = torch.zeros(B, T).masked_fill_(~keep, float("-inf")).view(B, 1, 1, T).expand(B, KV, 1, T).reshape(B * KV, 1, T)
+    scores = torch.baddbmm(bias, q.reshape(B * KV, H // KV, D).float(),
+                           k[:, :, :T].float().reshape(B * KV, T, D).transpose(1, 2), alpha=scale)
+    exact = torch.bmm(torch.softmax(scores.double(), -1), v[:, :, :T].double().reshape(B * KV, T, D)).view(B, H * D)
+    want = torch.bmm(torch.softmax(scores, -1), v[:, :, :T].float().reshape(B * KV, T, D)).view(B, H * D).to(torch.bfloat16)
+    got = mod.attention(q, k, v, keep, scale)
+    assert got.dtype == torch.bfloat16 and got.shape == (B, H * D)
+    assert ((got.float() - want.float()).abs() <= _one_bf16_step(want)).all()
+    assert (got == want).float().mean() > 0.99
+    assert ((got.double() - exact).abs() <= _one_bf16_step(exact) * 1.01).all()
+    with pytest.raises(RuntimeError, match="query heads a key-value head"):
+        mod.attention(torch.randn(B, 9 * KV, D).to(torch.bfloat16), k, v, keep, scale)
+    with pytest.raises(RuntimeError, match="bool"):
+        mod.attention(q, k, v, keep.long(), scale)
+
+
+@needs_kernel
+def test_the_kernels_norm_and_rotary_embedding_are_torchs_bit_for_bit():
+    mod, _ = decode_kernels.load()
+    torch.manual_seed(3)
+    for B, N in ((1, 576), (7, 64), (33, 128)):
+        x = (torch.randn(B, N) * 3).to(torch.bfloat16)
+        w = torch.randn(N).to(torch.bfloat16)
+        want = w * torch.nn.functional.rms_norm(x.float(), (N,), eps=1e-5).to(torch.bfloat16)
+        got = mod.rms_norm(x, w, 1e-5)
+        # the mean of squares is summed in another order than torch's: a rounding apart, rarely
+        assert (got == want).float().mean() > 0.999 and ((got.float() - want.float()).abs() <= _one_bf16_step(want)).all()
+    for B, H, KV, D, T in ((1, 9, 3, 64, 0), (4, 8, 2, 32, 11)):
+        qkv = torch.randn(B, H + 2 * KV, D).to(torch.bfloat16)
+        cos, sin = torch.randn(B, 1, D).to(torch.bfloat16), torch.randn(B, 1, D).to(torch.bfloat16)
+        kbuf, vbuf = torch.zeros(B, KV, T + 5, D, dtype=torch.bfloat16), torch.zeros(B, KV, T + 5, D, dtype=torch.bfloat16)
+        want_k, want_v = kbuf.clone(), vbuf.clone()
+        qk = qkv[:, : H + KV] * cos + qkv[:, : H + KV].roll(D // 2, -1) * sin
+        want_k[:, :, T], want_v[:, :, T] = qk[:, H:], qkv[:, H + KV :]
+        q = mod.rope_into_cache(qkv, cos, sin, kbuf, vbuf, H, T)
+        assert torch.equal(q, qk[:, :H]) and torch.equal(kbuf, want_k) and torch.equal(vbuf, want_v)
+    with pytest.raises(RuntimeError, match="T within the buffers"):
+        mod.rope_into_cache(qkv, cos, sin, kbuf, vbuf, H, T + 5)
+
+
+@needs_kernel
+def test_the_engine_in_bfloat16_decodes_on_the_kernels(tiny_model):
+    """The tiny model in bfloat16 through the engine: every decode step on the kernels, and the
+    logprobs it records are those a full forward of the sampled tokens gives (what the Trainer
+    computes) as closely as without them."""
+    import asyncio
+
+    from transformers import AutoModelForCausalLM
+
+    from services.explorer.serving.engines.base import GenerateRequest, SamplingParams
+
+    full = AutoModelForCausalLM.from_pretrained(str(tiny_model), dtype=torch.bfloat16).eval()
+    rng = random.Random(4)
+    prompts = [ids(rng, n, set()) for n in (5, 12, 30)]
+
+    async def run(kernels):
+        e = HFEngine(model_path=str(tiny_model), dtype="bfloat16", device="cpu", max_batch_size=8, decode_kernels=kernels)
+        await e.start()
+        try:
+            async def one(i, p):
+                out, lps = [], []
+                req = GenerateRequest(request_id=f"r{i}", prompt_token_ids=p, params=SamplingParams(max_tokens=24, seed=i))
+                async for ups in e.generate(req):
+                    for u in ups:
+                        out, lps = out + u.token_ids, lps + u.logprobs
+                return p, out, lps
+            return await asyncio.gather(*[one(i, p) for i, p in enumerate(prompts)]), e.stats().extra
+        finally:
+            await e.shutdown()
+
+    gaps = {}
+    for kernels in (None, False):
+        results, stats = asyncio.run(run(kernels))
+        assert (stats["fast_decode_kernel_steps"] > 0) == (kernels is None) and stats["fast_decode_steps"] > 0
+        diffs = []
+        for p, out, lps in results:
+            with torch.inference_mode():
+                logp = full(torch.tensor([p + out])).logits[0, len(p) - 1 : -1].float().log_softmax(-1)
+            diffs += (logp.gather(-1, torch.tensor(out)[:, None])[:, 0] - torch.tensor(lps)).abs().tolist()
+        gaps[kernels] = torch.tensor(diffs)
+    assert gaps[None].mean() <= 2 * gaps[False].mean() + 0.01 and gaps[None].max() < 0.2, gaps
 
 
 def test_where_the_kernel_cannot_run_the_products_stay_on_onednn(monkeypatch):
     """A float32 model, a copy over the budget, a CPU without AVX-512 BF16 (or no compiler): the step
-    runs oneDNN's products and says why; asked for with decode_kernel true, the reason is the error."""
+    runs oneDNN's products and says why; asked for with decode_kernels true, the reason is the error."""
     model32 = _model("llama", torch.float32)
     dec, _ = FastDecoder.build(model32, CPU, packed=True, fuse_budget=1 << 30)
-    assert dec.kernel == "the model is in float32; the kernel is for bfloat16"
+    assert dec.kernel == "the model is in float32; the kernels are for bfloat16"
     model = _model("llama", torch.bfloat16)
-    fuse = FastDecoder.build(model, CPU, packed=True, fuse_budget=1 << 30, kernel=False)[0].extra_bytes
+    fuse = FastDecoder.build(model, CPU, packed=True, fuse_budget=1 << 30, kernels=False)[0].extra_bytes
     dec, _ = FastDecoder.build(model, CPU, packed=True, fuse_budget=fuse + 1000)
     assert "does not fit what is left of the packed copies' budget" in dec.kernel and dec.extra_bytes == fuse
-    monkeypatch.setattr(gemv, "load", lambda: (None, "this CPU has no AVX-512 BF16"))
+    monkeypatch.setattr(decode_kernels, "load", lambda: (None, "this CPU has no AVX-512 BF16"))
     dec, _ = FastDecoder.build(model, CPU, packed=True, fuse_budget=1 << 30)
     assert dec.kernel == "this CPU has no AVX-512 BF16"
     want, _, (new, attn, pos, cache) = _one_step(model)
     torch.testing.assert_close(dec.step(new, attn, pos, cache, [None] * 4)[0], want, rtol=2e-2, atol=2e-2)
     assert dec.kernel_steps == 0
-    dec, why = FastDecoder.build(model, CPU, packed=True, fuse_budget=1 << 30, kernel=True)
-    assert dec is None and why == "engine.decode_kernel is true, but this CPU has no AVX-512 BF16"
+    dec, why = FastDecoder.build(model, CPU, packed=True, fuse_budget=1 << 30, kernels=True)
+    assert dec is None and why == "engine.decode_kernels is true, but this CPU has no AVX-512 BF16"
 
 
 def test_the_engine_refuses_a_kernel_it_cannot_run(tiny_model):
     with pytest.raises(EngineError, match="needs engine.fast_decode"):
-        HFEngine(model_path=str(tiny_model), dtype="bfloat16", device="cpu", fast_decode=False, decode_kernel=True)
-    e = HFEngine(model_path=str(tiny_model), dtype="float32", device="cpu", decode_kernel=True)
-    with pytest.raises(EngineError, match="engine.decode_kernel: .*the kernel is for bfloat16"):
+        HFEngine(model_path=str(tiny_model), dtype="bfloat16", device="cpu", fast_decode=False, decode_kernels=True)
+    e = HFEngine(model_path=str(tiny_model), dtype="float32", device="cpu", decode_kernels=True)
+    with pytest.raises(EngineError, match="engine.decode_kernels: .*the kernels are for bfloat16"):
         e._load()

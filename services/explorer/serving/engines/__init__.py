@@ -58,7 +58,7 @@ def _build_one(config, replica: int) -> Engine:
             packed_weights=e.packed_weights,
             decode_attention=e.cpu_decode_attention,
             fast_decode=e.fast_decode,
-            decode_kernel=e.decode_kernel,
+            decode_kernels=e.decode_kernels,
         )
     if e.kind == "vllm":
         from services.explorer.serving.engines.vllm import build_vllm_engine

@@ -9,7 +9,7 @@ directly from the model's weights (measured in docs/ENGINES.md):
 - the query, key and value products as one product on the three weights side by side, the gate and
   up products as one, each on a copy packed for oneDNN where packing is on (``cpu_paths``), and at
   1-8 sequences in bfloat16 on a CPU with AVX-512 BF16 on a copy in the layout of our own kernel
-  (``gemv``), which reads the weights about twice as fast as oneDNN there;
+  (``decode_kernels``), which reads the weights about twice as fast as oneDNN there;
 - an adapter's products on the same fused inputs: its A matrices side by side, its B matrices block
   by block with the adapter's scaling folded in, rows of each adapter in one product;
 - rotary embeddings on queries and keys together, the padding mask once a step, attention as
@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from services.explorer.serving.engines import gemv
+from services.explorer.serving.engines import decode_kernels
 
 log = logging.getLogger(__name__)
 
@@ -55,7 +55,7 @@ def _base(module: nn.Module) -> nn.Module:
 
 class _Linear:
     """One product ``x @ W.T + b`` on a weight packed for oneDNN (when ``packed``) or as it is, and at
-    up to ``gemv.MAX_ROWS`` rows on the kernel's copy (``kern``) when it has one."""
+    up to ``decode_kernels.MAX_ROWS`` rows on the kernel's copy (``kern``) when it has one."""
 
     __slots__ = ("weight", "bias", "packed", "out", "kern")
 
@@ -63,11 +63,11 @@ class _Linear:
         self.out = weight.shape[0]
         self.bias = bias
         self.packed = packed
-        self.kern: gemv.Packed | None = None
+        self.kern: decode_kernels.Packed | None = None
         self.weight = torch.ops.mkldnn._reorder_linear_weight(weight, None) if packed else weight
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if self.kern is not None and x.shape[0] <= gemv.MAX_ROWS:
+        if self.kern is not None and x.shape[0] <= decode_kernels.MAX_ROWS:
             return self.kern(x)
         if self.packed:
             return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
@@ -89,7 +89,7 @@ class _Linear:
         else:
             lin = cls(weight, bias, packed)
         if kern is not None:
-            lin.kern = gemv.Packed(kern, weight, bias)
+            lin.kern = decode_kernels.Packed(kern, weight, bias)
         return lin
 
 
@@ -123,7 +123,7 @@ class FastDecoder:
     eps: float
     intermediate: int
     packed: bool
-    extra_bytes: int  # the fused copies' bytes and the kernel's copies'
+    extra_bytes: int  # the fused copies' bytes and the kernels' copies
     embed: nn.Module
     norm: nn.Module
     head: _Linear
@@ -131,8 +131,12 @@ class FastDecoder:
     adapters: dict[str, list[dict[str, _Lora]]] = field(default_factory=dict)
     refused: dict[str, str] = field(default_factory=dict)  # adapter name -> why this path cannot run it
     disabled: str = ""  # why this path runs nothing any more (the base weights changed under it)
-    kernel: str = ""  # why the products at 1-8 rows are not on the gemv kernel ("": they are)
-    kernel_steps: int = 0  # steps whose products ran on the gemv kernel
+    kernel: str = ""  # why the step does not run on decode_kernels ("": it does)
+    kernel_steps: int = 0  # steps that ran on decode_kernels (their products at 1-8 rows)
+    _kmod: object = None  # the decode_kernels module when ``kernel`` is ""
+    _kattention: bool = False  # attention on it (the heads' shapes within its limits)
+    _krope: bool = False  # the rotary embedding and the cache's writes on it (a head dimension a multiple of 32)
+    _krms: bool = False  # the norms on it (a hidden size a multiple of 16)
     allocations: int = 0  # key and value buffers (re)allocated
     _weights: list[tuple[torch.Tensor, int, int]] = field(default_factory=list)  # base weights as built from
     _bufs: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)  # per layer: keys, values with room
@@ -165,11 +169,11 @@ class FastDecoder:
 
     @classmethod
     def build(cls, model: nn.Module, device: torch.device, packed: bool, fuse_budget: int,
-              kernel: bool | None = None) -> tuple["FastDecoder | None", str]:
+              kernels: bool | None = None) -> tuple["FastDecoder | None", str]:
         """The decoder for ``model`` (packed products when ``packed``; the fused copies only when their
-        bytes fit ``fuse_budget``, otherwise each product on its own weight; the gemv kernel's copies
-        when ``kernel`` is not False, the model is in bfloat16, the kernel runs here and its copies fit
-        what is left of the budget: ``kernel`` True asks for it, and its absence is then the reason given
+        bytes fit ``fuse_budget``, otherwise each product on its own weight; decode_kernels' copies
+        and its step on them when ``kernels`` is not False, the model is in bfloat16, they run here and the
+        copies fit what is left of the budget: ``kernels`` True asks for them, their absence is then the reason given
         with None), or None and why not."""
         try:
             why = cls.unsupported(model, device)
@@ -185,9 +189,9 @@ class FastDecoder:
             sum(_base(m).weight.numel() * _base(m).weight.element_size() for m in group)
             for b in blocks for group in ((b.self_attn.q_proj, b.self_attn.k_proj, b.self_attn.v_proj), (b.mlp.gate_proj, b.mlp.up_proj)))
         fuse = fuse_bytes <= fuse_budget
-        kern, kernel_why = cls._kernel(model, kernel, fuse_budget - (fuse_bytes if fuse else 0))
-        if kernel and kern is None:
-            return None, f"engine.decode_kernel is true, but {kernel_why}"
+        kern, kernel_why = cls._kernels(model, kernels, fuse_budget - (fuse_bytes if fuse else 0))
+        if kernels and kern is None:
+            return None, f"engine.decode_kernels is true, but {kernel_why}"
         layers = []
         try:
             for b in blocks:
@@ -207,27 +211,29 @@ class FastDecoder:
         kernel_bytes = sum(p.kern.nbytes for L in layers for lin in (L.qkv, L.o, L.gate_up, L.down)
                            for p in (lin.parts if isinstance(lin, _Split) else [lin]) if p.kern is not None)
         kernel_bytes += head.kern.nbytes if head.kern is not None else 0
+        kattention = kern is not None and heads // kv_heads <= kern.MAX_GROUP and head_dim % 16 == 0 and head_dim <= kern.MAX_HEAD_DIM
         weights = [m.weight for m in model.modules() if type(m) in (nn.Linear, nn.Embedding)]
         return cls(model=model, layers=layers, heads=heads, kv_heads=kv_heads, head_dim=head_dim,
                    eps=_base(blocks[0].input_layernorm).variance_epsilon, intermediate=config.intermediate_size, packed=packed,
                    extra_bytes=(fuse_bytes if fuse else 0) + kernel_bytes, embed=_base(model.model.embed_tokens),
                    norm=_base(model.model.norm), head=head, acts=[b.mlp.act_fn for b in blocks], kernel=kernel_why,
-                   _weights=[(w, w.data_ptr(), w._version) for w in weights]), ""
+                   _kmod=kern, _kattention=kattention, _krope=kern is not None and head_dim % 32 == 0,
+                   _krms=kern is not None and config.hidden_size % 16 == 0, _weights=[(w, w.data_ptr(), w._version) for w in weights]), ""
 
     @staticmethod
-    def _kernel(model: nn.Module, kernel: bool | None, budget: int):
-        """(the gemv kernel module, "") when the products at 1-8 rows can run on it, else (None, why not)."""
-        if kernel is False:
-            return None, "engine.decode_kernel is false"
+    def _kernels(model: nn.Module, kernels: bool | None, budget: int):
+        """(the decode_kernels module, "") when the step can run on it, else (None, why not)."""
+        if kernels is False:
+            return None, "engine.decode_kernels is false"
         dtype = model.lm_head.weight.dtype
         if dtype != torch.bfloat16:
-            return None, f"the model is in {str(dtype).removeprefix('torch.')}; the kernel is for bfloat16"
+            return None, f"the model is in {str(dtype).removeprefix('torch.')}; the kernels are for bfloat16"
         need = sum(m.weight.numel() * m.weight.element_size() for m in model.modules() if type(m) is nn.Linear
                    and m is not getattr(model, "lm_head", None)) + model.lm_head.weight.numel() * model.lm_head.weight.element_size()
         if need > budget:
             return None, (f"its copy of the weights ({need / 2**20:.0f} MiB) does not fit what is left of the packed "
                           f"copies' budget ({max(budget, 0) / 2**20:.0f} MiB)")
-        mod, why = gemv.load()
+        mod, why = decode_kernels.load()
         return mod, why
 
     # ------------------------------------------------------------------ adapters
@@ -320,7 +326,7 @@ class FastDecoder:
 
     def _step(self, ids, attn, pos, cache, adapters):
         B, T = attn.shape[0], attn.shape[1] - 1
-        if not self.kernel and B <= gemv.MAX_ROWS:
+        if self._kmod is not None:
             self.kernel_steps += 1
         H, KV, D, G, I = self.heads, self.kv_heads, self.head_dim, self.heads // self.kv_heads, self.intermediate
         groups = _groups(adapters)
@@ -329,8 +335,11 @@ class FastDecoder:
         # rotate_half(q) * sin as roll(q, D/2) * (sin with its first half negated): the same products
         sin = sin * self._signs(D, sin.dtype)
         # the padding mask as scores to add, once for every layer: (B * KV, 1, T + 1)
-        bias = (torch.zeros(attn.shape, dtype=torch.float32).masked_fill_(attn == 0, float("-inf"))
-                .view(B, 1, 1, T + 1).expand(B, KV, 1, T + 1).reshape(B * KV, 1, T + 1))
+        if self._kattention:  # the kernel's attention: the positions each row attends to
+            keep = attn != 0
+        else:
+            bias = (torch.zeros(attn.shape, dtype=torch.float32).masked_fill_(attn == 0, float("-inf"))
+                    .view(B, 1, 1, T + 1).expand(B, KV, 1, T + 1).reshape(B * KV, 1, T + 1))
         bufs = self._buffers(cache, B, T)
         out_cache = []
         scale = D ** -0.5
@@ -338,18 +347,25 @@ class FastDecoder:
             loras = [(rows, self.adapters[a][li]) for a, rows in groups if a is not None]
             h = self._rms(x, layer.norm_in)
             qkv = _apply(layer.qkv, h, loras, "qkv").view(B, H + 2 * KV, D)
-            qk = qkv[:, : H + KV]
-            qk = qk * cos + qk.roll(D // 2, -1) * sin
             kbuf, vbuf = bufs[li]
-            kbuf[:, :, T].copy_(qk[:, H:])
-            vbuf[:, :, T].copy_(qkv[:, H + KV :])
+            if self._krope:  # the same bfloat16 products and sums in one call, keys and values into the buffers
+                q_rot = self._kmod.rope_into_cache(qkv, cos, sin, kbuf, vbuf, H, T)
+            else:
+                qk = qkv[:, : H + KV]
+                qk = qk * cos + qk.roll(D // 2, -1) * sin
+                kbuf[:, :, T].copy_(qk[:, H:])
+                vbuf[:, :, T].copy_(qkv[:, H + KV :])
+                q_rot = qk[:, :H]
             k, v = kbuf[:, :, : T + 1], vbuf[:, :, : T + 1]
             out_cache.append((k, v))
-            # cpu_paths.decode_attention's products: float32, query heads grouped by their key-value head
-            # (a float32 copy of the cache kept beside it was no faster at 1-32 sequences: docs/ENGINES.md)
-            q = qk[:, :H].reshape(B * KV, G, D).float()
-            scores = torch.baddbmm(bias, q, k.float().view(B * KV, T + 1, D).transpose(1, 2), alpha=scale)
-            a = torch.bmm(torch.softmax(scores, dim=-1), v.float().view(B * KV, T + 1, D)).view(B, H * D).to(x.dtype)
+            if self._kattention:  # the same sums in float32 in one call, the cache read in place
+                a = self._kmod.attention(q_rot, kbuf, vbuf, keep, scale)
+            else:
+                # cpu_paths.decode_attention's products: float32, query heads grouped by their key-value head
+                # (a float32 copy of the cache kept beside it was no faster at 1-32 sequences: docs/ENGINES.md)
+                q = q_rot.reshape(B * KV, G, D).float()
+                scores = torch.baddbmm(bias, q, k.float().view(B * KV, T + 1, D).transpose(1, 2), alpha=scale)
+                a = torch.bmm(torch.softmax(scores, dim=-1), v.float().view(B * KV, T + 1, D)).view(B, H * D).to(x.dtype)
             x = x + _apply(layer.o, a, loras, "o")
             h = self._rms(x, layer.norm_post)
             gu = _apply(layer.gate_up, h, loras, "gate_up")
@@ -358,6 +374,8 @@ class FastDecoder:
 
     def _rms(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         """transformers' RMSNorm of the llama family (float32 inside, the weight applied in x's dtype)."""
+        if self._krms:
+            return self._kmod.rms_norm(x, weight, self.eps)
         return weight * nn.functional.rms_norm(x.float(), (x.shape[-1],), eps=self.eps).to(x.dtype)
 
     @staticmethod

@@ -36,7 +36,7 @@ from services.explorer.serving.engines.base import (
     GenerateRequest,
 )
 from services.explorer.serving.engines.detokenizer import IncrementalDetokenizer
-from services.explorer.serving.engines import gemv
+from services.explorer.serving.engines import decode_kernels
 from services.explorer.serving.engines.fast_decode import FastDecoder
 from services.explorer.serving.engines.hf_batch import QueuedRequest, Row, aborted_update, pad_left
 from services.explorer.serving.engines.cpu_paths import (
@@ -71,7 +71,7 @@ class HFEngine:
         packed_weights: bool | None = None,
         decode_attention: bool = True,
         fast_decode: bool = True,
-        decode_kernel: bool | None = None,
+        decode_kernels: bool | None = None,
     ):
         self.model_path = model_path
         self._chat_template = chat_template
@@ -99,10 +99,10 @@ class HFEngine:
         self._fast_decode = fast_decode and self._device.type == "cpu"
         self.fast: FastDecoder | None = None
         self.fast_decode_steps = 0
-        # the fast decode step's products at 1-8 rows on the gemv kernel (gemv.py; None: where it runs)
-        self._decode_kernel = decode_kernel
-        if decode_kernel and not self._fast_decode:
-            raise EngineError("engine.decode_kernel runs in the engine's own decode step: it needs engine.fast_decode "
+        # the fast decode step on our own kernels (decode_kernels.py; None: where they run)
+        self._decode_kernels = decode_kernels
+        if decode_kernels and not self._fast_decode:
+            raise EngineError("engine.decode_kernels runs in the engine's own decode step: it needs engine.fast_decode "
                               f"on a CPU (fast_decode {fast_decode}, device {self._device})")
         self.packed_linears = 0
         self.decode_attention = False  # whether the model took it (an SDPA model does)
@@ -163,11 +163,11 @@ class HFEngine:
             # the fused copies take what packing left of the budget (packing_budget: a quarter of the memory available)
             budget = packing_budget() - (extra if self.packed_linears else 0)
             self.fast, why = FastDecoder.build(model, self._device, packed=bool(self.packed_linears), fuse_budget=budget,
-                                               kernel=self._decode_kernel)
-            if self._decode_kernel and self.fast is None:
-                raise EngineError(f"engine.decode_kernel: the engine's own decode step cannot run: {why}")
+                                               kernels=self._decode_kernels)
+            if self._decode_kernels and self.fast is None:
+                raise EngineError(f"engine.decode_kernels: the engine's own decode step cannot run: {why}")
             fast_note = (f"on ({self.fast.extra_bytes / 2**20:.0f} MiB of fused and kernel weights; products at 1-"
-                         f"{gemv.MAX_ROWS} rows on the gemv kernel: {'yes' if not self.fast.kernel else 'no, ' + self.fast.kernel})"
+                         f"{decode_kernels.MAX_ROWS} rows, attention and norms on decode_kernels: {'yes' if not self.fast.kernel else 'no, ' + self.fast.kernel})"
                          if self.fast else f"off: {why}")
         self._base = model
         ctx = getattr(model.config, "max_position_embeddings", None) or 2048

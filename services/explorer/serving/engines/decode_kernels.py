@@ -1,17 +1,25 @@
-"""The decode products at 1-8 rows on a CPU with AVX-512 BF16: a kernel of our own (``gemv.cpp``).
+"""The hf engine's decode step on a CPU with AVX-512 BF16: kernels of our own (``decode_kernels.cpp``).
 
 At one to eight sequences a decode step reads every weight once and does little with it, so its
 products are bound by memory bandwidth. oneDNN's bfloat16 products read SmolLM2's weights at 12-15 GB/s
-there (out of ~30 that a plain sum reads), so they were about three quarters of a step. This kernel
-packs each weight once so a product streams it in order, one 64-byte line per VDPBF16PS for each row,
-and reads them at 22-27 GB/s (docs/ENGINES.md). It accumulates in float32 and rounds once to bfloat16,
-as oneDNN does; its outputs equal oneDNN's but for about one in 10,000 (the order of the sums).
+there (out of ~28 that a plain sum reads on one thread), and were about three quarters of a step. The
+``linear`` kernel packs each weight once so a product streams it in order, one 64-byte line per
+VDPBF16PS for each row, and reads it at about 22 GB/s (docs/ENGINES.md). It accumulates in float32 and
+rounds once to bfloat16, as oneDNN does; its outputs equal oneDNN's but for about one in 10,000 (the
+order of the sums). Batches of more rows are compute-bound and stay on oneDNN.
 
-It is built the first time it is asked for (``make install`` builds it; ~35 s with the machine's
-C++ compiler, cached by torch under ``TORCH_EXTENSIONS_DIR``) and only on an x86 CPU with AVX-512 BF16.
-Where it cannot be built or run, ``load`` says why and the engine keeps oneDNN's products.
+The rest of the step was dozens of small torch ops a layer, each a few microseconds of dispatch on
+a few kilobytes: at any batch the kernels also compute
+- the attention of the new tokens over the cache buffers, read in place (``attention``: float32 sums
+  of bfloat16 products, as the float32 products it replaces, without converting the cache each layer);
+- the llama family's RMSNorm (``rms_norm``) and the rotary embedding with the cache's writes
+  (``rope_into_cache``), bit for bit what the torch ops give.
 
-    python -m services.explorer.serving.engines.gemv      (build it now; prints whether it runs here)
+They are built the first time they are asked for (``make install`` builds them; ~35 s with the
+machine's C++ compiler, cached by torch under ``TORCH_EXTENSIONS_DIR``), only on an x86 CPU with
+AVX-512 BF16. Where they cannot be built or run, ``load`` says why and the step stays on oneDNN and torch.
+
+    python -m services.explorer.serving.engines.decode_kernels    (build them now; prints whether they run here)
 """
 
 from __future__ import annotations
@@ -26,8 +34,8 @@ import torch
 
 log = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("gemv.cpp")
-MAX_ROWS = 8  # the kernel's rows; batches of more rows are compute-bound and oneDNN's products do them better
+SOURCE = Path(__file__).with_name("decode_kernels.cpp")
+MAX_ROWS = 8  # the products' rows; batches of more rows are compute-bound and oneDNN's products do them better
 
 _lock = threading.Lock()
 _loaded: tuple[Any, str] | None = None
@@ -42,7 +50,7 @@ def cpu_flags() -> set[str]:
 
 
 def unsupported() -> str | None:
-    """Why the kernel cannot run on this machine (None: it can, once built)."""
+    """Why the kernels cannot run on this machine (None: they can, once built)."""
     if platform.machine() not in ("x86_64", "AMD64"):
         return f"it is for x86 CPUs, this one is {platform.machine()}"
     if "avx512_bf16" not in cpu_flags():
@@ -51,7 +59,7 @@ def unsupported() -> str | None:
 
 
 def load() -> tuple[Any | None, str]:
-    """The built kernel module, or None and why not. Builds it on first use (one process at a time:
+    """The built kernels' module, or None and why not. Builds it on first use (one process at a time:
     torch's build lock), then it is cached for this process."""
     global _loaded
     with _lock:
@@ -67,11 +75,11 @@ def _build() -> tuple[Any | None, str]:
     try:
         from torch.utils.cpp_extension import load as load_extension
 
-        mod = load_extension(name="kaizen_gemv", sources=[str(SOURCE)], extra_cflags=["-O3", "-fopenmp"],
+        mod = load_extension(name="kaizen_decode_kernels", sources=[str(SOURCE)], extra_cflags=["-O3", "-fopenmp"],
                              extra_ldflags=["-fopenmp"], verbose=False)
     except Exception as e:  # noqa: BLE001 - no compiler, no ninja, a failed build: oneDNN's products still run
         first = next((ln for ln in str(e).splitlines() if ln.strip()), type(e).__name__)
-        log.warning("gemv kernel: not built (%s: %s); decode products stay on oneDNN", type(e).__name__, first)
+        log.warning("decode kernels: not built (%s: %s); the decode step stays on oneDNN and torch", type(e).__name__, first)
         return None, f"it could not be built ({type(e).__name__}: {first[:300]})"
     if not mod.supported():
         return None, "this CPU has no AVX-512 BF16"
@@ -101,7 +109,7 @@ class Packed:
 def main() -> int:
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     mod, why = load()
-    print("gemv kernel: built, runs here" if mod is not None else f"gemv kernel: not used here: {why}")
+    print("decode kernels: built, they run here" if mod is not None else f"decode kernels: not used here: {why}")
     return 0
 
 

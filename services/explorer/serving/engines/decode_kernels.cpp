@@ -1,0 +1,328 @@
+// The hf engine's decode step on a CPU with AVX-512 BF16: its products at 1-8 rows, its attention, norms and
+// rotary embedding (engines/decode_kernels.py says why and when).
+//
+// y (M, N) = x (M, K) @ W.T (+ bias), bf16 in and out, float32 accumulation. W is packed once as
+// (N/16 blocks, K/2 pairs, 16 outputs, 2): each (block, pair) is one 64-byte line, so a product streams
+// the weight once, in order, and each line feeds one VDPBF16PS per row of x (x's pair broadcast); the
+// 16 lanes hold 16 outputs, so nothing is summed across lanes.
+
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <vector>
+#include <cstdint>
+
+#define KAIZEN_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16")))
+
+namespace {
+
+constexpr int kMaxRows = 8;
+constexpr int kMaxGroup = 8;      // attention: query heads a key-value head
+constexpr int kMaxHeadDim = 256;  // attention: a head's dimension
+
+// R blocks of 16 outputs from block nb on, for M rows of x
+template <int M, int R>
+KAIZEN_TARGET inline void blocks(const uint32_t* x, int64_t K2, const uint16_t* w, const float* bias, uint16_t* y,
+                                 int64_t N, int64_t nb) {
+  __m512 acc[M][R];
+#pragma GCC unroll 8
+  for (int m = 0; m < M; ++m)
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) acc[m][r] = _mm512_setzero_ps();
+  const uint16_t* w0 = w + nb * K2 * 32;
+  for (int64_t k = 0; k < K2; ++k) {
+    __m512bh wv[R];
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) wv[r] = (__m512bh)_mm512_loadu_si512(w0 + (r * K2 + k) * 32);
+#pragma GCC unroll 8
+    for (int m = 0; m < M; ++m) {
+      const __m512bh xv = (__m512bh)_mm512_set1_epi32((int)x[m * K2 + k]);
+#pragma GCC unroll 8
+      for (int r = 0; r < R; ++r) acc[m][r] = _mm512_dpbf16_ps(acc[m][r], xv, wv[r]);
+    }
+  }
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r) {
+    const int64_t n = (nb + r) * 16;
+    const __mmask16 mask = n + 16 <= N ? (__mmask16)0xFFFF : (__mmask16)((1u << (N - n)) - 1);
+    const __m512 b = bias ? _mm512_maskz_loadu_ps(mask, bias + n) : _mm512_setzero_ps();
+#pragma GCC unroll 8
+    for (int m = 0; m < M; ++m) {
+      const __m256bh o = _mm512_cvtneps_pbh(_mm512_add_ps(acc[m][r], b));  // round to nearest even, as torch does
+      _mm256_mask_storeu_epi16(y + m * N + n, mask, (__m256i)o);
+    }
+  }
+}
+
+template <int M>
+KAIZEN_TARGET void run(const uint32_t* x, int64_t K2, const uint16_t* w, const float* bias, uint16_t* y, int64_t N,
+                       int64_t b0, int64_t b1) {
+  // blocks in flight: enough independent sums to hide VDPBF16PS's latency, within 32 registers
+  constexpr int R = M == 1 ? 8 : (M <= 6 ? 4 : 3);
+  int64_t nb = b0;
+  for (; nb + R <= b1; nb += R) blocks<M, R>(x, K2, w, bias, y, N, nb);
+  for (; nb < b1; ++nb) blocks<M, 1>(x, K2, w, bias, y, N, nb);
+}
+
+using RunFn = void (*)(const uint32_t*, int64_t, const uint16_t*, const float*, uint16_t*, int64_t, int64_t, int64_t);
+const RunFn kRuns[kMaxRows + 1] = {nullptr, run<1>, run<2>, run<3>, run<4>, run<5>, run<6>, run<7>, run<8>};
+
+bool supported() { return __builtin_cpu_supports("avx512bf16"); }
+
+torch::Tensor pack(const torch::Tensor& w) {
+  TORCH_CHECK(w.scalar_type() == at::kBFloat16 && w.dim() == 2, "decode_kernels.pack: a bfloat16 (N, K) weight, got ",
+              w.scalar_type(), " ", w.sizes());
+  const int64_t N = w.size(0), K = w.size(1), NB = (N + 15) / 16, K2 = (K + 1) / 2;
+  auto padded = torch::zeros({NB * 16, K2 * 2}, w.options());
+  padded.narrow(0, 0, N).narrow(1, 0, K).copy_(w);
+  return padded.view({NB, 16, K2, 2}).permute({0, 2, 1, 3}).contiguous();  // (NB, K2, 16, 2)
+}
+
+torch::Tensor linear(const torch::Tensor& x_in, const torch::Tensor& w, int64_t N, const torch::Tensor& bias) {
+  TORCH_CHECK(supported(), "decode_kernels.linear: this CPU has no AVX-512 BF16");
+  TORCH_CHECK(x_in.scalar_type() == at::kBFloat16 && x_in.dim() == 2, "decode_kernels.linear: x must be bfloat16 (M, K)");
+  TORCH_CHECK(w.scalar_type() == at::kBFloat16 && w.dim() == 4 && w.size(2) == 16 && w.size(3) == 2 && w.is_contiguous(),
+              "decode_kernels.linear: w must come from decode_kernels.pack");
+  const int64_t M = x_in.size(0), K = x_in.size(1), K2 = w.size(1), NB = w.size(0);
+  TORCH_CHECK(M >= 1 && M <= kMaxRows, "decode_kernels.linear: 1 to ", kMaxRows, " rows, got ", M);
+  TORCH_CHECK((K + 1) / 2 == K2 && N > (NB - 1) * 16 && N <= NB * 16, "decode_kernels.linear: x (", M, ", ", K,
+              ") does not match a packed weight of ", N, " outputs and ", K2 * 2, " inputs");
+  TORCH_CHECK(!bias.defined() || bias.numel() == 0 || (bias.scalar_type() == at::kFloat && bias.numel() == N &&
+              bias.is_contiguous()), "decode_kernels.linear: bias must be float32 (N,)");
+  torch::Tensor x = x_in.contiguous();
+  if (K % 2) x = torch::constant_pad_nd(x, {0, 1});
+  auto y = torch::empty({M, N}, x.options());
+  const float* b = bias.defined() && bias.numel() ? bias.data_ptr<float>() : nullptr;
+  const auto* xp = reinterpret_cast<const uint32_t*>(x.data_ptr<at::BFloat16>());
+  const auto* wp = reinterpret_cast<const uint16_t*>(w.data_ptr<at::BFloat16>());
+  auto* yp = reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>());
+  const RunFn fn = kRuns[M];
+  at::parallel_for(0, NB, 8, [&](int64_t b0, int64_t b1) { fn(xp, K2, wp, b, yp, N, b0, b1); });
+  return y;
+}
+
+// ---------------------------------------------------------------------------------------------- attention
+
+// e^x for x <= 0 (softmax's shifted scores), 16 at a time: 2^(x log2 e) as 2^n * 2^f, f in [-0.5, 0.5],
+// 2^f by a degree-6 polynomial (relative error ~2e-7, a float's rounding); below -87 it is 0
+KAIZEN_TARGET inline __m512 exp_neg(__m512 x) {
+  const __m512 t = _mm512_mul_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.0f)), _mm512_set1_ps(1.44269504088896341f));
+  const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 f = _mm512_mul_ps(_mm512_sub_ps(t, n), _mm512_set1_ps(0.693147180559945309f));  // (t - n) ln 2
+  __m512 p = _mm512_set1_ps(1.0f / 720);
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f / 120));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f / 24));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f / 6));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.5f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
+  const __m512 r = _mm512_scalef_ps(p, n);
+  return _mm512_mask_blend_ps(_mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.0f), _CMP_LT_OQ), r, _mm512_setzero_ps());
+}
+
+KAIZEN_TARGET inline __m512 bf16_to_f32(const uint16_t* p) {  // 16 bfloat16 to float32, exactly
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p)), 16));
+}
+
+KAIZEN_TARGET inline __m512 bf16_to_f32_reg(__m256i x) {  // 16 bfloat16 in a register to float32
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(x), 16));
+}
+
+// One decode step's attention for one (row, key-value head): its G query heads over T keys and values
+KAIZEN_TARGET void attend(const uint16_t* q, int64_t q_head_stride, const uint16_t* k, const uint16_t* v,
+                          const uint8_t* keep, int64_t T, int64_t D, int G, float scale, float* scores, uint16_t* out) {
+  const int64_t D2 = D / 32;  // whole 32s of D; D is a multiple of 16 (checked): a last half, masked
+  const bool half = D % 32 != 0;
+  float* s = scores;  // (G, T)
+  for (int64_t t = 0; t < T; ++t) {
+    if (!keep[t]) {
+      for (int g = 0; g < G; ++g) s[g * T + t] = -INFINITY;
+      continue;
+    }
+    const uint16_t* kt = k + t * D;
+    for (int g = 0; g < G; ++g) {
+      const uint16_t* qg = q + g * q_head_stride;
+      __m512 acc = _mm512_setzero_ps();
+      for (int64_t c = 0; c < D2; ++c)
+        acc = _mm512_dpbf16_ps(acc, (__m512bh)_mm512_loadu_si512(qg + c * 32), (__m512bh)_mm512_loadu_si512(kt + c * 32));
+      if (half)
+        acc = _mm512_dpbf16_ps(acc, (__m512bh)_mm512_maskz_loadu_epi16(0xFFFF, qg + D2 * 32),
+                               (__m512bh)_mm512_maskz_loadu_epi16(0xFFFF, kt + D2 * 32));
+      s[g * T + t] = _mm512_reduce_add_ps(acc) * scale;
+    }
+  }
+  for (int g = 0; g < G; ++g) {
+    float* sg = s + g * T;
+    __m512 mx = _mm512_set1_ps(-INFINITY);
+    int64_t t = 0;
+    for (; t + 16 <= T; t += 16) mx = _mm512_max_ps(mx, _mm512_loadu_ps(sg + t));
+    float m = _mm512_reduce_max_ps(mx);
+    for (; t < T; ++t) m = std::max(m, sg[t]);
+    __m512 sum = _mm512_setzero_ps();
+    const __m512 mv = _mm512_set1_ps(m);
+    t = 0;
+    for (; t + 16 <= T; t += 16) {
+      const __m512 e = exp_neg(_mm512_sub_ps(_mm512_loadu_ps(sg + t), mv));
+      _mm512_storeu_ps(sg + t, e);
+      sum = _mm512_add_ps(sum, e);
+    }
+    if (t < T) {
+      const __mmask16 mask = (__mmask16)((1u << (T - t)) - 1);
+      const __m512 e = _mm512_maskz_mov_ps(mask, exp_neg(_mm512_sub_ps(_mm512_maskz_loadu_ps(mask, sg + t), mv)));
+      _mm512_mask_storeu_ps(sg + t, mask, e);
+      sum = _mm512_add_ps(sum, e);
+    }
+    const float inv = 1.0f / _mm512_reduce_add_ps(sum);
+    for (t = 0; t < T; ++t) sg[t] *= inv;
+  }
+  // out_g = sum_t p_gt v_t, D at a time in float32 (D / 16 registers per head; D <= 256)
+  __m512 acc[8][16];
+  const int64_t D16 = D / 16;
+  for (int g = 0; g < G; ++g)
+    for (int64_t c = 0; c < D16; ++c) acc[g][c] = _mm512_setzero_ps();
+  for (int64_t t = 0; t < T; ++t) {
+    if (!keep[t]) continue;
+    const uint16_t* vt = v + t * D;
+    for (int64_t c = 0; c < D16; ++c) {
+      const __m512 vv = bf16_to_f32(vt + c * 16);
+      for (int g = 0; g < G; ++g) acc[g][c] = _mm512_fmadd_ps(_mm512_set1_ps(s[g * T + t]), vv, acc[g][c]);
+    }
+  }
+  for (int g = 0; g < G; ++g)
+    for (int64_t c = 0; c < D16; ++c)
+      _mm256_storeu_si256((__m256i*)(out + g * D + c * 16), (__m256i)_mm512_cvtneps_pbh(acc[g][c]));
+}
+
+}  // namespace
+
+// q (B, H, D) bf16 (any row and head strides, unit stride within a head); k, v (B, KV, >=T, D) bf16
+// contiguous, the first T positions used; keep (B, T) bool: the positions each row attends to.
+// Returns (B, H * D) bf16: softmax(q k^T * scale) v per head, in float32, rounded once.
+torch::Tensor attention(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v, const torch::Tensor& keep,
+                        double scale) {
+  TORCH_CHECK(supported(), "decode_kernels.attention: this CPU has no AVX-512 BF16");
+  TORCH_CHECK(q.scalar_type() == at::kBFloat16 && k.scalar_type() == at::kBFloat16 && v.scalar_type() == at::kBFloat16,
+              "decode_kernels.attention: bfloat16 q, k and v");
+  TORCH_CHECK(q.dim() == 3 && k.dim() == 4 && v.dim() == 4 && k.sizes() == v.sizes() && k.is_contiguous() && v.is_contiguous(),
+              "decode_kernels.attention: q (B, H, D), k and v (B, KV, T, D) contiguous");
+  const int64_t B = q.size(0), H = q.size(1), D = q.size(2), KV = k.size(1), cap = k.size(2), T = keep.size(1);
+  TORCH_CHECK(q.stride(2) == 1 && k.size(0) == B && k.size(3) == D && H % KV == 0 && H / KV <= kMaxGroup && D % 16 == 0 &&
+              D <= kMaxHeadDim, "decode_kernels.attention: up to ", kMaxGroup, " query heads a key-value head, a head dimension a ",
+              "multiple of 16 up to ", kMaxHeadDim);
+  TORCH_CHECK(keep.scalar_type() == at::kBool && keep.is_contiguous() && keep.size(0) == B && T <= cap && T >= 1,
+              "decode_kernels.attention: keep must be bool (B, T), T at most the cache's positions");
+  const int G = (int)(H / KV);
+  auto out = torch::empty({B, H * D}, q.options());
+  const auto* qp = reinterpret_cast<const uint16_t*>(q.data_ptr<at::BFloat16>());
+  const auto* kp = reinterpret_cast<const uint16_t*>(k.data_ptr<at::BFloat16>());
+  const auto* vp = reinterpret_cast<const uint16_t*>(v.data_ptr<at::BFloat16>());
+  const auto* mp = reinterpret_cast<const uint8_t*>(keep.data_ptr<bool>());
+  auto* op = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
+  const int64_t qs0 = q.stride(0), qs1 = q.stride(1);
+  at::parallel_for(0, B * KV, 1, [&](int64_t i0, int64_t i1) {
+    std::vector<float> scores((size_t)G * T);
+    for (int64_t i = i0; i < i1; ++i) {
+      const int64_t b = i / KV, h = i % KV;
+      attend(qp + b * qs0 + h * G * qs1, qs1, kp + (b * KV + h) * cap * D, vp + (b * KV + h) * cap * D, mp + b * T, T, D, G,
+             (float)scale, scores.data(), op + b * H * D + h * G * D);
+    }
+  });
+  return out;
+}
+
+// ------------------------------------------------------------------------------- norm, rotary embedding
+
+KAIZEN_TARGET inline __m256i f32_to_bf16(__m512 x) { return (__m256i)_mm512_cvtneps_pbh(x); }
+
+// transformers' RMSNorm of the llama family: float32 inside, rounded to bfloat16, then times the weight
+// (a bfloat16 product): y = bf16(w * bf16(x * rsqrt(mean(x^2) + eps)))
+torch::Tensor rms_norm(const torch::Tensor& x_in, const torch::Tensor& w, double eps) {
+  TORCH_CHECK(supported(), "decode_kernels.rms_norm: this CPU has no AVX-512 BF16");
+  TORCH_CHECK(x_in.scalar_type() == at::kBFloat16 && w.scalar_type() == at::kBFloat16 && x_in.dim() == 2 && w.dim() == 1 &&
+              x_in.size(1) == w.size(0) && x_in.size(1) % 16 == 0 && w.is_contiguous(),
+              "decode_kernels.rms_norm: bfloat16 x (B, N) and weight (N,), N a multiple of 16");
+  const torch::Tensor x = x_in.contiguous();
+  const int64_t B = x.size(0), N = x.size(1);
+  auto y = torch::empty_like(x);
+  const auto* xp = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
+  const auto* wp = reinterpret_cast<const uint16_t*>(w.data_ptr<at::BFloat16>());
+  auto* yp = reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>());
+  auto rows = [&](int64_t b0, int64_t b1) KAIZEN_TARGET {
+    for (int64_t b = b0; b < b1; ++b) {
+      const uint16_t* xr = xp + b * N;
+      __m512 ss = _mm512_setzero_ps();
+      for (int64_t c = 0; c < N; c += 16) {
+        const __m512 v = bf16_to_f32(xr + c);
+        ss = _mm512_fmadd_ps(v, v, ss);
+      }
+      const float r = 1.0f / std::sqrt(_mm512_reduce_add_ps(ss) / (float)N + (float)eps);
+      const __m512 rv = _mm512_set1_ps(r);
+      for (int64_t c = 0; c < N; c += 16) {
+        const __m512 h = bf16_to_f32_reg(f32_to_bf16(_mm512_mul_ps(bf16_to_f32(xr + c), rv)));
+        _mm256_storeu_si256((__m256i*)(yp + b * N + c), f32_to_bf16(_mm512_mul_ps(h, bf16_to_f32(wp + c))));
+      }
+    }
+  };
+  at::parallel_for(0, B, 16, rows);
+  return y;
+}
+
+// The rotary embedding of a decode step's queries and keys as the fast step computes it in bfloat16
+// (q * cos + roll(q, D/2) * sin_signed, each product and the sum rounded to bfloat16), the keys and
+// values written into the cache buffers at position T. qkv (B, H + 2 KV, D) contiguous; cos and sin
+// (B, D); kbuf, vbuf (B, KV, cap, D) contiguous. Returns the rotated queries (B, H, D).
+torch::Tensor rope_into_cache(const torch::Tensor& qkv, const torch::Tensor& cos_in, const torch::Tensor& sin_in,
+                              torch::Tensor kbuf, torch::Tensor vbuf, int64_t H, int64_t T) {
+  TORCH_CHECK(supported(), "decode_kernels.rope_into_cache: this CPU has no AVX-512 BF16");
+  TORCH_CHECK(qkv.scalar_type() == at::kBFloat16 && cos_in.scalar_type() == at::kBFloat16 && sin_in.scalar_type() == at::kBFloat16 &&
+              kbuf.scalar_type() == at::kBFloat16 && vbuf.scalar_type() == at::kBFloat16, "decode_kernels.rope_into_cache: bfloat16 tensors");
+  TORCH_CHECK(qkv.dim() == 3 && qkv.is_contiguous() && kbuf.dim() == 4 && kbuf.is_contiguous() && vbuf.is_contiguous() &&
+              kbuf.sizes() == vbuf.sizes(), "decode_kernels.rope_into_cache: contiguous qkv (B, H + 2 KV, D) and buffers (B, KV, cap, D)");
+  const int64_t B = qkv.size(0), D = qkv.size(2), KV = kbuf.size(1), cap = kbuf.size(2);
+  TORCH_CHECK(qkv.size(1) == H + 2 * KV && kbuf.size(0) == B && kbuf.size(3) == D && D % 32 == 0 && T >= 0 && T < cap,
+              "decode_kernels.rope_into_cache: shapes (D a multiple of 32, T within the buffers)");
+  const torch::Tensor cs = cos_in.reshape({B, D}).contiguous(), sn = sin_in.reshape({B, D}).contiguous();
+  auto q = torch::empty({B, H, D}, qkv.options());
+  const auto* xp = reinterpret_cast<const uint16_t*>(qkv.data_ptr<at::BFloat16>());
+  const auto* cp = reinterpret_cast<const uint16_t*>(cs.data_ptr<at::BFloat16>());
+  const auto* sp = reinterpret_cast<const uint16_t*>(sn.data_ptr<at::BFloat16>());
+  auto* qp = reinterpret_cast<uint16_t*>(q.data_ptr<at::BFloat16>());
+  auto* kp = reinterpret_cast<uint16_t*>(kbuf.data_ptr<at::BFloat16>());
+  auto* vp = reinterpret_cast<uint16_t*>(vbuf.data_ptr<at::BFloat16>());
+  const int64_t half = D / 2;
+  auto heads = [&](int64_t i0, int64_t i1) KAIZEN_TARGET {
+    for (int64_t i = i0; i < i1; ++i) {
+      const int64_t b = i / (H + 2 * KV), h = i % (H + 2 * KV);
+      const uint16_t* x = xp + i * D;
+      if (h >= H + KV) {  // a value: into the buffer as it is
+        std::memcpy(vp + ((b * KV + (h - H - KV)) * cap + T) * D, x, D * sizeof(uint16_t));
+        continue;
+      }
+      uint16_t* out = h < H ? qp + (b * H + h) * D : kp + ((b * KV + (h - H)) * cap + T) * D;
+      for (int64_t c = 0; c < D; c += 16) {
+        const int64_t r = c < half ? c + half : c - half;  // roll(x, D/2)[c] = x[c - D/2 mod D]
+        const __m512 a = bf16_to_f32_reg(f32_to_bf16(_mm512_mul_ps(bf16_to_f32(x + c), bf16_to_f32(cp + b * D + c))));
+        const __m512 e = bf16_to_f32_reg(f32_to_bf16(_mm512_mul_ps(bf16_to_f32(x + r), bf16_to_f32(sp + b * D + c))));
+        _mm256_storeu_si256((__m256i*)(out + c), f32_to_bf16(_mm512_add_ps(a, e)));
+      }
+    }
+  };
+  at::parallel_for(0, B * (H + 2 * KV), 64, heads);
+  return q;
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("supported", &supported, "whether this CPU has AVX-512 BF16");
+  m.def("pack", &pack, "a bfloat16 (N, K) weight in the layout linear reads");
+  m.def("linear", &linear, "x (M <= 8, K) @ W.T + bias, W packed by pack, bias float32 or empty");
+  m.def("attention", &attention, "a decode step's attention: q (B, H, D), k and v (B, KV, >=T, D), keep (B, T)");
+  m.def("rms_norm", &rms_norm, "transformers' llama RMSNorm in bfloat16: x (B, N), weight (N,), eps");
+  m.def("rope_into_cache", &rope_into_cache, "rotary embedding of q and k, k and v into the cache at T; returns q");
+  m.attr("MAX_ROWS") = kMaxRows;
+  m.attr("MAX_GROUP") = kMaxGroup;
+  m.attr("MAX_HEAD_DIM") = kMaxHeadDim;
+}
