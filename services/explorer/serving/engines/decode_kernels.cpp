@@ -316,12 +316,14 @@ torch::Tensor rope_into_cache(const torch::Tensor& qkv, const torch::Tensor& cos
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  // each call lets go of the GIL, as torch's own ops do: the server's thread runs while the engine's computes
+  using nogil = py::call_guard<py::gil_scoped_release>;
   m.def("supported", &supported, "whether this CPU has AVX-512 BF16");
-  m.def("pack", &pack, "a bfloat16 (N, K) weight in the layout linear reads");
-  m.def("linear", &linear, "x (M <= 8, K) @ W.T + bias, W packed by pack, bias float32 or empty");
-  m.def("attention", &attention, "a decode step's attention: q (B, H, D), k and v (B, KV, >=T, D), keep (B, T)");
-  m.def("rms_norm", &rms_norm, "transformers' llama RMSNorm in bfloat16: x (B, N), weight (N,), eps");
-  m.def("rope_into_cache", &rope_into_cache, "rotary embedding of q and k, k and v into the cache at T; returns q");
+  m.def("pack", &pack, "a bfloat16 (N, K) weight in the layout linear reads", nogil());
+  m.def("linear", &linear, "x (M <= 8, K) @ W.T + bias, W packed by pack, bias float32 or empty", nogil());
+  m.def("attention", &attention, "a decode step's attention: q (B, H, D), k and v (B, KV, >=T, D), keep (B, T)", nogil());
+  m.def("rms_norm", &rms_norm, "transformers' llama RMSNorm in bfloat16: x (B, N), weight (N,), eps", nogil());
+  m.def("rope_into_cache", &rope_into_cache, "rotary embedding of q and k, k and v into the cache at T; returns q", nogil());
   m.attr("MAX_ROWS") = kMaxRows;
   m.attr("MAX_GROUP") = kMaxGroup;
   m.attr("MAX_HEAD_DIM") = kMaxHeadDim;
