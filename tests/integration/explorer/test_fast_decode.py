@@ -300,14 +300,21 @@ def test_a_failing_fast_step_falls_back_to_transformers_for_good(pair, tiny_mode
 needs_kernel = pytest.mark.skipif(decode_kernels.unsupported() is not None, reason=f"decode_kernels do not run here: {decode_kernels.unsupported()}")
 
 
+@pytest.fixture(scope="module")
+def kernels():
+    """The built kernels: on a CPU that runs them, a failed build is a failure, with its reason."""
+    mod, why = decode_kernels.load()
+    assert mod is not None, why
+    return mod
+
+
 @needs_kernel
 @pytest.mark.parametrize("n, k", [(960, 576), (50, 101), (17, 32)])
-def test_the_kernels_products_are_onednns(n, k):
+def test_the_kernels_products_are_onednns(kernels, n, k):
     """1 to 8 rows, outputs not a multiple of 16, an odd number of inputs, with and without a bias:
     float32 sums rounded once to bfloat16, as oneDNN's products give them (they may differ by the order
     of the sums: one bfloat16 step at most, and rarely)."""
-    mod, why = decode_kernels.load()
-    assert mod is not None, why
+    mod = kernels
     torch.manual_seed(0)
     w = torch.randn(n, k, dtype=torch.bfloat16)
     b = torch.randn(n, dtype=torch.bfloat16)
@@ -326,13 +333,14 @@ def test_the_kernels_products_are_onednns(n, k):
         packed(torch.randn(9, k, dtype=torch.bfloat16))
     with pytest.raises(RuntimeError, match="bfloat16"):
         packed(torch.randn(1, k))
-    with pytest.raises(RuntimeError, match="does not match"):
-        packed(torch.randn(1, k + 2, dtype=torch.bfloat16))
+    for wrong in (k - 1, k + 1, k + 2):  # one input more or fewer: refused, not padded or dropped
+        with pytest.raises(RuntimeError, match="does not match"):
+            packed(torch.randn(1, wrong, dtype=torch.bfloat16))
 
 
 @needs_kernel
 @pytest.mark.parametrize("kind", ["llama", "qwen2"])
-def test_a_bfloat16_step_on_the_kernels_gives_the_models_logits(kind):
+def test_a_bfloat16_step_on_the_kernels_gives_the_models_logits(kernels, kind):
     """In bfloat16 the step runs on the kernels (counted): products of batches of up to 8 rows,
     attention, norms, rotary embedding (heads of 32: a multiple of 32, as the rotary kernel takes);
     it gives what transformers' forward gives, as closely as the step without them."""
@@ -341,7 +349,7 @@ def test_a_bfloat16_step_on_the_kernels_gives_the_models_logits(kind):
     on, why = FastDecoder.build(model, CPU, packed=True, fuse_budget=1 << 30)
     off, _ = FastDecoder.build(model, CPU, packed=True, fuse_budget=1 << 30, kernels=False)
     assert on.kernel == "" and off.kernel == "engine.decode_kernels is false", why
-    assert on._kattention and on._krope and on._krms
+    assert on._kattention and on._krope and on._krms and on.kernels_note() == "products, attention, norms, rotary embedding"
     assert on.extra_bytes > off.extra_bytes  # the products' copy of the weights
     got, got_cache = on.step(new, attn, pos, [(k.clone(), v.clone()) for k, v in cache], [None] * 4)
     assert on.kernel_steps == 1 and off.kernel_steps == 0
@@ -359,11 +367,11 @@ def _one_bf16_step(x: torch.Tensor) -> torch.Tensor:
 
 @needs_kernel
 @pytest.mark.parametrize("B, H, KV, D, T", [(1, 9, 3, 64, 40), (5, 4, 2, 32, 17), (3, 8, 1, 16, 9), (2, 8, 8, 128, 70)])
-def test_the_kernels_attention_is_the_float32_products(B, H, KV, D, T):
+def test_the_kernels_attention_is_the_float32_products(kernels, B, H, KV, D, T):
     """Queries as a view into the fused product's output, key and value buffers with room past T,
     rows padded on the left: the float32 products the step computes without the kernel (and the exact
     sums, rounded once), within one bfloat16 step and almost always equal."""
-    mod, _ = decode_kernels.load()
+    mod = kernels
     torch.manual_seed(B * 100 + D)
     qkv = torch.randn(B, H + 2 * KV, D, dtype=torch.bfloat16)
     q = qkv[:, :H]
@@ -389,8 +397,9 @@ def test_the_kernels_attention_is_the_float32_products(B, H, KV, D, T):
 
 
 @needs_kernel
-def test_the_kernels_norm_and_rotary_embedding_are_torchs_bit_for_bit():
-    mod, _ = decode_kernels.load()
+def test_the_kernels_norm_and_rotary_embedding_are_torchs(kernels):
+    """The rotary embedding and the cache's writes bit for bit; the norm but for a rare rounding."""
+    mod = kernels
     torch.manual_seed(3)
     for B, N in ((1, 576), (7, 64), (33, 128)):
         x = (torch.randn(B, N) * 3).to(torch.bfloat16)
@@ -413,7 +422,7 @@ def test_the_kernels_norm_and_rotary_embedding_are_torchs_bit_for_bit():
 
 
 @needs_kernel
-def test_the_engine_in_bfloat16_decodes_on_the_kernels(tiny_model):
+def test_the_engine_in_bfloat16_decodes_on_the_kernels(kernels, tiny_model):
     """The tiny model in bfloat16 through the engine: every decode step on the kernels, and the
     logprobs it records are those a full forward of the sampled tokens gives (what the Trainer
     computes) as closely as without them."""

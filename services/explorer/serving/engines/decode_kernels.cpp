@@ -74,7 +74,7 @@ const RunFn kRuns[kMaxRows + 1] = {nullptr, run<1>, run<2>, run<3>, run<4>, run<
 bool supported() { return __builtin_cpu_supports("avx512bf16"); }
 
 torch::Tensor pack(const torch::Tensor& w) {
-  TORCH_CHECK(w.scalar_type() == at::kBFloat16 && w.dim() == 2, "decode_kernels.pack: a bfloat16 (N, K) weight, got ",
+  TORCH_CHECK(w.is_cpu() && w.scalar_type() == at::kBFloat16 && w.dim() == 2, "decode_kernels.pack: a bfloat16 (N, K) CPU weight, got ",
               w.scalar_type(), " ", w.sizes());
   const int64_t N = w.size(0), K = w.size(1), NB = (N + 15) / 16, K2 = (K + 1) / 2;
   auto padded = torch::zeros({NB * 16, K2 * 2}, w.options());
@@ -82,15 +82,16 @@ torch::Tensor pack(const torch::Tensor& w) {
   return padded.view({NB, 16, K2, 2}).permute({0, 2, 1, 3}).contiguous();  // (NB, K2, 16, 2)
 }
 
-torch::Tensor linear(const torch::Tensor& x_in, const torch::Tensor& w, int64_t N, const torch::Tensor& bias) {
+torch::Tensor linear(const torch::Tensor& x_in, const torch::Tensor& w, int64_t N, int64_t K_w, const torch::Tensor& bias) {
   TORCH_CHECK(supported(), "decode_kernels.linear: this CPU has no AVX-512 BF16");
+  TORCH_CHECK(x_in.is_cpu() && w.is_cpu() && (!bias.defined() || bias.is_cpu()), "decode_kernels.linear: CPU tensors");
   TORCH_CHECK(x_in.scalar_type() == at::kBFloat16 && x_in.dim() == 2, "decode_kernels.linear: x must be bfloat16 (M, K)");
   TORCH_CHECK(w.scalar_type() == at::kBFloat16 && w.dim() == 4 && w.size(2) == 16 && w.size(3) == 2 && w.is_contiguous(),
               "decode_kernels.linear: w must come from decode_kernels.pack");
   const int64_t M = x_in.size(0), K = x_in.size(1), K2 = w.size(1), NB = w.size(0);
   TORCH_CHECK(M >= 1 && M <= kMaxRows, "decode_kernels.linear: 1 to ", kMaxRows, " rows, got ", M);
-  TORCH_CHECK((K + 1) / 2 == K2 && N > (NB - 1) * 16 && N <= NB * 16, "decode_kernels.linear: x (", M, ", ", K,
-              ") does not match a packed weight of ", N, " outputs and ", K2 * 2, " inputs");
+  TORCH_CHECK(K == K_w && (K + 1) / 2 == K2 && N > (NB - 1) * 16 && N <= NB * 16, "decode_kernels.linear: x (", M, ", ", K,
+              ") does not match a packed weight of ", N, " outputs and ", K_w, " inputs");
   TORCH_CHECK(!bias.defined() || bias.numel() == 0 || (bias.scalar_type() == at::kFloat && bias.numel() == N &&
               bias.is_contiguous()), "decode_kernels.linear: bias must be float32 (N,)");
   torch::Tensor x = x_in.contiguous();
@@ -207,8 +208,9 @@ torch::Tensor attention(const torch::Tensor& q, const torch::Tensor& k, const to
   TORCH_CHECK(supported(), "decode_kernels.attention: this CPU has no AVX-512 BF16");
   TORCH_CHECK(q.scalar_type() == at::kBFloat16 && k.scalar_type() == at::kBFloat16 && v.scalar_type() == at::kBFloat16,
               "decode_kernels.attention: bfloat16 q, k and v");
-  TORCH_CHECK(q.dim() == 3 && k.dim() == 4 && v.dim() == 4 && k.sizes() == v.sizes() && k.is_contiguous() && v.is_contiguous(),
-              "decode_kernels.attention: q (B, H, D), k and v (B, KV, T, D) contiguous");
+  TORCH_CHECK(q.is_cpu() && k.is_cpu() && v.is_cpu() && keep.is_cpu(), "decode_kernels.attention: CPU tensors");
+  TORCH_CHECK(q.dim() == 3 && k.dim() == 4 && v.dim() == 4 && k.sizes() == v.sizes() && k.is_contiguous() && v.is_contiguous() &&
+              k.size(1) > 0 && keep.dim() == 2, "decode_kernels.attention: q (B, H, D), k and v (B, KV, T, D) contiguous, keep (B, T)");
   const int64_t B = q.size(0), H = q.size(1), D = q.size(2), KV = k.size(1), cap = k.size(2), T = keep.size(1);
   TORCH_CHECK(q.stride(2) == 1 && k.size(0) == B && k.size(3) == D && H % KV == 0 && H / KV <= kMaxGroup && D % 16 == 0 &&
               D <= kMaxHeadDim, "decode_kernels.attention: up to ", kMaxGroup, " query heads a key-value head, a head dimension a ",
@@ -238,10 +240,30 @@ torch::Tensor attention(const torch::Tensor& q, const torch::Tensor& k, const to
 
 KAIZEN_TARGET inline __m256i f32_to_bf16(__m512 x) { return (__m256i)_mm512_cvtneps_pbh(x); }
 
+// rows b0..b1 of rms_norm
+KAIZEN_TARGET static void rms_rows(const uint16_t* xp, const uint16_t* wp, uint16_t* yp, int64_t N, float eps, int64_t b0,
+                                   int64_t b1) {
+  for (int64_t b = b0; b < b1; ++b) {
+    const uint16_t* xr = xp + b * N;
+    __m512 ss = _mm512_setzero_ps();
+    for (int64_t c = 0; c < N; c += 16) {
+      const __m512 v = bf16_to_f32(xr + c);
+      ss = _mm512_fmadd_ps(v, v, ss);
+    }
+    const float r = 1.0f / std::sqrt(_mm512_reduce_add_ps(ss) / (float)N + eps);
+    const __m512 rv = _mm512_set1_ps(r);
+    for (int64_t c = 0; c < N; c += 16) {
+      const __m512 h = bf16_to_f32_reg(f32_to_bf16(_mm512_mul_ps(bf16_to_f32(xr + c), rv)));
+      _mm256_storeu_si256((__m256i*)(yp + b * N + c), f32_to_bf16(_mm512_mul_ps(h, bf16_to_f32(wp + c))));
+    }
+  }
+}
+
 // transformers' RMSNorm of the llama family: float32 inside, rounded to bfloat16, then times the weight
 // (a bfloat16 product): y = bf16(w * bf16(x * rsqrt(mean(x^2) + eps)))
 torch::Tensor rms_norm(const torch::Tensor& x_in, const torch::Tensor& w, double eps) {
   TORCH_CHECK(supported(), "decode_kernels.rms_norm: this CPU has no AVX-512 BF16");
+  TORCH_CHECK(x_in.is_cpu() && w.is_cpu(), "decode_kernels.rms_norm: CPU tensors");
   TORCH_CHECK(x_in.scalar_type() == at::kBFloat16 && w.scalar_type() == at::kBFloat16 && x_in.dim() == 2 && w.dim() == 1 &&
               x_in.size(1) == w.size(0) && x_in.size(1) % 16 == 0 && w.is_contiguous(),
               "decode_kernels.rms_norm: bfloat16 x (B, N) and weight (N,), N a multiple of 16");
@@ -251,24 +273,30 @@ torch::Tensor rms_norm(const torch::Tensor& x_in, const torch::Tensor& w, double
   const auto* xp = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
   const auto* wp = reinterpret_cast<const uint16_t*>(w.data_ptr<at::BFloat16>());
   auto* yp = reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>());
-  auto rows = [&](int64_t b0, int64_t b1) KAIZEN_TARGET {
-    for (int64_t b = b0; b < b1; ++b) {
-      const uint16_t* xr = xp + b * N;
-      __m512 ss = _mm512_setzero_ps();
-      for (int64_t c = 0; c < N; c += 16) {
-        const __m512 v = bf16_to_f32(xr + c);
-        ss = _mm512_fmadd_ps(v, v, ss);
-      }
-      const float r = 1.0f / std::sqrt(_mm512_reduce_add_ps(ss) / (float)N + (float)eps);
-      const __m512 rv = _mm512_set1_ps(r);
-      for (int64_t c = 0; c < N; c += 16) {
-        const __m512 h = bf16_to_f32_reg(f32_to_bf16(_mm512_mul_ps(bf16_to_f32(xr + c), rv)));
-        _mm256_storeu_si256((__m256i*)(yp + b * N + c), f32_to_bf16(_mm512_mul_ps(h, bf16_to_f32(wp + c))));
-      }
-    }
-  };
-  at::parallel_for(0, B, 16, rows);
+  at::parallel_for(0, B, 16, [&](int64_t b0, int64_t b1) { rms_rows(xp, wp, yp, N, (float)eps, b0, b1); });
   return y;
+}
+
+// heads i0..i1 (over B x (H + 2 KV)) of rope_into_cache
+KAIZEN_TARGET static void rope_heads(const uint16_t* xp, const uint16_t* cp, const uint16_t* sp, uint16_t* qp, uint16_t* kp,
+                                     uint16_t* vp, int64_t H, int64_t KV, int64_t D, int64_t cap, int64_t T, int64_t i0,
+                                     int64_t i1) {
+  const int64_t half = D / 2;
+  for (int64_t i = i0; i < i1; ++i) {
+    const int64_t b = i / (H + 2 * KV), h = i % (H + 2 * KV);
+    const uint16_t* x = xp + i * D;
+    if (h >= H + KV) {  // a value: into the buffer as it is
+      std::memcpy(vp + ((b * KV + (h - H - KV)) * cap + T) * D, x, D * sizeof(uint16_t));
+      continue;
+    }
+    uint16_t* out = h < H ? qp + (b * H + h) * D : kp + ((b * KV + (h - H)) * cap + T) * D;
+    for (int64_t c = 0; c < D; c += 16) {
+      const int64_t r = c < half ? c + half : c - half;  // roll(x, D/2)[c] = x[c - D/2 mod D]
+      const __m512 a = bf16_to_f32_reg(f32_to_bf16(_mm512_mul_ps(bf16_to_f32(x + c), bf16_to_f32(cp + b * D + c))));
+      const __m512 e = bf16_to_f32_reg(f32_to_bf16(_mm512_mul_ps(bf16_to_f32(x + r), bf16_to_f32(sp + b * D + c))));
+      _mm256_storeu_si256((__m256i*)(out + c), f32_to_bf16(_mm512_add_ps(a, e)));
+    }
+  }
 }
 
 // The rotary embedding of a decode step's queries and keys as the fast step computes it in bfloat16
@@ -280,6 +308,8 @@ torch::Tensor rope_into_cache(const torch::Tensor& qkv, const torch::Tensor& cos
   TORCH_CHECK(supported(), "decode_kernels.rope_into_cache: this CPU has no AVX-512 BF16");
   TORCH_CHECK(qkv.scalar_type() == at::kBFloat16 && cos_in.scalar_type() == at::kBFloat16 && sin_in.scalar_type() == at::kBFloat16 &&
               kbuf.scalar_type() == at::kBFloat16 && vbuf.scalar_type() == at::kBFloat16, "decode_kernels.rope_into_cache: bfloat16 tensors");
+  TORCH_CHECK(qkv.is_cpu() && cos_in.is_cpu() && sin_in.is_cpu() && kbuf.is_cpu() && vbuf.is_cpu(),
+              "decode_kernels.rope_into_cache: CPU tensors");
   TORCH_CHECK(qkv.dim() == 3 && qkv.is_contiguous() && kbuf.dim() == 4 && kbuf.is_contiguous() && vbuf.is_contiguous() &&
               kbuf.sizes() == vbuf.sizes(), "decode_kernels.rope_into_cache: contiguous qkv (B, H + 2 KV, D) and buffers (B, KV, cap, D)");
   const int64_t B = qkv.size(0), D = qkv.size(2), KV = kbuf.size(1), cap = kbuf.size(2);
@@ -293,25 +323,7 @@ torch::Tensor rope_into_cache(const torch::Tensor& qkv, const torch::Tensor& cos
   auto* qp = reinterpret_cast<uint16_t*>(q.data_ptr<at::BFloat16>());
   auto* kp = reinterpret_cast<uint16_t*>(kbuf.data_ptr<at::BFloat16>());
   auto* vp = reinterpret_cast<uint16_t*>(vbuf.data_ptr<at::BFloat16>());
-  const int64_t half = D / 2;
-  auto heads = [&](int64_t i0, int64_t i1) KAIZEN_TARGET {
-    for (int64_t i = i0; i < i1; ++i) {
-      const int64_t b = i / (H + 2 * KV), h = i % (H + 2 * KV);
-      const uint16_t* x = xp + i * D;
-      if (h >= H + KV) {  // a value: into the buffer as it is
-        std::memcpy(vp + ((b * KV + (h - H - KV)) * cap + T) * D, x, D * sizeof(uint16_t));
-        continue;
-      }
-      uint16_t* out = h < H ? qp + (b * H + h) * D : kp + ((b * KV + (h - H)) * cap + T) * D;
-      for (int64_t c = 0; c < D; c += 16) {
-        const int64_t r = c < half ? c + half : c - half;  // roll(x, D/2)[c] = x[c - D/2 mod D]
-        const __m512 a = bf16_to_f32_reg(f32_to_bf16(_mm512_mul_ps(bf16_to_f32(x + c), bf16_to_f32(cp + b * D + c))));
-        const __m512 e = bf16_to_f32_reg(f32_to_bf16(_mm512_mul_ps(bf16_to_f32(x + r), bf16_to_f32(sp + b * D + c))));
-        _mm256_storeu_si256((__m256i*)(out + c), f32_to_bf16(_mm512_add_ps(a, e)));
-      }
-    }
-  };
-  at::parallel_for(0, B * (H + 2 * KV), 64, heads);
+  at::parallel_for(0, B * (H + 2 * KV), 64, [&](int64_t i0, int64_t i1) { rope_heads(xp, cp, sp, qp, kp, vp, H, KV, D, cap, T, i0, i1); });
   return q;
 }
 
@@ -320,7 +332,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   using nogil = py::call_guard<py::gil_scoped_release>;
   m.def("supported", &supported, "whether this CPU has AVX-512 BF16");
   m.def("pack", &pack, "a bfloat16 (N, K) weight in the layout linear reads", nogil());
-  m.def("linear", &linear, "x (M <= 8, K) @ W.T + bias, W packed by pack, bias float32 or empty", nogil());
+  m.def("linear", &linear, "x (M <= 8, K) @ W.T + bias: W (N outputs, K inputs) packed by pack, bias float32 or empty", nogil());
   m.def("attention", &attention, "a decode step's attention: q (B, H, D), k and v (B, KV, >=T, D), keep (B, T)", nogil());
   m.def("rms_norm", &rms_norm, "transformers' llama RMSNorm in bfloat16: x (B, N), weight (N,), eps", nogil());
   m.def("rope_into_cache", &rope_into_cache, "rotary embedding of q and k, k and v into the cache at T; returns q", nogil());

@@ -12,8 +12,9 @@ The rest of the step was dozens of small torch ops a layer, each a few microseco
 a few kilobytes: at any batch the kernels also compute
 - the attention of the new tokens over the cache buffers, read in place (``attention``: float32 sums
   of bfloat16 products, as the float32 products it replaces, without converting the cache each layer);
-- the llama family's RMSNorm (``rms_norm``) and the rotary embedding with the cache's writes
-  (``rope_into_cache``), bit for bit what the torch ops give.
+- the llama family's RMSNorm (``rms_norm``: what the torch ops give, but its mean of squares summed in
+  another order, so about one output in 1,000 or fewer rounds the other way) and the rotary embedding
+  with the cache's writes (``rope_into_cache``, bit for bit the torch ops').
 
 They are built the first time they are asked for (``make install`` builds them; ~35 s with the
 machine's C++ compiler, cached by torch under ``TORCH_EXTENSIONS_DIR``), only on an x86 CPU with
@@ -27,6 +28,7 @@ from __future__ import annotations
 import logging
 import platform
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -36,6 +38,9 @@ log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("decode_kernels.cpp")
 MAX_ROWS = 8  # the products' rows; batches of more rows are compute-bound and oneDNN's products do them better
+
+NAME = "kaizen_decode_kernels"
+STALE_LOCK_S = 600  # a build lock older than this was left by a build that was killed: torch would wait on it forever
 
 _lock = threading.Lock()
 _loaded: tuple[Any, str] | None = None
@@ -73,9 +78,11 @@ def _build() -> tuple[Any | None, str]:
     if why:
         return None, why
     try:
-        from torch.utils.cpp_extension import load as load_extension
+        from torch.utils.cpp_extension import _get_build_directory, load as load_extension
 
-        mod = load_extension(name="kaizen_decode_kernels", sources=[str(SOURCE)], extra_cflags=["-O3", "-fopenmp"],
+        _clear_stale_lock(Path(_get_build_directory(NAME, verbose=False)) / "lock")
+
+        mod = load_extension(name=NAME, sources=[str(SOURCE)], extra_cflags=["-O3", "-fopenmp"],
                              extra_ldflags=["-fopenmp"], verbose=False)
     except Exception as e:  # noqa: BLE001 - no compiler, no ninja, a failed build: oneDNN's products still run
         first = next((ln for ln in str(e).splitlines() if ln.strip()), type(e).__name__)
@@ -86,20 +93,31 @@ def _build() -> tuple[Any | None, str]:
     return mod, ""
 
 
+def _clear_stale_lock(lock: Path) -> None:
+    """Remove torch's build lock when a killed build left it (torch's builder waits for it to go)."""
+    try:
+        age = time.time() - lock.stat().st_mtime
+    except OSError:
+        return
+    if age > STALE_LOCK_S:
+        log.warning("decode kernels: removing a build lock %.0f s old (a build was killed): %s", age, lock)
+        lock.unlink(missing_ok=True)
+
+
 class Packed:
     """One weight (and bias) in the kernel's layout: ``self(x)`` is ``x @ weight.T + bias`` for 1 to
     ``MAX_ROWS`` rows of bfloat16 ``x``."""
 
-    __slots__ = ("mod", "weight", "out", "bias")
+    __slots__ = ("mod", "weight", "out", "inputs", "bias")
 
     def __init__(self, mod: Any, weight: torch.Tensor, bias: torch.Tensor | None):
         self.mod = mod
-        self.out = weight.shape[0]
+        self.out, self.inputs = weight.shape
         self.weight = mod.pack(weight.detach().contiguous())
         self.bias = bias.detach().float().contiguous() if bias is not None else torch.empty(0)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        return self.mod.linear(x, self.weight, self.out, self.bias)
+        return self.mod.linear(x, self.weight, self.out, self.inputs, self.bias)
 
     @property
     def nbytes(self) -> int:

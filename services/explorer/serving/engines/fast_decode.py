@@ -132,7 +132,7 @@ class FastDecoder:
     refused: dict[str, str] = field(default_factory=dict)  # adapter name -> why this path cannot run it
     disabled: str = ""  # why this path runs nothing any more (the base weights changed under it)
     kernel: str = ""  # why the step does not run on decode_kernels ("": it does)
-    kernel_steps: int = 0  # steps that ran on decode_kernels (their products at 1-8 rows)
+    kernel_steps: int = 0  # steps that ran some of their work on decode_kernels
     _kmod: object = None  # the decode_kernels module when ``kernel`` is ""
     _kattention: bool = False  # attention on it (the heads' shapes within its limits)
     _krope: bool = False  # the rotary embedding and the cache's writes on it (a head dimension a multiple of 32)
@@ -220,6 +220,13 @@ class FastDecoder:
                    _kmod=kern, _kattention=kattention, _krope=kern is not None and head_dim % 32 == 0,
                    _krms=kern is not None and config.hidden_size % 16 == 0, _weights=[(w, w.data_ptr(), w._version) for w in weights]), ""
 
+    def kernels_note(self) -> str:
+        """What of the step runs on decode_kernels, or why nothing does."""
+        if self.kernel:
+            return "no, " + self.kernel
+        parts = [name for name, on in (("attention", self._kattention), ("norms", self._krms), ("rotary embedding", self._krope)) if on]
+        return "products" + "".join(", " + p for p in parts)
+
     @staticmethod
     def _kernels(model: nn.Module, kernels: bool | None, budget: int):
         """(the decode_kernels module, "") when the step can run on it, else (None, why not)."""
@@ -228,8 +235,9 @@ class FastDecoder:
         dtype = model.lm_head.weight.dtype
         if dtype != torch.bfloat16:
             return None, f"the model is in {str(dtype).removeprefix('torch.')}; the kernels are for bfloat16"
-        need = sum(m.weight.numel() * m.weight.element_size() for m in model.modules() if type(m) is nn.Linear
-                   and m is not getattr(model, "lm_head", None)) + model.lm_head.weight.numel() * model.lm_head.weight.element_size()
+        # every product's weight in their layout: outputs padded to 16, inputs to an even number, 2 bytes each
+        need = sum(-(-m.weight.shape[0] // 16) * 16 * -(-m.weight.shape[1] // 2) * 2 * 2 for m in model.modules()
+                   if type(m) is nn.Linear)
         if need > budget:
             return None, (f"its copy of the weights ({need / 2**20:.0f} MiB) does not fit what is left of the packed "
                           f"copies' budget ({max(budget, 0) / 2**20:.0f} MiB)")
@@ -326,7 +334,7 @@ class FastDecoder:
 
     def _step(self, ids, attn, pos, cache, adapters):
         B, T = attn.shape[0], attn.shape[1] - 1
-        if self._kmod is not None:
+        if self._kmod is not None and (B <= decode_kernels.MAX_ROWS or self._kattention or self._krms or self._krope):
             self.kernel_steps += 1
         H, KV, D, G, I = self.heads, self.kv_heads, self.head_dim, self.heads // self.kv_heads, self.intermediate
         groups = _groups(adapters)

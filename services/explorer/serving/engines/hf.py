@@ -167,7 +167,7 @@ class HFEngine:
             if self._decode_kernels and self.fast is None:
                 raise EngineError(f"engine.decode_kernels: the engine's own decode step cannot run: {why}")
             fast_note = (f"on ({self.fast.extra_bytes / 2**20:.0f} MiB of fused and kernel weights; products at 1-"
-                         f"{decode_kernels.MAX_ROWS} rows, attention and norms on decode_kernels: {'yes' if not self.fast.kernel else 'no, ' + self.fast.kernel})"
+                         f"{decode_kernels.MAX_ROWS} rows, attention, norms and rotary embedding on decode_kernels: {self.fast.kernels_note()})"
                          if self.fast else f"off: {why}")
         self._base = model
         ctx = getattr(model.config, "max_position_embeddings", None) or 2048
@@ -207,7 +207,7 @@ class HFEngine:
                 "prefix_cache_tokens_reused": float(self._prefix.tokens_reused),
                 "prefix_cache_bytes": float(self._prefix.bytes),
                 "fast_decode_steps": float(self.fast_decode_steps),
-                "fast_decode_kernel_steps": float(self.fast.kernel_steps if self.fast is not None else 0),
+                "fast_decode_kernel_steps": float(fast.kernel_steps if (fast := self.fast) is not None else 0),
             },
         )
 
