@@ -349,7 +349,7 @@ def test_a_bfloat16_step_on_the_kernels_gives_the_models_logits(kernels, kind):
     on, why = FastDecoder.build(model, CPU, packed=True, fuse_budget=1 << 30)
     off, _ = FastDecoder.build(model, CPU, packed=True, fuse_budget=1 << 30, kernels=False)
     assert on.kernel == "" and off.kernel == "engine.decode_kernels is false", why
-    assert on._kattention and on._krope and on._krms and on.kernels_note() == "products, attention, norms, rotary embedding"
+    assert on._kattention and on._krope and on._krms and on.kernels_note() == "products at 1-8 rows, attention, norms, rotary embedding"
     assert on.extra_bytes > off.extra_bytes  # the products' copy of the weights
     got, got_cache = on.step(new, attn, pos, [(k.clone(), v.clone()) for k, v in cache], [None] * 4)
     assert on.kernel_steps == 1 and off.kernel_steps == 0

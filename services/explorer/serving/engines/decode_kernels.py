@@ -34,6 +34,8 @@ from typing import Any
 
 import torch
 
+from services.common.models import cpu_flags
+
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("decode_kernels.cpp")
@@ -44,14 +46,6 @@ STALE_LOCK_S = 600  # a build lock older than this was left by a build that was 
 
 _lock = threading.Lock()
 _loaded: tuple[Any, str] | None = None
-
-
-def cpu_flags() -> set[str]:
-    try:
-        with open("/proc/cpuinfo") as f:
-            return set(next((line for line in f if line.startswith("flags")), "").split())
-    except OSError:
-        return set()
 
 
 def unsupported() -> str | None:

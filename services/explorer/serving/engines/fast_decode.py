@@ -200,17 +200,17 @@ class FastDecoder:
                 gu = [_base(mlp.gate_proj), _base(mlp.up_proj)]
                 layers.append(_Layer(
                     norm_in=_base(b.input_layernorm).weight.detach(), norm_post=_base(b.post_attention_layernorm).weight.detach(),
-                    qkv=_Linear.fused(qkv, packed, kern) if fuse else _Split(qkv, packed, kern),
+                    qkv=_Linear.fused(qkv, packed, kern) if fuse else _Split(qkv, packed),
                     o=_Linear.fused([_base(att.o_proj)], packed, kern),
-                    gate_up=_Linear.fused(gu, packed, kern) if fuse else _Split(gu, packed, kern),
+                    gate_up=_Linear.fused(gu, packed, kern) if fuse else _Split(gu, packed),
                     down=_Linear.fused([_base(mlp.down_proj)], packed, kern),
                 ))
             head = _Linear.fused([_base(model.lm_head)], packed, kern)
         except RuntimeError as e:  # oneDNN refused to pack
             return None, f"oneDNN cannot pack the weights ({e})"
-        kernel_bytes = sum(p.kern.nbytes for L in layers for lin in (L.qkv, L.o, L.gate_up, L.down)
-                           for p in (lin.parts if isinstance(lin, _Split) else [lin]) if p.kern is not None)
-        kernel_bytes += head.kern.nbytes if head.kern is not None else 0
+        # (the kernels' copies hold every weight, so they fit only where the fused copies do: _Split has none)
+        products = [lin for L in layers for lin in (L.qkv, L.o, L.gate_up, L.down)] + [head]
+        kernel_bytes = sum(k.nbytes for lin in products if (k := getattr(lin, "kern", None)) is not None)
         kattention = kern is not None and heads // kv_heads <= kern.MAX_GROUP and head_dim % 16 == 0 and head_dim <= kern.MAX_HEAD_DIM
         weights = [m.weight for m in model.modules() if type(m) in (nn.Linear, nn.Embedding)]
         return cls(model=model, layers=layers, heads=heads, kv_heads=kv_heads, head_dim=head_dim,
@@ -225,7 +225,7 @@ class FastDecoder:
         if self.kernel:
             return "no, " + self.kernel
         parts = [name for name, on in (("attention", self._kattention), ("norms", self._krms), ("rotary embedding", self._krope)) if on]
-        return "products" + "".join(", " + p for p in parts)
+        return f"products at 1-{decode_kernels.MAX_ROWS} rows" + "".join(", " + p for p in parts)
 
     @staticmethod
     def _kernels(model: nn.Module, kernels: bool | None, budget: int):
@@ -424,8 +424,8 @@ class _Split:
 
     __slots__ = ("parts",)
 
-    def __init__(self, layers: list[nn.Linear], packed: bool, kern=None):
-        self.parts = [_Linear.fused([m], packed, kern) for m in layers]
+    def __init__(self, layers: list[nn.Linear], packed: bool):
+        self.parts = [_Linear.fused([m], packed) for m in layers]
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         return torch.cat([p(x) for p in self.parts], dim=-1)

@@ -36,7 +36,6 @@ from services.explorer.serving.engines.base import (
     GenerateRequest,
 )
 from services.explorer.serving.engines.detokenizer import IncrementalDetokenizer
-from services.explorer.serving.engines import decode_kernels
 from services.explorer.serving.engines.fast_decode import FastDecoder
 from services.explorer.serving.engines.hf_batch import QueuedRequest, Row, aborted_update, pad_left
 from services.explorer.serving.engines.cpu_paths import (
@@ -166,9 +165,8 @@ class HFEngine:
                                                kernels=self._decode_kernels)
             if self._decode_kernels and self.fast is None:
                 raise EngineError(f"engine.decode_kernels: the engine's own decode step cannot run: {why}")
-            fast_note = (f"on ({self.fast.extra_bytes / 2**20:.0f} MiB of fused and kernel weights; products at 1-"
-                         f"{decode_kernels.MAX_ROWS} rows, attention, norms and rotary embedding on decode_kernels: {self.fast.kernels_note()})"
-                         if self.fast else f"off: {why}")
+            fast_note = (f"on ({self.fast.extra_bytes / 2**20:.0f} MiB of fused and kernel weights; on decode_kernels: "
+                         f"{self.fast.kernels_note()})" if self.fast else f"off: {why}")
         self._base = model
         ctx = getattr(model.config, "max_position_embeddings", None) or 2048
         self.max_model_len = min(self._max_model_len_cfg or ctx, ctx)
