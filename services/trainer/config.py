@@ -186,6 +186,11 @@ class TrainerLoopSection(ConfigModel):
         "soft-capping, say). false: one row per call.")
     epochs: int = Field(default=1, ge=1, description="Optimizer updates per batch.")
     torch_threads: int | None = Field(default=None, ge=1, description="torch intra-op threads of each learner.")
+    attention: Literal["auto", "sdpa", "eager"] = Field(
+        default="auto",
+        description="The attention of the learners' forward and backward: sdpa (torch's fused kernel) or eager (plain "
+        "products, softmax in float32). auto: eager for bfloat16 or float16 weights on a CPU, where torch's fused CPU "
+        "kernel made the demo's Trainer step about 1.2x slower (docs/BENCHMARKS.md, section episodes), else sdpa.")
     progress: bool = Field(default=True, description="Show a progress line on a terminal.")
     schedule: ScheduleSection = Field(default_factory=ScheduleSection)
 

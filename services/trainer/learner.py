@@ -105,7 +105,7 @@ class LearnerWorker:
         if path not in self._others:
             p = self.policy
             other = Policy(model_path=path, chat_template=None, dtype=self.cfg.model.dtype, device=self.cfg.trainer.device,
-                           lora=self.cfg.lora, seed=self.cfg.trainer.seed)
+                           lora=self.cfg.lora, seed=self.cfg.trainer.seed, attention=self.cfg.trainer.attention)
             if other.tokenizer.get_vocab() != p.tokenizer.get_vocab() or \
                     other.base.config.vocab_size != p.base.config.vocab_size:
                 raise ValueError(f"the teacher model {path} does not share the agent's tokenizer ({p.model_path}): "
@@ -138,6 +138,7 @@ class LearnerWorker:
         self.policy = Policy(
             model_path=self.cfg.model.path, chat_template=self.cfg.model.chat_template, dtype=self.cfg.model.dtype,
             device=self.cfg.trainer.device, lora=self.cfg.lora, seed=self.cfg.trainer.seed,
+            attention=self.cfg.trainer.attention,
         )
         if self.world_size > 1:
             import torch.distributed as dist
@@ -152,7 +153,8 @@ class LearnerWorker:
 
             # never ray.get_runtime_context() outside Ray: it would start or join a cluster from this process
             node = ray.get_runtime_context().get_node_id() if ray.is_initialized() else None
-        return {"rank": self.rank, "device": str(self.policy.device), "pid": os.getpid(), "node": node}
+        return {"rank": self.rank, "device": str(self.policy.device), "pid": os.getpid(), "node": node,
+                "attention": self.policy.attention}
 
     def ensure_agent(self, agent: str, *, state_dir: str | None = None, adapter_dir: str | None = None) -> bool:
         """Create the agent's adapter and optimizers, from a saved state or published adapter if given."""

@@ -197,7 +197,8 @@ class ForwardOut:
 
 
 class Policy:
-    def __init__(self, *, model_path: str, dtype: str, device: str, lora, seed: int = 0, chat_template: str | None = None):
+    def __init__(self, *, model_path: str, dtype: str, device: str, lora, seed: int = 0, chat_template: str | None = None,
+                 attention: str = "auto"):
         self.device = resolve_device(device)
         self.dtype = resolve_dtype(dtype, self.device)
         self.model_path = model_path
@@ -205,6 +206,7 @@ class Policy:
         self.tokenizer, base = load_base_model(model_path, dtype=self.dtype, device=self.device, chat_template=chat_template)
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
         base.config.use_cache = False
+        self.attention = set_attention(base, resolve_attention(attention, self.dtype, self.device))
         self.base = base
         self.lora = lora
         self.seed = seed
@@ -376,6 +378,27 @@ class Policy:
         stats = token_stats(out.logits, batch.temperatures, batch.response_ids, allowed=allowed, gather=gather, top_k=top_k,
                             entropy_grad=grad)
         return ForwardOut(logprobs=stats.logprobs, entropy=stats.entropy, hidden=hidden, gathered=stats.gathered, top=stats.top)
+
+
+def resolve_attention(attention: str, dtype: torch.dtype, device: torch.device) -> str:
+    """trainer.attention's ``auto``: plain products (eager) for 16-bit weights on a CPU, where torch's fused
+    CPU kernel (SDPA's flash attention) was the slower one, forward and backward; else SDPA."""
+    if attention != "auto":
+        return attention
+    return "eager" if device.type == "cpu" and dtype in (torch.bfloat16, torch.float16) else "sdpa"
+
+
+def set_attention(model: nn.Module, attention: str) -> str:
+    """Switch ``model`` to ``attention`` (sdpa or eager); returns the one it runs. A model whose code
+    has no SDPA path keeps eager, as transformers loaded it."""
+    current = getattr(model.config, "_attn_implementation", None)
+    if attention == current or (attention == "sdpa" and current == "eager"):
+        return current
+    try:
+        model.set_attn_implementation(attention)
+    except (ValueError, ImportError) as e:
+        raise ValueError(f"trainer.attention {attention!r}: this model cannot use it ({e})") from e
+    return model.config._attn_implementation
 
 
 def _packed_heads(head: nn.Module, hidden: torch.Tensor, batch: PackedBatch) -> list:

@@ -1,5 +1,6 @@
 """`make bench` section episodes: the demo's Trainer step on two-call episodes, each episode's calls
-scored in one row (trainer.chain_calls, the default) against one row per call, side by side.
+scored in one row (trainer.chain_calls, the default) against one row per call, side by side; and where
+trainer.attention's auto picks plain products (bfloat16 on a CPU), the chained step on torch's SDPA.
 
     python -m tests.bench.run episodes      # KAIZEN_BENCH_ROUNDS=3 KAIZEN_BENCH_THREADS=1
 
@@ -10,7 +11,7 @@ calculator call, then the answer after the tool's result: 32 calls), 4 demonstra
 mixed objective) and the guard scoring the 16 demonstrations around the update. Every call is rendered
 by the model's chat template with the calculator tool, as the Explorer's /demonstrations renders
 one (services/explorer/serving/demonstrations.py), so an episode's second prompt holds its first call
-token for token. Both workers start from the same adapter; rounds alternate them.
+token for token. The workers start from the same adapter; rounds alternate them.
 """
 
 from __future__ import annotations
@@ -65,41 +66,56 @@ def _demonstrations(tok, n: int) -> list[TrainItem]:
     return out
 
 
+# the layouts and attentions compared: (chain_calls, trainer.attention)
+CHAINED, PLAIN, SDPA = (True, "auto"), (False, "auto"), (True, "sdpa")
+LABELS = {CHAINED: "chained (trainer.chain_calls)", PLAIN: "one row per call", SDPA: "chained, torch's SDPA attention"}
+
+
 def main() -> str:
     rounds = int(os.environ.get("KAIZEN_BENCH_ROUNDS", 3))
     threads = int(os.environ.get("KAIZEN_BENCH_THREADS", 1))
     dtype = _dtype()
     workers = {}
-    for chain in (True, False):
+    for chain, attention in (CHAINED, PLAIN, SDPA):
         w = LearnerWorker({"model": {"path": MODEL, "dtype": dtype}, "algorithm": {"name": "grpo", "kl_metric": False},
                            "lora": {"r": 16, "alpha": 32}, "optim": {"lr": 1e-3}, "log_level": "warning",
-                           "trainer": {"micro_batch_size": 8, "torch_threads": threads, "chain_calls": chain}})
+                           "trainer": {"micro_batch_size": 8, "torch_threads": threads, "chain_calls": chain,
+                                       "attention": attention}})
         w.setup()
+        if (chain, attention) == SDPA and w.policy.attention == workers[CHAINED].policy.attention:
+            continue  # auto is SDPA here (float32, or a GPU): nothing to compare
         w.ensure_agent(AGENT)
-        workers[chain] = w
-    tok = workers[True].policy.tokenizer
+        workers[(chain, attention)] = w
+    tok = workers[CHAINED].policy.tokenizer
     rollouts = _episodes(tok, 2, runs=8, seed=0)
     guard = _demonstrations(tok, 16)
     items = rollouts + guard[:4]
     norms = Norms.of(items)
-    times: dict[bool, list[float]] = {True: [], False: []}
-    for r in range(rounds + 1):  # the first round warms both up
-        for chain in ((True, False) if r % 2 == 0 else (False, True)):
+    times: dict[tuple, list[float]] = {k: [] for k in workers}
+    for r in range(rounds + 1):  # the first round warms them up
+        for k in (list(workers) if r % 2 == 0 else list(workers)[::-1]):
             t0 = time.perf_counter()
-            workers[chain].train_step(AGENT, items, norms, r, 0, guard=guard)
+            workers[k].train_step(AGENT, items, norms, r, 0, guard=guard)
             if r:
-                times[chain].append(time.perf_counter() - t0)
-    rows_of = {chain: sum(w._pack(c).input_ids.shape[0] for c in w._length_chunks(rollouts))
-               for chain, w in workers.items()}
-    tokens = {chain: sum(int(w._pack(c).attention_mask.sum()) + (w._pack(c).prefix_len or 0)
-                         for c in w._length_chunks(rollouts)) for chain, w in workers.items()}
-    ratios = [b / a for a, b in zip(times[True], times[False])]
-    rows = [[("chained (trainer.chain_calls)" if chain else "one row per call"), rows_of[chain], tokens[chain],
-             spread([t * 1000 for t in times[chain]])] for chain in (True, False)]
+                times[k].append(time.perf_counter() - t0)
+    rows_of = {k: sum(w._pack(c).input_ids.shape[0] for c in w._length_chunks(rollouts)) for k, w in workers.items()}
+    tokens = {k: sum(int(w._pack(c).attention_mask.sum()) + (w._pack(c).prefix_len or 0)
+                     for c in w._length_chunks(rollouts)) for k, w in workers.items()}
+    rows = [[LABELS[k], w.policy.attention, rows_of[k], tokens[k], spread([t * 1000 for t in times[k]])]
+            for k, w in workers.items()]
     out = table(f"The demo's Trainer step on SmolLM2 ({dtype}, {threads} thread(s)): {len(rollouts)} calls in "
                 f"{len(rollouts) // 2} two-call episodes + 4 demonstrations, guard on 16; median (min..max) of {rounds} "
-                f"alternating rounds after a warm-up", ["layout", "rollout rows", "rollout tokens run", "ms/step"], rows)
-    return out + f"\none row per call / chained, paired by round: {spread(ratios, '{:.2f}')}x"
+                f"alternating rounds after a warm-up", ["layout", "attention", "rollout rows", "rollout tokens run", "ms/step"],
+                rows)
+
+    def paired(slow: tuple, fast: tuple) -> str:
+        return spread([b / a for a, b in zip(times[fast], times[slow])], "{:.2f}")
+
+    out += f"\none row per call / chained, paired by round: {paired(PLAIN, CHAINED)}x"
+    if SDPA in workers:
+        out += f"\nchained: SDPA / {workers[CHAINED].policy.attention} attention (trainer.attention auto), paired by round: " \
+               f"{paired(SDPA, CHAINED)}x"
+    return out
 
 
 if __name__ == "__main__":

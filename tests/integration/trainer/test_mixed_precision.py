@@ -16,9 +16,9 @@ from services.trainer.policy import Policy, pack
 pytestmark = pytest.mark.integration
 
 
-def _policy(tiny_model, *, mixed: bool) -> Policy:
+def _policy(tiny_model, *, mixed: bool, attention: str = "auto") -> Policy:
     torch.manual_seed(0)
-    p = Policy(model_path=str(tiny_model), dtype="bfloat16", device="cpu", lora=LoraSection(r=8, alpha=16))
+    p = Policy(model_path=str(tiny_model), dtype="bfloat16", device="cpu", lora=LoraSection(r=8, alpha=16), attention=attention)
     p.add_agent("agent", critic=False)
     if not mixed:  # peft's own way: every adapted layer casts its input to float32, its sum back
         from peft.tuners.tuners_utils import BaseTunerLayer
@@ -42,6 +42,29 @@ def _run(p: Policy, batch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     return out.logprobs.detach(), {n: q.grad.clone() for n, q in p.model.named_parameters() if q.grad is not None}
 
 
+def _batch(pad_id: int):
+    """Three rows whose prompts share a 40-token prefix (computed once) and differ after it."""
+    rng = random.Random(0)
+    prefix = [rng.randrange(3, 200) for _ in range(40)]
+    prompts = [prefix + [rng.randrange(3, 200) for _ in range(n)] for n in (2, 9, 5)]
+    responses = [[rng.randrange(3, 200) for _ in range(n)] for n in (6, 3, 8)]
+    return pack(prompts, responses, [1.0, 0.8, 1.2], pad_id, share_prefix_min=16)
+
+
+def _same_step(a: torch.Tensor, ga: dict, b: torch.Tensor, gb: dict, mask: torch.Tensor, n_params: int) -> None:
+    """The same logprobs and LoRA gradients, to bfloat16's precision."""
+    m = mask.bool()
+    assert a.dtype == torch.float32
+    torch.testing.assert_close(a[m], b[m], atol=0.05, rtol=0.02)
+    assert ga.keys() == gb.keys() and len(ga) == n_params
+    assert all(g.dtype == torch.float32 for g in ga.values())
+    flat_a = torch.cat([ga[n].flatten() for n in sorted(ga)])
+    flat_b = torch.cat([gb[n].flatten() for n in sorted(gb)])
+    cosine = float(torch.nn.functional.cosine_similarity(flat_a, flat_b, dim=0))
+    assert cosine > 0.99, cosine
+    assert abs(float(flat_a.norm() / flat_b.norm()) - 1) < 0.05
+
+
 def test_autocast_lora_matches_pefts_float32_casting(tiny_model):
     mixed, cast = _policy(tiny_model, mixed=True), _policy(tiny_model, mixed=False)
     assert mixed.mixed and not cast.mixed
@@ -50,23 +73,22 @@ def test_autocast_lora_matches_pefts_float32_casting(tiny_model):
     tuners = [m for m in mixed.model.modules() if isinstance(m, BaseTunerLayer)]
     assert tuners and not any(m.cast_input_dtype_enabled for m in tuners)  # autocast, not peft, casts
     assert {q.dtype for q in mixed.adapter_parameters("agent")} == {torch.float32}
-    rng = random.Random(0)
-    prefix = [rng.randrange(3, 200) for _ in range(40)]
-    prompts = [prefix + [rng.randrange(3, 200) for _ in range(n)] for n in (2, 9, 5)]
-    responses = [[rng.randrange(3, 200) for _ in range(n)] for n in (6, 3, 8)]
-    batch = pack(prompts, responses, [1.0, 0.8, 1.2], mixed.pad_id, share_prefix_min=16)
-    a, ga = _run(mixed, batch)
-    b, gb = _run(cast, batch)
-    m = batch.response_mask.bool()
-    assert a.dtype == torch.float32
-    torch.testing.assert_close(a[m], b[m], atol=0.05, rtol=0.02)
-    assert ga.keys() == gb.keys() and len(ga) == len(mixed.adapter_parameters("agent"))
-    assert all(g.dtype == torch.float32 for g in ga.values())
-    flat_a = torch.cat([ga[n].flatten() for n in sorted(ga)])
-    flat_b = torch.cat([gb[n].flatten() for n in sorted(gb)])
-    cosine = float(torch.nn.functional.cosine_similarity(flat_a, flat_b, dim=0))
-    assert cosine > 0.99, cosine
-    assert abs(float(flat_a.norm() / flat_b.norm()) - 1) < 0.05
+    batch = _batch(mixed.pad_id)
+    _same_step(*_run(mixed, batch), *_run(cast, batch), batch.response_mask, len(mixed.adapter_parameters("agent")))
+
+
+def test_in_bfloat16_on_the_cpu_the_trainer_attends_by_plain_products_as_sdpa_does(tiny_model):
+    """trainer.attention auto: eager (plain products, softmax in float32) for bfloat16 weights on a CPU,
+    where torch's fused CPU kernel made the demo's step slower; the logprobs and the LoRA gradients
+    are SDPA's to bfloat16's precision, a prefix computed once included. float32 keeps SDPA."""
+    eager, sdpa = _policy(tiny_model, mixed=True), _policy(tiny_model, mixed=True, attention="sdpa")
+    assert eager.attention == eager.base.config._attn_implementation == "eager"
+    assert sdpa.attention == sdpa.base.config._attn_implementation == "sdpa"
+    batch = _batch(eager.pad_id)
+    assert batch.prefix_len
+    _same_step(*_run(eager, batch), *_run(sdpa, batch), batch.response_mask, len(eager.adapter_parameters("agent")))
+    full = Policy(model_path=str(tiny_model), dtype="float32", device="cpu", lora=LoraSection(r=8, alpha=16))
+    assert full.attention == "sdpa"
 
 
 def test_the_engine_samples_in_the_trainers_dtype_and_records_what_it_recomputes(tiny_model, tmp_path):
