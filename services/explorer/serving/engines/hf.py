@@ -354,6 +354,8 @@ class HFEngine:
                         st.aborted = True
             elif kind in ("add", "remove", "clear"):
                 fut = cmd[2]
+                if not fut.set_running_or_notify_cancel():
+                    continue  # its caller was cancelled (a shutdown, a timeout) before the command ran: it never runs
                 try:
                     self._command(kind, cmd[1])
                     fut.set_result(None)
