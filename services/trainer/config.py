@@ -189,8 +189,9 @@ class TrainerLoopSection(ConfigModel):
     attention: Literal["auto", "sdpa", "eager"] = Field(
         default="auto",
         description="The attention of the learners' forward and backward: sdpa (torch's fused kernel) or eager (plain "
-        "products, softmax in float32). auto: eager for bfloat16 or float16 weights on a CPU, where torch's fused CPU "
-        "kernel made the demo's Trainer step about 1.2x slower (docs/BENCHMARKS.md, section episodes), else sdpa.")
+        "products, softmax in float32, its scores kept for the backward). auto: eager for bfloat16 weights on a CPU, "
+        "where torch's fused CPU kernel made the demo's Trainer step about 1.2x slower (docs/TRAINER.md), for each "
+        "forward whose scores (rows x heads x queries x keys) stay within 8 Mi; longer rows, and everything else, sdpa.")
     progress: bool = Field(default=True, description="Show a progress line on a terminal.")
     schedule: ScheduleSection = Field(default_factory=ScheduleSection)
 

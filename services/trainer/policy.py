@@ -206,7 +206,9 @@ class Policy:
         self.tokenizer, base = load_base_model(model_path, dtype=self.dtype, device=self.device, chat_template=chat_template)
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
         base.config.use_cache = False
-        self.attention = set_attention(base, resolve_attention(attention, self.dtype, self.device))
+        self.attention = set_attention(base, resolve_attention(attention, self.dtype, self.device), strict=attention != "auto")
+        # auto's plain products only for forwards whose attention scores are small (_pick_attention)
+        self._auto_eager = attention == "auto" and self.attention == "eager"
         self.base = base
         self.lora = lora
         self.seed = seed
@@ -321,16 +323,28 @@ class Policy:
         dev = self.device
         ids, attn = batch.input_ids.to(dev), batch.attention_mask.to(dev)
         inputs = dict(input_ids=ids, attention_mask=attn, position_ids=batch.position_ids.to(dev), use_cache=False)
+        (B, T), L = ids.shape, batch.prefix_len
         if batch.prefix_ids is None:
+            self._pick_attention(B, T, T)
             return inputs
         from transformers import DynamicCache
 
-        B, L = ids.shape[0], batch.prefix_len
+        self._pick_attention(1, L, L)
         pre = self._net(input_ids=batch.prefix_ids.to(dev).unsqueeze(0), use_cache=True, logits_to_keep=1).past_key_values
+        self._pick_attention(B, T, L + T)
         layers = [(k.expand(B, *k.shape[1:]), v.expand(B, *v.shape[1:])) for k, v, *_ in pre]
         inputs.update(attention_mask=torch.cat([attn.new_ones((B, L)), attn], dim=1),
                       past_key_values=DynamicCache(ddp_cache_data=layers), use_cache=True)
         return inputs
+
+    def _pick_attention(self, rows: int, queries: int, keys: int) -> None:
+        """trainer.attention auto: plain products for the next forward when its attention scores (rows x
+        heads x queries x keys, each layer's kept for the backward in float32 and bfloat16) stay within
+        EAGER_MAX_SCORES, else SDPA, whose fused kernel keeps none. The model reads the choice from its
+        config at every forward (its attention and its mask's form), so switching costs nothing."""
+        if self._auto_eager:
+            heads = self.base.config.num_attention_heads
+            self.base.config._attn_implementation = "eager" if rows * heads * queries * keys <= EAGER_MAX_SCORES else "sdpa"
 
     def allowed_tokens(self, grammars_of_rows: Sequence[str | None], responses: Sequence[Sequence[int]],
                        response_len: int) -> torch.Tensor | None:
@@ -380,25 +394,38 @@ class Policy:
         return ForwardOut(logprobs=stats.logprobs, entropy=stats.entropy, hidden=hidden, gathered=stats.gathered, top=stats.top)
 
 
+# trainer.attention auto: a forward runs on plain products while its attention scores (rows x heads x queries x
+# keys) stay within this many: 8 Mi, 48 MiB a layer kept for the backward. The demo's micro-batches hold about 2 Mi
+# (8 rows x 9 heads x ~100 queries x ~280 keys); longer rows, where eager's memory would grow with their square, run
+# on SDPA's fused kernel
+EAGER_MAX_SCORES = 1 << 23
+
+
 def resolve_attention(attention: str, dtype: torch.dtype, device: torch.device) -> str:
-    """trainer.attention's ``auto``: plain products (eager) for 16-bit weights on a CPU, where torch's fused
-    CPU kernel (SDPA's flash attention) was the slower one, forward and backward; else SDPA."""
+    """trainer.attention's ``auto``: plain products (eager) for bfloat16 weights on a CPU, where torch's
+    fused CPU kernel (SDPA's flash attention) was the slower one, its backward most of all; else SDPA."""
     if attention != "auto":
         return attention
-    return "eager" if device.type == "cpu" and dtype in (torch.bfloat16, torch.float16) else "sdpa"
+    return "eager" if device.type == "cpu" and dtype == torch.bfloat16 else "sdpa"
 
 
-def set_attention(model: nn.Module, attention: str) -> str:
-    """Switch ``model`` to ``attention`` (sdpa or eager); returns the one it runs. A model whose code
-    has no SDPA path keeps eager, as transformers loaded it."""
+def set_attention(model: nn.Module, attention: str, *, strict: bool) -> str:
+    """Switch ``model`` to ``attention`` (sdpa or eager); returns the one it runs. Not ``strict`` (auto's
+    choice), a model transformers loaded on eager (no SDPA path, or its config asks for eager) keeps it;
+    ``strict`` (the setting named one), a model that cannot run it is an error."""
     current = getattr(model.config, "_attn_implementation", None)
-    if attention == current or (attention == "sdpa" and current == "eager"):
+    if attention == current or (not strict and attention == "sdpa" and current == "eager"):
         return current
     try:
         model.set_attn_implementation(attention)
     except (ValueError, ImportError) as e:
+        if not strict:
+            return current
         raise ValueError(f"trainer.attention {attention!r}: this model cannot use it ({e})") from e
-    return model.config._attn_implementation
+    now = model.config._attn_implementation
+    if strict and now != attention:
+        raise ValueError(f"trainer.attention {attention!r}: this model stays on {now!r}")
+    return now
 
 
 def _packed_heads(head: nn.Module, hidden: torch.Tensor, batch: PackedBatch) -> list:

@@ -77,13 +77,13 @@ def main() -> str:
     dtype = _dtype()
     workers = {}
     for chain, attention in (CHAINED, PLAIN, SDPA):
+        if (chain, attention) == SDPA and workers[CHAINED].policy.attention == "sdpa":
+            continue  # auto is SDPA here (float32, or a GPU): nothing to compare
         w = LearnerWorker({"model": {"path": MODEL, "dtype": dtype}, "algorithm": {"name": "grpo", "kl_metric": False},
                            "lora": {"r": 16, "alpha": 32}, "optim": {"lr": 1e-3}, "log_level": "warning",
                            "trainer": {"micro_batch_size": 8, "torch_threads": threads, "chain_calls": chain,
                                        "attention": attention}})
         w.setup()
-        if (chain, attention) == SDPA and w.policy.attention == workers[CHAINED].policy.attention:
-            continue  # auto is SDPA here (float32, or a GPU): nothing to compare
         w.ensure_agent(AGENT)
         workers[(chain, attention)] = w
     tok = workers[CHAINED].policy.tokenizer

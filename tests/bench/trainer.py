@@ -98,6 +98,9 @@ class Ours:
             f"train_batch_size={len(batch.prompts)}", f"trainer.torch_threads={threads}", f"optim.lr={LR}",
             f"optim.grad_clip={GRAD_CLIP}", f"lora.r={LORA['r']}", f"lora.alpha={LORA['alpha']}",
             f"lora.dropout={LORA['dropout']}", "log_level=warning",
+            # TRL's model attends by SDPA (transformers' default): so does ours here, in every dtype (trainer.attention's
+            # auto would take plain products for bfloat16 on a CPU), so that the two steps run the same kernels
+            "trainer.attention=sdpa",
         ]
         cfg = load_config(TrainerConfig, None, overrides, env={})
         self.worker = LearnerWorker(cfg.model_dump(), rank=0, world_size=1)

@@ -77,18 +77,31 @@ def test_autocast_lora_matches_pefts_float32_casting(tiny_model):
     _same_step(*_run(mixed, batch), *_run(cast, batch), batch.response_mask, len(mixed.adapter_parameters("agent")))
 
 
-def test_in_bfloat16_on_the_cpu_the_trainer_attends_by_plain_products_as_sdpa_does(tiny_model):
+def test_in_bfloat16_on_the_cpu_the_trainer_attends_by_plain_products_as_sdpa_does(tiny_model, monkeypatch):
     """trainer.attention auto: eager (plain products, softmax in float32) for bfloat16 weights on a CPU,
     where torch's fused CPU kernel made the demo's step slower; the logprobs and the LoRA gradients
-    are SDPA's to bfloat16's precision, a prefix computed once included. float32 keeps SDPA."""
+    are SDPA's to bfloat16's precision, a prefix computed once included. A forward whose attention
+    scores pass EAGER_MAX_SCORES runs on SDPA; float32 keeps SDPA; a setting that names one gets it."""
+    from services.trainer import policy
+
     eager, sdpa = _policy(tiny_model, mixed=True), _policy(tiny_model, mixed=True, attention="sdpa")
     assert eager.attention == eager.base.config._attn_implementation == "eager"
     assert sdpa.attention == sdpa.base.config._attn_implementation == "sdpa"
     batch = _batch(eager.pad_id)
     assert batch.prefix_len
-    _same_step(*_run(eager, batch), *_run(sdpa, batch), batch.response_mask, len(eager.adapter_parameters("agent")))
+    n = len(eager.adapter_parameters("agent"))
+    on_sdpa = _run(sdpa, batch)
+    _same_step(*_run(eager, batch), *on_sdpa, batch.response_mask, n)
+    assert eager.base.config._attn_implementation == "eager"  # the batch's scores fit
+    monkeypatch.setattr(policy, "EAGER_MAX_SCORES", 1)
+    large = _run(eager, batch)
+    assert eager.base.config._attn_implementation == "sdpa"
+    torch.testing.assert_close(large[0], on_sdpa[0], atol=0.0, rtol=0.0)  # the same kernel on the same weights
     full = Policy(model_path=str(tiny_model), dtype="float32", device="cpu", lora=LoraSection(r=8, alpha=16))
     assert full.attention == "sdpa"
+    named = Policy(model_path=str(tiny_model), dtype="float32", device="cpu", lora=LoraSection(r=8, alpha=16),
+                   attention="eager")
+    assert named.attention == named.base.config._attn_implementation == "eager"
 
 
 def test_the_engine_samples_in_the_trainers_dtype_and_records_what_it_recomputes(tiny_model, tmp_path):
