@@ -23,6 +23,45 @@ class LearnersUnavailable(RuntimeError):
     """Ray could not place the learner workers (the cluster lacks the resources, for now)."""
 
 
+class LearnerActor:
+    """One learner worker as a Ray actor. The driver names this class, so it loads no torch (about 2 s
+    of every Trainer start); the worker itself (``services.trainer.learner.LearnerWorker``: torch, the
+    model, the optimizers) is built in the actor's own process."""
+
+    def __init__(self, config: dict[str, Any], rank: int, world_size: int):
+        from services.trainer.learner import LearnerWorker
+
+        self.worker = LearnerWorker(config, rank, world_size)
+
+    def rendezvous_address(self) -> tuple[str, int]:
+        return self.worker.rendezvous_address()
+
+    def setup(self, master_addr: str | None, master_port: int | None) -> dict[str, Any]:
+        return self.worker.setup(master_addr, master_port)
+
+    def ensure_agent(self, agent: str, *, state_dir: str | None = None, adapter_dir: str | None = None) -> bool:
+        return self.worker.ensure_agent(agent, state_dir=state_dir, adapter_dir=adapter_dir)
+
+    def load_state(self, agent: str, path: str) -> dict[str, Any]:
+        return self.worker.load_state(agent, path)
+
+    def adopt_adapter(self, agent: str, adapter_dir: str) -> None:
+        self.worker.adopt_adapter(agent, adapter_dir)
+
+    def reset_agent(self, agent: str) -> None:
+        self.worker.reset_agent(agent)
+
+    def save_state(self, agent: str, path: str, meta: dict[str, Any]) -> str:
+        return self.worker.save_state(agent, path, meta)
+
+    def write_version(self, agent: str, root: str, version: int, manifest: dict[str, Any]) -> str:
+        return self.worker.write_version(agent, root, version, manifest)
+
+    def train_step(self, agent: str, items: list[TrainItem], norms: Norms, step: int, current_version: int,
+                   guard: list[TrainItem] | None = None) -> StepStats:
+        return self.worker.train_step(agent, items, norms, step, current_version, guard)
+
+
 class LearnerGroup:
     """The learner workers as Ray actors in one placement group (``ray.placement``: PACK fills a node
     first, STRICT_SPREAD one worker a node); rank 0 writes files. A worker that dies makes every
@@ -33,8 +72,6 @@ class LearnerGroup:
         from ray.exceptions import GetTimeoutError
         from ray.util.placement_group import placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
-
-        from services.trainer.learner import LearnerWorker
 
         r = cfg.ray
         bundle = {"CPU": r.num_cpus_per_worker, **({"GPU": r.num_gpus_per_worker} if r.num_gpus_per_worker else {})}
@@ -49,7 +86,7 @@ class LearnerGroup:
                     f"Ray could not place {r.workers} learner worker(s) of {bundle} each ({r.placement}) within "
                     f"{wait:.0f}s; the cluster has {ray.cluster_resources()} in all, {ray.available_resources()} free"
                 ) from None
-            remote = ray.remote(num_cpus=r.num_cpus_per_worker, num_gpus=r.num_gpus_per_worker)(LearnerWorker)
+            remote = ray.remote(num_cpus=r.num_cpus_per_worker, num_gpus=r.num_gpus_per_worker)(LearnerActor)
             payload = cfg.model_dump(mode="json")
             self.workers = [remote.options(scheduling_strategy=PlacementGroupSchedulingStrategy(
                 placement_group=self.group, placement_group_bundle_index=rank)).remote(payload, rank, r.workers)

@@ -86,6 +86,27 @@ class PrometheusMetrics:
         self.server.server_close()
 
 
+class TensorBoardScalars:
+    """A step record's numbers as TensorBoard scalars (``<agent>/<key>``), written with tensorboard's own
+    event writer: torch's SummaryWriter would load torch into the driver, which otherwise has none."""
+
+    def __init__(self, logdir: Path):
+        from tensorboard.compat.proto.event_pb2 import Event
+        from tensorboard.compat.proto.summary_pb2 import Summary
+        from tensorboard.summary.writer.event_file_writer import EventFileWriter
+
+        self._event, self._summary = Event, Summary
+        self._writer = EventFileWriter(str(logdir))
+
+    def add(self, tags: dict[str, float], step: int, wall_time: float) -> None:
+        values = [self._summary.Value(tag=tag, simple_value=value) for tag, value in tags.items()]
+        self._writer.add_event(self._event(wall_time=wall_time, step=step, summary=self._summary(value=values)))
+        self._writer.flush()
+
+    def close(self) -> None:
+        self._writer.close()
+
+
 class MetricsSink:
     def __init__(self, run_dir: str | Path, *, progress: bool = True, prometheus: tuple[str, int] | None = None):
         self.dir = Path(run_dir)
@@ -93,9 +114,7 @@ class MetricsSink:
         self._jsonl = open(self.dir / "metrics.jsonl", "a", buffering=1)
         self._tb = None
         try:
-            from torch.utils.tensorboard import SummaryWriter
-
-            self._tb = SummaryWriter(str(self.dir / "tensorboard"))
+            self._tb = TensorBoardScalars(self.dir / "tensorboard")
         except Exception as e:  # tensorboard missing or broken: JSONL still has everything
             log.warning("TensorBoard logging disabled: %s", e)
         self._tty = progress and sys.stderr.isatty()
@@ -108,11 +127,8 @@ class MetricsSink:
         if self.prometheus is not None:
             self.prometheus.step(record)
         if self._tb is not None:
-            agent, step = record["agent"], record["step"]
-            for k, v in record.items():
-                if isinstance(v, (int, float)) and not isinstance(v, bool) and k not in ("step", "time"):
-                    self._tb.add_scalar(f"{agent}/{k}", v, step)
-            self._tb.flush()
+            self._tb.add({f"{record['agent']}/{k}": v for k, v in record.items() if isinstance(v, (int, float))
+                          and not isinstance(v, bool) and k not in ("step", "time")}, record["step"], record["time"])
         self._waiting_since = None
         line = (
             f"step {record['step']:>5} {record['agent']} -> v{record['version']}"

@@ -418,7 +418,7 @@ def engines_report(results: dict, targets: list[EngineTarget], info: dict, ml: M
 def smollm2_batch(tokenizer, *, seqs: int, prompt_tokens: int, response_tokens: int, seed: int = 0):
     """Groups of 4 sequences sharing a prompt (system prompt + question, lengths 0.8..1.2 x the mean),
     random response tokens (lengths 0.5..1.5 x the mean), group-relative advantages."""
-    from services.trainer.algorithms.advantages import group_relative
+    from services.trainer.algorithms.group import group_relative
     from tests.bench.trainer import GENERATIONS, Batch
 
     if seqs % GENERATIONS:
@@ -445,9 +445,9 @@ def smollm2_batch(tokenizer, *, seqs: int, prompt_tokens: int, response_tokens: 
             prompts.append(ids)
             completions.append([rng.choice(vocab) for _ in range(rng.randint(lo, hi))])
             gids.append(g)
-    rewards = torch.tensor([float(rng.random() < 0.5) for _ in prompts])
-    group_ids = torch.tensor(gids)
-    return Batch(prompts, completions, rewards, group_ids, group_relative(rewards, group_ids, std_normalize=True))
+    rewards = [float(rng.random() < 0.5) for _ in prompts]
+    adv = torch.tensor(group_relative(rewards, gids, std_normalize=True))
+    return Batch(prompts, completions, torch.tensor(rewards), torch.tensor(gids), adv)
 
 
 @contextlib.contextmanager

@@ -62,7 +62,7 @@ class Batch:
 
 
 def make_batch(tokenizer, seed: int = 0) -> Batch:
-    from services.trainer.algorithms.advantages import group_relative
+    from services.trainer.algorithms.group import group_relative
 
     rng = random.Random(seed)
     special = set(tokenizer.added_tokens_decoder)
@@ -75,10 +75,9 @@ def make_batch(tokenizer, seed: int = 0) -> Batch:
             prompts.append(ids)
             completions.append([rng.choice(vocab) for _ in range(rng.randint(*COMPLETION_LEN))])
             gids.append(g)
-    rewards = torch.tensor([float(rng.random() < 0.5) for _ in prompts])
-    group_ids = torch.tensor(gids)
-    adv = group_relative(rewards, group_ids, std_normalize=True)
-    return Batch(prompts, completions, rewards, group_ids, adv)
+    rewards = [float(rng.random() < 0.5) for _ in prompts]
+    adv = torch.tensor(group_relative(rewards, gids, std_normalize=True))
+    return Batch(prompts, completions, torch.tensor(rewards), torch.tensor(gids), adv)
 
 
 class Ours:

@@ -1,4 +1,5 @@
-"""Advantage estimators: GAE for PPO, group-relative for GRPO. Pure functions over tensors."""
+"""Advantage estimators over tensors: GAE for PPO, in the learners (GRPO's group-relative ones, which the
+driver computes without torch, are in group.py)."""
 
 from __future__ import annotations
 
@@ -48,31 +49,6 @@ def gae(
     return adv, returns
 
 
-def group_relative(rewards: torch.Tensor, group_ids: torch.Tensor, *, std_normalize: bool, eps: float = 1e-6) -> torch.Tensor:
-    """GRPO advantages (Shao et al. 2024, DeepSeekMath, sec. 4.1.2): each reward relative to its group.
-
-    Args:
-        rewards: (B,) one reward per sequence.
-        group_ids: (B,) integer group of each sequence (same task_id = same group).
-    Returns (B,): (r - mean_g) / (std_g + eps) with std normalisation, else r - mean_g.
-    The std is the population std of the group; a group whose rewards are all equal gets 0.
-    """
-    adv = torch.zeros_like(rewards)
-    for g in group_ids.unique():
-        sel = group_ids == g
-        r = rewards[sel]
-        centered = r - r.mean()
-        if std_normalize:
-            centered = centered / (r.std(unbiased=False) + eps)
-        adv[sel] = centered
-    return adv
-
-
-def batch_relative(rewards: torch.Tensor, *, std_normalize: bool, eps: float = 1e-6) -> torch.Tensor:
-    """Fallback for sequences without a usable group: relative to the whole batch."""
-    return group_relative(rewards, torch.zeros_like(rewards, dtype=torch.long), std_normalize=std_normalize, eps=eps)
-
-
 def sequence_logprob(token_logprobs: torch.Tensor, mask: torch.Tensor, *, mode: str) -> torch.Tensor:
     """(B, T) token logprobs -> (B,) log-probability of the whole response as one action.
 
@@ -115,12 +91,3 @@ def turn_gae(turn_values: torch.Tensor, reward: float, *, gamma: float, lam: flo
     rewards[0, -1] = reward
     adv, ret = gae(rewards, turn_values.unsqueeze(0), torch.ones_like(rewards), gamma=gamma, lam=lam)
     return adv[0], ret[0]
-
-
-def episode_relative(
-    episode_rewards: torch.Tensor, episode_groups: torch.Tensor, *, std_normalize: bool
-) -> torch.Tensor:
-    """GRPO over episodes: each episode's reward against the other episodes of its group (task).
-    A group's statistics count episodes, never calls, so an episode of five calls weighs as much as
-    one of one call. (E,) in, (E,) out; the caller gives every call of an episode its advantage."""
-    return group_relative(episode_rewards, episode_groups, std_normalize=std_normalize)

@@ -5,21 +5,25 @@ it needs a reward, how it picks a batch from the usable rows, what extra inputs 
 carries (``extra_inputs``, e.g. a teacher's logprobs of the sampled tokens), its loss (a pure
 function under services/trainer/algorithms/) and the statistics it reports. The learner, the step
 record, the Trainer's /metrics and the dashboard pass those statistics through without naming them.
+
+A recipe's module imports no torch at its top: the Trainer's driver builds recipes to select batches
+and loads no torch (about 2 s of every start); the tensor work (``extra_inputs``, ``loss``) imports
+it where it runs, in the learners.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from datetime import datetime
-from typing import Any, Callable, ClassVar, Protocol, Sequence
-
-import torch
+from typing import TYPE_CHECKING, Any, Callable, ClassVar, Protocol, Sequence
 
 from services.common.config import ConfigModel
 from services.common.records import CommittedExperience
-from services.trainer.algorithms.advantages import sequence_logprob
 from services.trainer.batches import Norms, Selection, TeamEpisodes, TrainItem, Usable, take_oldest
 from services.trainer.sections import ObjectiveSection
+
+if TYPE_CHECKING:
+    import torch
 
 
 class RecipeConfig(ConfigModel):
@@ -78,11 +82,15 @@ class MicroBatch:
     @property
     def own(self) -> torch.Tensor:
         """(B,) 1 for this agent's calls, 0 for teammates' context calls."""
+        import torch
+
         return torch.tensor([0.0 if it.context else 1.0 for it in self.items], device=self.mask.device)
 
     @property
     def advantages(self) -> torch.Tensor:
         """(B,) advantages set at selection."""
+        import torch
+
         return torch.tensor([it.advantage for it in self.items], device=self.mask.device)
 
 
@@ -166,6 +174,8 @@ def ratio_inputs(mb: MicroBatch, advantages: torch.Tensor) -> tuple[dict[str, to
 
     ``advantages``: (B,) one per response, or (B, R) one per token.
     """
+    from services.trainer.algorithms.advantages import sequence_logprob
+
     if mb.sequence_level:
         mode = mb.objective.sequence_logprob
         adv = advantages if advantages.dim() == 1 else advantages[:, 0]

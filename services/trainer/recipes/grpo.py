@@ -5,15 +5,12 @@ them), the clipped ratio."""
 from __future__ import annotations
 
 from datetime import datetime
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
-import torch
 from pydantic import Field
 
 from services.common.records import CommittedExperience
-from services.trainer.algorithms.advantages import batch_relative, episode_relative
-from services.trainer.algorithms.grpo import grpo_loss
-from services.trainer.algorithms.importance import behaviour_weights
+from services.trainer.algorithms.group import batch_relative, episode_relative
 from services.trainer.batches import Selection, TeamEpisodes, TrainItem, Usable, aware, to_item
 from services.trainer.recipes.base import BaseRecipe, MicroBatch, Scorer, clip_args, ratio_inputs
 from services.trainer.recipes.hints import (
@@ -26,6 +23,9 @@ from services.trainer.recipes.hints import (
     trained_hint_advantage,
 )
 from services.trainer.sections import ObjectiveSection
+
+if TYPE_CHECKING:
+    import torch
 
 
 class GRPOConfig(HintSettings):
@@ -97,13 +97,12 @@ class GRPO(BaseRecipe):
                 why = f"group of {len(group)} episodes < min_group_size {a.min_group_size}"
             else:
                 runs = sorted(group)
-                rewards = torch.tensor([group[k].reward for k in runs])
-                if float(rewards.max()) == float(rewards.min()) and a.flat_groups != "baseline":
-                    why = f"no signal: every episode of the group scored {float(rewards[0]):g}"
+                rewards = [float(group[k].reward) for k in runs]
+                if max(rewards) == min(rewards) and a.flat_groups != "baseline":
+                    why = f"no signal: every episode of the group scored {rewards[0]:g}"
                 else:
-                    adv = float(rewards[runs.index(run)] - a.flat_baseline) if float(rewards.max()) == float(rewards.min()) \
-                        else float(episode_relative(rewards, torch.zeros(len(runs), dtype=torch.long),
-                                                    std_normalize=a.std_normalize)[runs.index(run)])
+                    adv = rewards[runs.index(run)] - a.flat_baseline if max(rewards) == min(rewards) \
+                        else episode_relative(rewards, [0] * len(runs), std_normalize=a.std_normalize)[runs.index(run)]
             for r in sorted(calls, key=lambda r: r.seq):
                 if why is not None:
                     skipped[r.experience_id] = why
@@ -189,14 +188,12 @@ class GRPO(BaseRecipe):
         rewards = [r for own, others in chosen for r in [last(e) for e in own] + others]
         gids = [g for g, (own, others) in enumerate(chosen) for _ in range(len(own) + len(others))]
         mine = [k for g, (own, others) in enumerate(chosen) for k in [1] * len(own) + [0] * len(others)]
-        adv_all = episode_relative(torch.tensor(rewards), torch.tensor(gids), std_normalize=a.std_normalize).tolist() \
-            if rewards else []
+        adv_all = episode_relative(rewards, gids, std_normalize=a.std_normalize)
         if flat_chosen and a.flat_groups == "baseline":  # no group signal: against the fixed baseline instead
             adv_all = [r - a.flat_baseline if gids[k] in flat_chosen else v for k, (v, r) in enumerate(zip(adv_all, rewards))]
         adv = [v for v, m in zip(adv_all, mine) if m]
         if fallback:
-            batch_rewards = torch.tensor([last(e) for e in episodes + fallback])
-            adv += batch_relative(batch_rewards, std_normalize=a.std_normalize)[len(episodes):].tolist()
+            adv += batch_relative([last(e) for e in episodes + fallback], std_normalize=a.std_normalize)[len(episodes):]
         items = []
         for e, v in zip(episodes + fallback, adv):
             for r, w in sorted(e, key=lambda rw: rw[0].seq):
@@ -206,6 +203,11 @@ class GRPO(BaseRecipe):
         sel.items = items
 
     def loss(self, mb: MicroBatch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        import torch  # the learner's half: the driver, which selects, loads no torch
+
+        from services.trainer.algorithms.grpo import grpo_loss
+        from services.trainer.algorithms.importance import behaviour_weights
+
         a = self.config
         advantages, stats = mb.advantages, {}
         if a.hint_coef > 0:  # the reward's advantage on every token, plus the teacher's on a hinted call's

@@ -1,19 +1,22 @@
 """Feedback in words as training signal: the teacher's logprobs of the sampled tokens, for the calls
 that carry a hint (``TrainItem.teacher_prompt_ids``: the call's conversation with the hint, rendered
 by the Explorer), and the distillation advantage they give (services/trainer/algorithms/distill.py).
-Shared by ``opd`` (hints alone) and ``grpo`` (``hint_coef``: added to the reward's advantage)."""
+Shared by ``opd`` (hints alone) and ``grpo`` (``hint_coef``: added to the reward's advantage). The
+tensor functions import torch where they run, in the learners: the driver reads only the settings
+and ``hint_figures``, and loads no torch."""
 
 from __future__ import annotations
 
 import time
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
-import torch
 from pydantic import Field
 
-from services.trainer.algorithms.distill import centred_per_row, distillation_advantage, top_k_distillation
 from services.trainer.batches import TrainItem
 from services.trainer.recipes.base import GATHER_IDS, MicroBatch, RecipeConfig, Scorer
+
+if TYPE_CHECKING:
+    import torch
 
 class HintSettings(RecipeConfig):
     teacher: str = Field(
@@ -46,6 +49,8 @@ def teacher_inputs(items: list[TrainItem], scorer: Scorer, teacher: str, top_k: 
     the others; "hinted": (B,) 1 where an item has a hint; "teacher_s": the forward's seconds}; with
     ``top_k``, also the teacher's k likeliest tokens at each position: "teacher_top" (B, R, k) logprobs
     and their ids as GATHER_IDS (the learner's forward then gives the student's logprobs of them)."""
+    import torch
+
     width = max((len(it.response_ids) for it in items), default=0)
     hinted = [k for k, it in enumerate(items) if it.teacher_prompt_ids]
     out = torch.zeros(len(items), width)
@@ -89,6 +94,10 @@ def _skip_first(mask: torch.Tensor, skip: int) -> torch.Tensor:
 def hint_advantage(mb: MicroBatch, *, clip: float, skip: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """(B, R) distillation advantage of the hinted rows (0 elsewhere, and on each row's first ``skip``
     tokens), and the (B, R) mask of the tokens it is on."""
+    import torch
+
+    from services.trainer.algorithms.distill import distillation_advantage
+
     dev = mb.mask.device
     teacher, hinted = mb.extra["teacher"].to(dev), mb.extra["hinted"].to(dev)
     width = mb.mask.shape[1]
@@ -101,6 +110,8 @@ def hint_advantage(mb: MicroBatch, *, clip: float, skip: int = 0) -> tuple[torch
 def trained_hint_advantage(adv: torch.Tensor, mask: torch.Tensor, baseline: str) -> torch.Tensor:
     """What the step trains on (``HintSettings.hint_baseline``): ``hint_advantage``'s as it is, or
     centred per call. The step's figures keep the uncentred one (its mean is minus the reverse KL)."""
+    from services.trainer.algorithms.distill import centred_per_row
+
     return centred_per_row(adv, mask) if baseline == "call" else adv
 
 
@@ -108,6 +119,10 @@ def hint_top_k_loss(mb: MicroBatch, coef: float, skip: int = 0) -> tuple[torch.T
     """The top-k term (``HintSettings.top_k``): ``coef`` times the KL from the teacher's k likeliest
     tokens to the student at each hinted position, each row at its staleness weight, over the batch's
     tokens; and its share of the step's ``teacher_kl`` figure."""
+    import torch
+
+    from services.trainer.algorithms.distill import top_k_distillation
+
     if "teacher_top" not in mb.extra:  # no hinted call here that the term can teach
         return mb.logprobs.sum() * 0.0, {}
     dev = mb.mask.device

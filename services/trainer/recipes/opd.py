@@ -7,11 +7,11 @@ without a hint are set aside (``grpo`` with ``hint_coef`` learns from rewards an
 
 from __future__ import annotations
 
-import torch
+from typing import TYPE_CHECKING
+
 from pydantic import Field
 
 from services.common.records import CommittedExperience
-from services.trainer.algorithms.grpo import grpo_loss
 from services.trainer.batches import TrainItem
 from services.trainer.recipes.base import BaseRecipe, MicroBatch, Scorer, clip_args
 from services.trainer.recipes.hints import (
@@ -23,6 +23,9 @@ from services.trainer.recipes.hints import (
     teacher_inputs,
     trained_hint_advantage,
 )
+
+if TYPE_CHECKING:
+    import torch
 
 
 class OPDConfig(HintSettings):
@@ -47,6 +50,8 @@ class OPD(BaseRecipe):
         return teacher_inputs(items, scorer, self.config.teacher, self.config.top_k)
 
     def loss(self, mb: MicroBatch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        from services.trainer.algorithms.grpo import grpo_loss  # the learner's half (the driver loads no torch)
+
         adv, mask = hint_advantage(mb, clip=self.config.hint_clip, skip=self.config.hint_skip_first)
         trained = trained_hint_advantage(adv, mask, self.config.hint_baseline)
         # each token is an action here, whatever algorithm.level says: the teacher grades every token

@@ -7,14 +7,15 @@ this agent's critic (a critic of the joint state), and the credit runs through t
 
 from __future__ import annotations
 
-import torch
+from typing import TYPE_CHECKING
+
 from pydantic import Field
 
-from services.trainer.algorithms.advantages import episode_gae, gae, terminal_rewards, turn_gae
-from services.trainer.algorithms.masking import masked_sum
-from services.trainer.algorithms.ppo import ppo_loss
 from services.trainer.batches import episodes_of
 from services.trainer.recipes.base import BaseRecipe, MicroBatch, RecipeConfig, clip_args, ratio_inputs
+
+if TYPE_CHECKING:
+    import torch
 
 
 class PPOConfig(RecipeConfig):
@@ -34,6 +35,11 @@ class PPO(BaseRecipe):
     config: PPOConfig
 
     def loss(self, mb: MicroBatch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        # the learner's half (the driver, which selects, loads no torch)
+        from services.trainer.algorithms.advantages import gae, terminal_rewards
+        from services.trainer.algorithms.masking import masked_sum
+        from services.trainer.algorithms.ppo import ppo_loss
+
         a = self.config
         values = mb.value_head(mb.hidden.detach())  # (B, R); the critic reads the features, never trains them
         if mb.first_epoch:
@@ -77,6 +83,10 @@ def _episode_credit(mb: MicroBatch, old: torch.Tensor, episodes, a: PPOConfig) -
     sequence level, the reward (this agent's last call's) at the end of the episode's last call.
     A teammate's call (a context item, one token long) is one step of the trajectory, its value the
     critic's at the start of that turn; its advantage is never used, its return trains the critic."""
+    import torch
+
+    from services.trainer.algorithms.advantages import episode_gae, turn_gae
+
     row = {id(it): b for b, it in enumerate(mb.items)}
     lengths = (mb.value_mask if mb.value_mask is not None else mb.mask).sum(1).long().tolist()
     if mb.sequence_level:

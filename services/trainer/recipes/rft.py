@@ -4,12 +4,16 @@ the rest are set aside. Self-imitation: the successes the agent found itself bec
 
 from __future__ import annotations
 
-import torch
+from typing import TYPE_CHECKING
+
 from pydantic import Field
 
 from services.common.records import CommittedExperience
 from services.trainer.recipes.base import BaseRecipe, MicroBatch, RecipeConfig
 from services.trainer.recipes.sft import imitation_loss
+
+if TYPE_CHECKING:
+    import torch
 
 
 class RFTConfig(RecipeConfig):

@@ -5,12 +5,15 @@ Demonstrations posted to /demonstrations are trained by every objective's superv
 
 from __future__ import annotations
 
-import torch
+from typing import TYPE_CHECKING
+
 from pydantic import Field, model_validator
 
 from services.common.records import CommittedExperience
-from services.trainer.algorithms.sft import sft_loss
 from services.trainer.recipes.base import BaseRecipe, MicroBatch, RecipeConfig
+
+if TYPE_CHECKING:
+    import torch
 
 
 class SFTConfig(RecipeConfig):
@@ -27,6 +30,8 @@ class SFTConfig(RecipeConfig):
 
 def imitation_loss(mb: MicroBatch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """The supervised objectives' loss: token-mean NLL of the batch, each row at its staleness weight."""
+    from services.trainer.algorithms.sft import sft_loss  # the learner's half (the driver loads no torch)
+
     return sft_loss(logprobs=mb.logprobs, mask=mb.mask, weights=mb.weights.unsqueeze(-1), normalizer=mb.norms.tokens)
 
 

@@ -124,7 +124,13 @@ def test_each_algorithm_raises_the_rewarded_probability(algorithm, steps, tiny_m
         assert records[0]["logprob_mismatch"] < 1e-3 and records[0]["logprob_mismatch_on_policy"] < 1e-3
     if algorithm == "ppo":
         assert "value_loss" in records[-1]
-    assert list((run / "run" / "tensorboard").iterdir())
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    board = EventAccumulator(str(run / "run" / "tensorboard"))
+    board.Reload()
+    loss = board.Scalars("default/loss")
+    assert [e.step for e in loss] == list(range(1, steps + 1))
+    assert [e.value for e in loss] == pytest.approx([r["loss"] for r in records], rel=1e-6, abs=1e-6)
     assert "published v" in log
 
 
@@ -199,6 +205,9 @@ def test_killed_trainer_resumes_exactly(tiny_model, sampled_db, ray_address, tmp
     while len(_steps_in_db(url)) < 3:
         assert proc.poll() is None and time.monotonic() < deadline, "trainer ended before it could be killed"
         time.sleep(0.05)
+    # three steps in, the driver has selected, recorded and published without torch: only its learners load it
+    maps = Path(f"/proc/{proc.pid}/maps").read_text()
+    assert "/torch/" not in maps, [line for line in maps.splitlines() if "/torch/" in line][:3]
     os.killpg(proc.pid, signal.SIGKILL)  # mid-step, most likely
     proc.wait()
     done = len(_steps_in_db(url))

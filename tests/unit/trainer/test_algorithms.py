@@ -7,15 +7,8 @@ import math
 import pytest
 import torch
 
-from services.trainer.algorithms.advantages import (
-    episode_gae,
-    episode_relative,
-    gae,
-    group_relative,
-    sequence_logprob,
-    terminal_rewards,
-    turn_gae,
-)
+from services.trainer.algorithms.advantages import episode_gae, gae, sequence_logprob, terminal_rewards, turn_gae
+from services.trainer.algorithms.group import episode_relative, group_relative
 from services.trainer.algorithms.grpo import grpo_loss
 from services.trainer.algorithms.masking import aggregate, masked_mean
 from services.trainer.algorithms.ppo import clipped_value_loss, ppo_loss
@@ -79,14 +72,18 @@ def test_gae_with_lambda_one_is_reward_to_go_minus_value():
 
 
 def test_group_relative_hand_worked():
-    rewards = torch.tensor([1.0, 0.0, 1.0, 0.5, 0.5])
-    groups = torch.tensor([0, 0, 0, 1, 1])
+    rewards = [1.0, 0.0, 1.0, 0.5, 0.5]
+    groups = [0, 0, 0, 1, 1]
     # group 0: mean 2/3 -> centered [1/3, -2/3, 1/3]; population std sqrt((1/9+4/9+1/9)/3) = sqrt(2)/3
     #          normalised: [1/3, -2/3, 1/3] / 0.4714 = [0.7071, -1.4142, 0.7071]
     # group 1: equal rewards -> 0
     adv = group_relative(rewards, groups, std_normalize=True)
-    assert adv.tolist() == approx([0.70710, -1.41421, 0.70710, 0.0, 0.0])
-    assert group_relative(rewards, groups, std_normalize=False).tolist() == approx([1 / 3, -2 / 3, 1 / 3, 0.0, 0.0])
+    assert adv == approx([0.70710, -1.41421, 0.70710, 0.0, 0.0])
+    assert group_relative(rewards, groups, std_normalize=False) == approx([1 / 3, -2 / 3, 1 / 3, 0.0, 0.0])
+    # a group whose rewards are equal gets exactly 0, though their mean in floats need not equal them
+    assert group_relative([0.1, 0.1, 0.1], [0, 0, 0], std_normalize=True) == [0.0, 0.0, 0.0]
+    with pytest.raises(ValueError, match="3 rewards but 2 group ids"):
+        group_relative([1.0, 0.0, 1.0], [0, 0], std_normalize=True)
 
 
 def test_sequence_logprob_sum_and_mean():
@@ -196,8 +193,8 @@ def test_turn_gae_credits_turns_in_order_hand_worked():
 def test_episode_relative_counts_episodes_not_calls():
     # Task t: episode A (reward 1), episode B (reward 0); task u: one episode (reward 0.5) alone.
     # Centred within each task: A +0.5, B -0.5; u's only episode 0 (no std normalisation).
-    adv = episode_relative(torch.tensor([1.0, 0.0, 0.5]), torch.tensor([0, 0, 1]), std_normalize=False)
-    assert adv.tolist() == approx([0.5, -0.5, 0.0])
+    adv = episode_relative([1.0, 0.0, 0.5], [0, 0, 1], std_normalize=False)
+    assert adv == approx([0.5, -0.5, 0.0])
 
 
 def test_behaviour_weights_truncate_and_mask_by_hand():
