@@ -62,7 +62,9 @@ def smollm2_model() -> Path:
 
 @pytest.fixture(scope="session")
 def ray_address(tmp_path_factory):
-    """One local Ray cluster for the whole session (loopback only, no dashboard, no auth token).
+    """One local Ray cluster for the whole session (loopback only, no dashboard, no log monitor, no auth
+    token). Without the log monitor, which polls every worker's log file (about 1 % of a core all along),
+    a learner's own log lines stay in the cluster's session folder instead of reaching its Trainer's log.
 
     Started in the foreground (``--block``) in a process group of its own and stopped by stopping
     that process, then killing what is left of its group; never with ``ray stop --force``, which
@@ -82,7 +84,7 @@ def ray_address(tmp_path_factory):
     proc = subprocess.Popen(
         [str(ray), "start", "--head", "--block", "--node-ip-address=127.0.0.1", f"--port={port}",
          f"--ray-client-server-port={free_port()}", "--num-cpus=4", "--include-dashboard=false",
-         "--disable-usage-stats", "--object-store-memory=200000000"],
+         "--include-log-monitor=false", "--disable-usage-stats", "--object-store-memory=200000000"],
         env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
     )
     address = f"127.0.0.1:{port}"

@@ -3,13 +3,17 @@ its thread runs for the event loop's callers."""
 
 from __future__ import annotations
 
+import asyncio
 import concurrent.futures
 import os
 
+import pytest
 import torch
 
+from services.explorer.serving.engines.base import EngineError
 from services.explorer.serving.engines.cpu_paths import default_torch_threads
 from services.explorer.serving.engines.hf import HFEngine
+from services.explorer.serving.engines.hf_batch import QueuedRequest
 
 CPU = torch.device("cpu")
 
@@ -43,3 +47,26 @@ def test_a_command_whose_caller_was_cancelled_never_runs_and_the_next_still_does
     e._cmds.put(("clear", None, kept))
     e._drain_commands(block=False)
     assert ran == [("clear", None)] and kept.result(timeout=0) is None and gone.cancelled()
+
+
+def test_what_is_queued_behind_the_stop_is_answered_and_nothing_waits_after_it():
+    """A request or an adapter command queued behind the stop (or while the engine thread stopped) gets
+    "engine shut down"; once stopped, a new one fails at once instead of waiting for a thread that is gone."""
+    async def main() -> None:
+        e = HFEngine(model_path="unused", device="cpu")  # no model: the loop only drains commands here
+        e._command = lambda op, arg: pytest.fail(f"{op} ran after the stop")
+        queued = QueuedRequest(req=None, loop=asyncio.get_running_loop(), out=asyncio.Queue())
+        adapter = concurrent.futures.Future()
+        e._submit(("stop",))
+        e._submit(("req", queued))
+        e._submit(("add", "late", adapter))
+        e._run()  # the engine thread's loop, here in the test's thread: it takes the stop and ends
+        with pytest.raises(EngineError, match="engine shut down"):
+            adapter.result(timeout=0)
+        answer = await asyncio.wait_for(queued.out.get(), 5)
+        assert isinstance(answer, EngineError) and "engine shut down" in str(answer)
+        with pytest.raises(EngineError, match="engine shut down"):
+            e._submit(("req", queued))
+        e._submit(("abort_id", "any"), quiet=True)  # an abort has nothing left to act on: no error
+
+    asyncio.run(main())

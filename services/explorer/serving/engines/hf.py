@@ -121,6 +121,10 @@ class HFEngine:
         self._logits: torch.Tensor | None = None
         self._thread: threading.Thread | None = None
         self._stopping = False
+        # the engine thread answers every command queued before it closes the queue on stopping (under this
+        # lock); a command submitted later fails at once: nothing would ever answer it
+        self._queue_lock = threading.Lock()
+        self._closed = False
         self._gen = torch.Generator().manual_seed(seed)
         self._eos: set[int] = set()
         self._grammar_cache: GrammarCache | None = None
@@ -184,7 +188,7 @@ class HFEngine:
         if self._thread is None:
             return
         self._stopping = True
-        self._cmds.put(("stop",))
+        self._submit(("stop",), quiet=True)
         await asyncio.to_thread(self._thread.join, _STOP_WAIT_S)
         if self._thread.is_alive():  # left behind (a daemon thread): say so, the shutdown goes on without it
             frame = sys._current_frames().get(self._thread.ident)
@@ -219,7 +223,7 @@ class HFEngine:
         if self._thread is None:
             raise EngineError("engine is not running")
         state = QueuedRequest(req=request, loop=asyncio.get_running_loop(), out=asyncio.Queue())
-        self._cmds.put(("req", state))
+        self._submit(("req", state))
         remaining = request.n
         try:
             while remaining:
@@ -230,10 +234,10 @@ class HFEngine:
                 yield item
         finally:
             if remaining:
-                self._cmds.put(("abort", state))
+                self._submit(("abort", state), quiet=True)
 
     async def abort(self, request_id: str) -> None:
-        self._cmds.put(("abort_id", request_id))
+        self._submit(("abort_id", request_id), quiet=True)
 
     async def add_adapter(self, adapter: AdapterRef) -> None:
         await self._call_in_engine("add", adapter)
@@ -255,8 +259,18 @@ class HFEngine:
         if self._thread is None:  # not started yet: run inline
             self._command(op, arg)
             return
-        self._cmds.put((op, arg, fut))
+        self._submit((op, arg, fut))
         await asyncio.wrap_future(fut)
+
+    def _submit(self, cmd: tuple, *, quiet: bool = False) -> None:
+        """Queue ``cmd`` for the engine thread; once it has stopped, EngineError (or nothing, ``quiet``:
+        an abort or a stop has nothing left to act on)."""
+        with self._queue_lock:
+            if not self._closed:
+                self._cmds.put(cmd)
+                return
+        if not quiet:
+            raise EngineError("engine shut down")
 
     # ------------------------------------------------------------------ adapters (engine thread)
 
@@ -331,6 +345,19 @@ class HFEngine:
                     self._send(st, e)
                 self._reset_batch()
         err = EngineError("engine shut down")
+        with self._queue_lock:  # what was queued behind the stop, or while it ran: answered here, never left waiting
+            self._closed = True
+            left: list[tuple] = []
+            while True:
+                try:
+                    left.append(self._cmds.get_nowait())
+                except queue.Empty:
+                    break
+        for cmd in left:
+            if cmd[0] == "req":
+                self._waiting.append(cmd[1])
+            elif cmd[0] in ("add", "remove", "clear") and cmd[2].set_running_or_notify_cancel():
+                cmd[2].set_exception(err)
         for r in self._rows:
             self._send(r.request, err)
         for st in self._waiting:
