@@ -64,7 +64,9 @@ def smollm2_model() -> Path:
 def ray_address(tmp_path_factory):
     """One local Ray cluster for the whole session (loopback only, no dashboard, no log monitor, no auth
     token). Without the log monitor, which polls every worker's log file (about 1 % of a core all along),
-    a learner's own log lines stay in the cluster's session folder instead of reaching its Trainer's log.
+    a learner's own log lines stay in the cluster's session folder instead of reaching its Trainer's log:
+    look for a failed test's learner in /tmp/ray/session_*/logs/worker-*.err (a crash's traceback also
+    reaches the Trainer's log in the Ray error it gets).
 
     Started in the foreground (``--block``) in a process group of its own and stopped by stopping
     that process, then killing what is left of its group; never with ``ray stop --force``, which

@@ -31,6 +31,7 @@ def group_relative(rewards: Sequence[float], group_ids: Sequence[int], *, std_no
         stats[g] = (mean, std + eps if std_normalize else 1.0)
     return [(float(r) - stats[g][0]) / stats[g][1] for r, g in zip(rewards, group_ids)]
 
+
 def batch_relative(rewards: Sequence[float], *, std_normalize: bool, eps: float = 1e-6) -> list[float]:
     """Fallback for sequences without a usable group: relative to the whole batch."""
     return group_relative(rewards, [0] * len(rewards), std_normalize=std_normalize, eps=eps)

@@ -4,7 +4,7 @@ the learner.
 
 No critic. The advantages come in computed at selection (services/trainer/recipes/grpo.py): a group
 is every episode (task_id + run_id) of one task_id, an episode's reward is its last call's, and each
-episode's advantage is its reward relative to the group's (``advantages.episode_relative``), given to
+episode's advantage is its reward relative to the group's (``group.episode_relative``), given to
 every call of the episode; here it is broadcast to every token at token level or used once per
 response at sequence level. Shapes as in ``ppo``.
 """

@@ -18,6 +18,7 @@ from services.trainer.recipes.base import GATHER_IDS, MicroBatch, RecipeConfig, 
 if TYPE_CHECKING:
     import torch
 
+
 class HintSettings(RecipeConfig):
     teacher: str = Field(
         default="policy", min_length=1,

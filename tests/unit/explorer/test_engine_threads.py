@@ -10,7 +10,7 @@ import os
 import pytest
 import torch
 
-from services.explorer.serving.engines.base import EngineError
+from services.explorer.serving.engines.base import EngineError, GenerateRequest, SamplingParams
 from services.explorer.serving.engines.cpu_paths import default_torch_threads
 from services.explorer.serving.engines.hf import HFEngine
 from services.explorer.serving.engines.hf_batch import QueuedRequest
@@ -68,5 +68,32 @@ def test_what_is_queued_behind_the_stop_is_answered_and_nothing_waits_after_it()
         with pytest.raises(EngineError, match="engine shut down"):
             e._submit(("req", queued))
         e._submit(("abort_id", "any"), quiet=True)  # an abort has nothing left to act on: no error
+        e._thread = None  # as shutdown() leaves it: stopped, not "never started" (whose commands run inline)
+        for late in (e.add_adapter(None), e.generate(GenerateRequest(request_id="r", prompt_token_ids=[1], params=SamplingParams())).__anext__()):
+            with pytest.raises(EngineError, match="engine shut down"):
+                await late
+
+    asyncio.run(main())
+
+
+def test_an_engine_loop_that_dies_still_answers_what_was_queued():
+    """Whatever ends the engine thread's loop (here an error no step handler catches), the requests
+    queued and the batch's rows get "engine shut down", and later calls fail at once."""
+
+    async def main() -> None:
+        e = HFEngine(model_path="unused", device="cpu")
+        queued = QueuedRequest(req=None, loop=asyncio.get_running_loop(), out=asyncio.Queue())
+        e._submit(("req", queued))
+
+        def dies(block: bool) -> None:
+            raise KeyboardInterrupt
+
+        e._drain_commands = dies
+        with pytest.raises(KeyboardInterrupt):
+            e._run()
+        answer = await asyncio.wait_for(queued.out.get(), 5)
+        assert isinstance(answer, EngineError) and "engine shut down" in str(answer)
+        with pytest.raises(EngineError, match="engine shut down"):
+            await e.remove_adapter(None)
 
     asyncio.run(main())

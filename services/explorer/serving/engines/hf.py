@@ -220,6 +220,8 @@ class HFEngine:
             raise ValueError(f"n={request.n} exceeds the engine's max_batch_size {self.max_batch_size}")
         if len(self._waiting) >= self.max_waiting:
             raise EngineOverloaded(f"{len(self._waiting)} requests already waiting")
+        if self._stopping:
+            raise EngineError("engine shut down")
         if self._thread is None:
             raise EngineError("engine is not running")
         state = QueuedRequest(req=request, loop=asyncio.get_running_loop(), out=asyncio.Queue())
@@ -256,6 +258,8 @@ class HFEngine:
 
     async def _call_in_engine(self, op: str, arg: Any) -> None:
         fut: concurrent.futures.Future = concurrent.futures.Future()
+        if self._stopping:  # stopping or stopped (its thread may still run): never beside it, never on a dead engine
+            raise EngineError("engine shut down")
         if self._thread is None:  # not started yet: run inline
             self._command(op, arg)
             return
@@ -322,6 +326,12 @@ class HFEngine:
     # ------------------------------------------------------------------ engine loop
 
     def _run(self) -> None:
+        try:
+            self._loop()
+        finally:  # however the loop ended, what was queued is answered and nothing waits after it
+            self._close()
+
+    def _loop(self) -> None:
         if self._torch_threads:
             torch.set_num_threads(self._torch_threads)  # per thread under OpenMP: set it here
         while not self._stopping:
@@ -344,8 +354,13 @@ class HFEngine:
                 for st in failed.values():
                     self._send(st, e)
                 self._reset_batch()
+
+    def _close(self) -> None:
+        """The engine thread's last act: close the queue (a command submitted from now on fails at once)
+        and answer every request and adapter command still in it, or in the batch, with "engine shut down"."""
+        self._stopping = True
         err = EngineError("engine shut down")
-        with self._queue_lock:  # what was queued behind the stop, or while it ran: answered here, never left waiting
+        with self._queue_lock:
             self._closed = True
             left: list[tuple] = []
             while True:
