@@ -119,6 +119,10 @@ SETTINGS: dict[str, list[str]] = {
     # new demonstration) of the run each was served: the one signal that reaches a phrasing every run gets wrong (an
     # all-wrong group teaches nothing)
     "explore-corrections": [*EXPLORE, "tools.words=corrections"],
+    # `explore` whose flat groups train against a fixed baseline of 0.5 (trainer.algorithm.grpo.flat_groups=baseline): a
+    # group whose 8 runs all used the wrong operator pushes it down, one whose runs were all right pushes the right one up;
+    # today both teach nothing, which leaves the late versions' operators free to drift
+    "explore-flat": [*EXPLORE, "trainer.algorithm.grpo.flat_groups=baseline"],
     # no online loop to speak of (one round of traffic at most): the demonstrations-only arm from the cold start to its plateau
     "demonstrations": ["tools.levers=false", "tools.control=false", "duration_s=1", "min_new_versions=0"],
 }
