@@ -37,10 +37,15 @@ log = logging.getLogger(__name__)
 
 
 class _Scorer:
-    """``Recipe.extra_inputs``' view of the policy: logprobs of given tokens, without gradients."""
+    """``Recipe.extra_inputs``' view of the policy: logprobs of given tokens, without gradients; with
+    ``version``, under the agent's adapter as published in that version (``versions`` reads it), put in
+    place for the forward and taken out again (the weights being trained are restored exactly)."""
 
-    def __init__(self, policy: Policy, share_prefix_min: int, models: Callable[[str], Policy] | None = None):
+    def __init__(self, policy: Policy, share_prefix_min: int, models: Callable[[str], Policy] | None = None, *,
+                 agent: str | None = None, current_version: int | None = None,
+                 versions: Callable[[str, int], dict[str, torch.Tensor] | None] | None = None):
         self.policy, self.share_prefix_min, self.models = policy, share_prefix_min, models
+        self.agent, self.current_version, self.versions = agent, current_version, versions
 
     def _model(self, model: str | None) -> Policy:
         if model is None:
@@ -49,19 +54,51 @@ class _Scorer:
             raise ValueError(f"this scorer has no model but the policy (asked for {model})")
         return self.models(model)
 
+    def _published(self, version: int | None) -> dict[str, torch.Tensor] | None:
+        """The adapter state to score under for ``version``: None for the weights as they are (no version,
+        the current one, v0 (the base model: no adapter), or one whose adapter cannot be read)."""
+        if version in (None, 0, self.current_version) or self.versions is None or self.agent is None:
+            return None
+        return self.versions(self.agent, version)
+
+    def _adapter(self, adapter: bool, model: str | None, version: int | None) -> bool:
+        """Whether the forward uses the agent's adapter: not for the base model, nor for v0, which is it."""
+        return adapter and not (model is None and version == 0 and self.current_version != 0)
+
+    def has_version(self, version: int) -> bool:
+        return version in (0, self.current_version) or self._published(version) is not None
+
+    @contextlib.contextmanager
+    def _weights(self, adapter: bool, model: str | None, version: int | None):
+        state = self._published(version) if adapter and model is None else None
+        if state is None:
+            yield
+            return
+        saved = {k: v.clone() for k, v in self.policy.adapter_state(self.agent).items()}  # (on CPU: the live tensors)
+        self.policy.load_adapter_state(self.agent, state)
+        try:
+            yield
+        finally:
+            self.policy.load_adapter_state(self.agent, saved)
+
     @torch.no_grad()
-    def logprobs(self, prompts, responses, temperatures, *, adapter: bool = True, model: str | None = None) -> torch.Tensor:
+    def logprobs(self, prompts, responses, temperatures, *, adapter: bool = True, model: str | None = None,
+                 version: int | None = None) -> torch.Tensor:
         p = self._model(model)
         batch = pack(prompts, responses, temperatures, p.pad_id, share_prefix_min=self.share_prefix_min)
-        out = p.forward(batch, need_hidden=False, adapter=adapter)
+        adapter = self._adapter(adapter, model, version)
+        with self._weights(adapter, model, version):
+            out = p.forward(batch, need_hidden=False, adapter=adapter)
         return out.logprobs * batch.response_mask.to(p.device)  # (B, R)
 
     @torch.no_grad()
-    def top_logprobs(self, prompts, responses, temperatures, k: int, *, adapter: bool = True, model: str | None = None
-                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def top_logprobs(self, prompts, responses, temperatures, k: int, *, adapter: bool = True, model: str | None = None,
+                     version: int | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         p = self._model(model)
         batch = pack(prompts, responses, temperatures, p.pad_id, share_prefix_min=self.share_prefix_min)
-        out = p.forward(batch, need_hidden=False, adapter=adapter, top_k=k)
+        adapter = self._adapter(adapter, model, version)
+        with self._weights(adapter, model, version):
+            out = p.forward(batch, need_hidden=False, adapter=adapter, top_k=k)
         mask = batch.response_mask.to(p.device)
         return out.logprobs * mask, out.top[0] * mask.unsqueeze(-1), out.top[1]
 
@@ -96,6 +133,7 @@ class LearnerWorker:
         self.critic_optimizers: dict[str, torch.optim.Optimizer] = {}
         self._guard_nll: dict[str, tuple[tuple[str, ...], float]] = {}  # agent -> (guard set, its NLL now)
         self._others: dict[str, Policy] = {}  # path -> another model a recipe scores with (a teacher)
+        self._version_states: dict[tuple[str, int], dict[str, torch.Tensor] | None] = {}  # published adapters, read once
 
     # ------------------------------------------------------------------ set-up
 
@@ -113,6 +151,29 @@ class LearnerWorker:
             other.base.eval()
             self._others[path] = other
         return self._others[path]
+
+    def _published_adapter(self, agent: str, version: int) -> dict[str, torch.Tensor] | None:
+        """The adapter state ``agent`` published as ``version`` (a hint's teacher scores the tokens under the
+        version that sampled them), read once and kept for the next few steps; None, logged once, when it
+        cannot be read (retention deleted it, or it has another LoRA rank: ``kaizen publish``)."""
+        key = (agent, version)
+        if key not in self._version_states:
+            from safetensors.torch import load_file
+
+            state = None
+            try:
+                v = checkpoints.validate_version(self.cfg.checkpoints.root, agent, version)
+                r = json.loads((v.path / "adapter_config.json").read_text()).get("r")
+                if r != self.cfg.lora.r:
+                    raise checkpoints.CheckpointError(f"LoRA rank {r}, not this trainer's {self.cfg.lora.r}")
+                state = load_file(str(v.path / "adapter_model.safetensors"))
+            except (checkpoints.CheckpointError, OSError, ValueError) as e:
+                log.warning("%s v%d cannot be read (%s): its hinted calls are scored by the teacher as the adapter stands "
+                            "before the step", agent, version, e)
+            self._version_states[key] = state
+            while len(self._version_states) > 4:  # the few versions a step's rows come from (within max_staleness)
+                self._version_states.pop(next(iter(self._version_states)))
+        return self._version_states[key]
 
     def rendezvous_address(self) -> tuple[str, int]:
         """Rank 0 only: an address and free port for the process group."""
@@ -358,8 +419,9 @@ class LearnerWorker:
         any update, and kept for the step's other epochs."""
         a, p, recipe = self.cfg.algorithm, self.policy, self.recipe
         if ("extra", key) not in cache:  # before this forward: a recipe may ask it for some tokens' logprobs
-            cache[("extra", key)] = recipe.extra_inputs(micro, _Scorer(p, self.cfg.trainer.shared_prefix_min_tokens,
-                                                                       self._other_model))
+            scorer = _Scorer(p, self.cfg.trainer.shared_prefix_min_tokens, self._other_model, agent=agent,
+                             current_version=current_version, versions=self._published_adapter)
+            cache[("extra", key)] = recipe.extra_inputs(micro, scorer)
         gather = cache[("extra", key)].get(GATHER_IDS)
         batch = self._pack(micro)
         dev = p.device

@@ -34,18 +34,26 @@ class Scorer(Protocol):
     """What the learner lends ``Recipe.extra_inputs``: scoring without gradients."""
 
     def logprobs(self, prompts: Sequence[Sequence[int]], responses: Sequence[Sequence[int]],
-                 temperatures: Sequence[float], *, adapter: bool = True, model: str | None = None) -> torch.Tensor:
+                 temperatures: Sequence[float], *, adapter: bool = True, model: str | None = None,
+                 version: int | None = None) -> torch.Tensor:
         """(B, R) logprobs of ``responses`` after ``prompts`` (R the longest response, zero past
         each row's end), under the agent's adapter as it was before this step's update (``adapter``)
         or the base model; or under ``model``, the path of another model that shares the agent's
-        tokenizer (a teacher), loaded once."""
+        tokenizer (a teacher), loaded once. With ``version`` (and ``adapter``): under the agent's
+        adapter as published in that version (the one that sampled the tokens) when ``has_version``
+        says it is at hand, else as before this step."""
         ...
 
     def top_logprobs(self, prompts: Sequence[Sequence[int]], responses: Sequence[Sequence[int]],
-                     temperatures: Sequence[float], k: int, *, adapter: bool = True, model: str | None = None
-                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                     temperatures: Sequence[float], k: int, *, adapter: bool = True, model: str | None = None,
+                     version: int | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``logprobs``' (B, R), and at each response position the k likeliest tokens: their (B, R, k)
         logprobs (zero past each row's end) and (B, R, k) ids (a teacher's distribution, in brief)."""
+        ...
+
+    def has_version(self, version: int) -> bool:
+        """Whether ``version=`` scores under that version's own weights: it is the policy's version before
+        this step, or its published adapter can be read (a version retention deleted cannot)."""
         ...
 
 

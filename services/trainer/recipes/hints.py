@@ -22,7 +22,8 @@ if TYPE_CHECKING:
 class HintSettings(RecipeConfig):
     teacher: str = Field(
         default="policy", min_length=1,
-        description="Who reads the hint: policy (the agent itself, its adapter as before the step: self-distillation), "
+        description="Who reads the hint: policy (the agent itself as the version that sampled the call, its published "
+        "adapter read by the learner; as before the step if it cannot be read: self-distillation), "
         "base (the base model without the adapter), or the path of another model that shares the agent's tokenizer "
         "(loaded once by each learner).")
     hint_clip: float = Field(default=5.0, gt=0, description="The largest |teacher - sampled| logprob gap a token counts.")
@@ -47,7 +48,8 @@ class HintSettings(RecipeConfig):
 
 def teacher_inputs(items: list[TrainItem], scorer: Scorer, teacher: str, top_k: int = 0) -> dict[str, torch.Tensor]:
     """{"teacher": (B, R) logprobs of each hinted item's sampled tokens after its teacher prompt, 0 for
-    the others; "hinted": (B,) 1 where an item has a hint; "teacher_s": the forward's seconds}; with
+    the others; "hinted": (B,) 1 where an item has a hint; "teacher_s": the forward's seconds;
+    "teacher_unmatched": hinted items whose sampling version could not be read}; with
     ``top_k``, also the teacher's k likeliest tokens at each position: "teacher_top" (B, R, k) logprobs
     and their ids as GATHER_IDS (the learner's forward then gives the student's logprobs of them)."""
     import torch
@@ -57,25 +59,35 @@ def teacher_inputs(items: list[TrainItem], scorer: Scorer, teacher: str, top_k: 
     out = torch.zeros(len(items), width)
     top_lp, top_ids = torch.zeros(len(items), width, top_k), torch.zeros(len(items), width, top_k, dtype=torch.long)
     start = time.perf_counter()
-    if hinted:
-        args = ([items[k].teacher_prompt_ids for k in hinted], [items[k].response_ids for k in hinted],
-                [items[k].temperature for k in hinted])
-        who = {"adapter": teacher == "policy"}
+    # the policy as teacher: the version that sampled each call (its tokens' logprobs are the student's side), one
+    # forward per version; a version that cannot be read is scored as the adapter stands before the step
+    by_version: dict[int | None, list[int]] = {}
+    for k in hinted:
+        by_version.setdefault(items[k].model_version if teacher == "policy" else None, []).append(k)
+    elsewhere = 0
+    for version, rows in by_version.items():
+        args = ([items[k].teacher_prompt_ids for k in rows], [items[k].response_ids for k in rows],
+                [items[k].temperature for k in rows])
+        who: dict = {"adapter": teacher == "policy"}
         if teacher not in ("policy", "base"):
             who["model"] = teacher
+        if version is not None:
+            who["version"] = version
+            elsewhere += 0 if scorer.has_version(version) else len(rows)
         if top_k:
             lp, values, ids = scorer.top_logprobs(*args, top_k, **who)
             values, ids = values.float().cpu(), ids.cpu()
         else:
             lp = scorer.logprobs(*args, **who)
         lp = lp.float().cpu()
-        for row, k in enumerate(hinted):
+        for row, k in enumerate(rows):
             n = len(items[k].response_ids)
             out[k, :n] = lp[row, :n]
             if top_k:
                 top_lp[k, :n], top_ids[k, :n] = values[row, :n], ids[row, :n]
     flags = torch.tensor([1.0 if it.teacher_prompt_ids else 0.0 for it in items])
-    extra = {"teacher": out, "hinted": flags, "teacher_s": torch.tensor(time.perf_counter() - start)}
+    extra = {"teacher": out, "hinted": flags, "teacher_s": torch.tensor(time.perf_counter() - start),
+             "teacher_unmatched": torch.tensor(float(elsewhere))}
     # the top-k term leaves out calls sampled under a grammar: their tokens were scored over what it allowed
     top_rows = torch.tensor([1.0 if it.teacher_prompt_ids and not it.grammar else 0.0 for it in items])
     if top_k and bool(top_rows.any()):
@@ -147,13 +159,15 @@ def hint_statistics(mb: MicroBatch, adv: torch.Tensor, mask: torch.Tensor) -> di
         "hinted_share": mask.sum() / n,
         "distill_sum_share": (adv * mask).sum() / n,
         "teacher_s": mb.extra["teacher_s"],
+        "teacher_unmatched": mb.extra.get("teacher_unmatched", 0.0),
     }
 
 
 def hint_figures(sums: dict[str, float]) -> dict[str, float]:
     """The step record's hint figures: ``hinted_share`` of the trained tokens, ``distill_advantage``
     (the mean advantage of a hinted token: minus the clipped reverse KL to the teacher) and
-    ``teacher_s`` (the teacher's forward passes, in seconds)."""
+    ``teacher_s`` (the teacher's forward passes, in seconds), ``teacher_unmatched`` (hinted calls the policy
+    as teacher scored as it stands before the step: their sampling version could not be read)."""
     out = dict(sums)
     share, total = out.get("hinted_share", 0.0), out.pop("distill_sum_share", 0.0)
     out["distill_advantage"] = total / share if share > 0 else 0.0

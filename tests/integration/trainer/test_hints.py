@@ -92,3 +92,55 @@ def test_a_teacher_that_does_not_share_the_agents_tokenizer_is_refused(tiny_mode
     with pytest.raises(ValueError, match="does not share the agent's tokenizer"):
         w._other_model(str(other))
     assert w._other_model(str(tiny_model)).model is None  # the same tokenizer: loaded, without adapters
+
+
+def test_the_policy_as_teacher_scores_each_call_as_the_version_that_sampled_it(tiny_model, tmp_path):
+    """A hinted call sampled by v1 and trained once the Trainer is at v2 is scored by v1 reading the
+    hint (the published adapter, read by the learner), and the weights being trained are put back
+    exactly; a version that cannot be read is scored as the adapter stands, and said so."""
+    import torch
+
+    from services.trainer.batches import TrainItem
+    from services.trainer.learner import LearnerWorker, _Scorer
+    from services.trainer.recipes.hints import teacher_inputs
+
+    root = tmp_path / "ck"
+    w = LearnerWorker({"model": {"path": str(tiny_model)}, "algorithm": {"name": "opd"},
+                       "checkpoints": {"root": str(root)}, "log_level": "warning"})
+    w.setup()
+    w.ensure_agent("calc")
+    w.policy.activate("calc")
+    params = w.policy.adapter_parameters("calc")
+    gen = torch.Generator().manual_seed(0)
+
+    def nudge() -> None:
+        with torch.no_grad():
+            for p in params:
+                p.add_(torch.randn(p.shape, generator=gen, dtype=p.dtype) * 0.2)
+
+    nudge()
+    w.write_version("calc", str(root), 1, {"step": 1})
+    v1 = {k: v.clone() for k, v in w.policy.adapter_state("calc").items()}
+    nudge()  # the Trainer has moved on: v2 is what it trains now
+    now = {k: v.clone() for k, v in w.policy.adapter_state("calc").items()}
+    tok = w.policy.tokenizer
+    prompt = tok.encode("Hint: add them. What is 2 plus 3?", add_special_tokens=False)
+    reply = tok.encode("The answer is 5.", add_special_tokens=False)
+
+    def item(version: int, eid: str) -> TrainItem:
+        return TrainItem(experience_id=eid, task_id=None, model_version=version, prompt_ids=prompt, response_ids=reply,
+                         old_logprobs=[-1.0] * len(reply), reward=None, temperature=1.0, seq=0, teacher_prompt_ids=prompt)
+
+    scorer = _Scorer(w.policy, 0, agent="calc", current_version=2, versions=w._published_adapter)
+    x = teacher_inputs([item(1, "old"), item(2, "fresh"), item(7, "gone"), item(0, "base")], scorer, "policy")
+    assert all(torch.equal(v, now[k]) for k, v in w.policy.adapter_state("calc").items())  # put back exactly
+    as_now = scorer.logprobs([prompt], [reply], [1.0])[0]
+    w.policy.load_adapter_state("calc", v1)
+    as_v1 = scorer.logprobs([prompt], [reply], [1.0])[0]
+    w.policy.load_adapter_state("calc", now)
+    assert not torch.allclose(as_v1, as_now, atol=1e-3)  # the two versions disagree: the test can tell them apart
+    assert torch.allclose(x["teacher"][0], as_v1, atol=1e-5)  # sampled by v1: v1 reads the hint
+    assert torch.allclose(x["teacher"][1], as_now, atol=1e-5)  # sampled by the version trained now
+    assert torch.allclose(x["teacher"][2], as_now, atol=1e-5)  # v7 was never published: as the adapter stands
+    assert torch.allclose(x["teacher"][3], scorer.logprobs([prompt], [reply], [1.0], adapter=False)[0], atol=1e-5)  # v0: the base
+    assert x["teacher_unmatched"].item() == 1.0 and scorer.has_version(1) and not scorer.has_version(7)

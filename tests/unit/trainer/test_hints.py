@@ -39,14 +39,33 @@ class FixedScorer:
     def __init__(self, lp: torch.Tensor):
         self.lp, self.asked = lp, []
 
-    def logprobs(self, prompts, responses, temperatures, *, adapter=True, model=None):
+    def logprobs(self, prompts, responses, temperatures, *, adapter=True, model=None, version=None):
         self.asked.append((prompts, responses, temperatures, adapter) + ((model,) if model else ()))
         return self.lp
 
-    def top_logprobs(self, prompts, responses, temperatures, k, *, adapter=True, model=None):
+    def top_logprobs(self, prompts, responses, temperatures, k, *, adapter=True, model=None, version=None):
         self.asked.append((prompts, responses, temperatures, adapter, k))
         top = torch.log(torch.tensor([[[0.6, 0.2], [0.5, 0.4]]]))
         return self.lp, top[..., :k], torch.tensor([[[7, 8], [9, 3]]])[..., :k]
+
+    def has_version(self, version):
+        return True
+
+
+class VersionScorer:
+    """Scores every token of a row at minus the version it was asked under (0: as the adapter stands), and
+    keeps the versions asked; ``published`` are the versions it can read (a fake: the grouping is under test)."""
+
+    def __init__(self, published: set[int]):
+        self.published, self.asked = published, []
+
+    def has_version(self, version):
+        return version in self.published
+
+    def logprobs(self, prompts, responses, temperatures, *, adapter=True, model=None, version=None):
+        self.asked.append((version, len(prompts), adapter))
+        v = version if version in self.published else 0
+        return torch.full((len(prompts), max(map(len, responses))), -float(v))
 
 
 def test_opd_takes_hinted_rows_without_a_reward_and_sets_the_others_aside():
@@ -203,3 +222,17 @@ def test_skipping_the_first_token_leaves_the_call_or_words_choice_to_the_reward(
     with pytest.raises(ConfigError, match="hint_skip_first"):
         cfg("algorithm.name=grpo", "algorithm.grpo.hint_skip_first=-1")
     assert GATHER_IDS in x
+
+
+def test_the_policy_as_teacher_scores_each_call_under_the_version_that_sampled_it():
+    c = cfg("algorithm.name=opd", "train_batch_size=3")
+    sel = select_batch([row(1), row(2), row(3)], recipe=c.algorithm.recipe(), cfg=c, current_version=0, now=NOW)
+    a, b, old = (sel.items[0].__class__(**{**it.__dict__, "model_version": v}) for it, v in zip(sel.items, (5, 4, 2)))
+    scorer = VersionScorer(published={4, 5})
+    x = teacher_inputs([a, b, old, sel.items[0].__class__(**{**a.__dict__, "teacher_prompt_ids": None})], scorer, "policy")
+    # one forward per version, each call's tokens under its own; v2 cannot be read: scored as the adapter stands
+    assert sorted(scorer.asked) == [(2, 1, True), (4, 1, True), (5, 1, True)]
+    assert x["teacher"][:, 0].tolist() == [-5.0, -4.0, 0.0, 0.0] and x["teacher_unmatched"].item() == 1.0
+    scorer = VersionScorer(published={4, 5})
+    teacher_inputs([a, b], scorer, "base")  # the base model has no versions: one forward, no version asked
+    assert scorer.asked == [(None, 2, False)]
