@@ -121,9 +121,9 @@ def adapter_of(root: Path, version: int) -> dict[str, torch.Tensor]:
     return load_file(str(checkpoints.version_dir(root, AGENT, version) / "adapter_model.safetensors"))
 
 
-def killed_at_failpoint(trainers: Trainers, label: str, failpoints: str, wait_s: float = 240.0) -> subprocess.Popen:
-    """Start the trainer armed with ``failpoints``; it must die there by SIGKILL (not crash)."""
-    proc = trainers.start(label, failpoints=failpoints)
+def killed_at_failpoint(trainers: Trainers, label: str, failpoints: str, *extra: str, wait_s: float = 240.0) -> subprocess.Popen:
+    """Start the trainer (with ``extra`` overrides) armed with ``failpoints``; it must die there by SIGKILL (not crash)."""
+    proc = trainers.start(label, *extra, failpoints=failpoints)
     try:
         proc.wait(wait_s)
     except subprocess.TimeoutExpired:

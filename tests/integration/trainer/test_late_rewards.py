@@ -1,8 +1,10 @@
-"""late_rewards: retrain through the real `kaizen trainer`, killed with -9 in the worst window: rewards
-sent for experiences a published version was already trained on are recorded (never refused), trained
-again once in the agent's next step, and never twice: a kill after the step's state was saved but before
-its commit leaves them pending, and the restarted Trainer trains them in the step it redoes. One that
-comes more than max_staleness versions after the call was made is set down with why, not trained."""
+"""late_rewards: retrain through the real `kaizen trainer`, killed with -9 in both windows of the step
+that retrains: rewards sent for experiences a published version was already trained on are recorded
+(never refused), trained again once in the agent's next step, and never twice. A kill after the step's
+state was saved but before its commit leaves them pending, and the restarted Trainer trains them in the
+step it redoes; a kill after that commit but before the version is published leaves them retrained in
+it, and the next Trainer publishes it (with their ids) without training them again. One that comes
+more than max_staleness versions after the call was made is set down with why, not trained."""
 
 from __future__ import annotations
 
@@ -43,19 +45,26 @@ def test_a_late_reward_is_retrained_once_across_a_kill(tiny_model, faults_db, ra
         assert len(buffer.pending_late_rewards(engine=db, agent=AGENT, limit=100)) == len(trained)
 
         # step 2 trains them again but is killed before its commit: they stay pending
-        killed_at_failpoint(trainers, "killed", "trainer.after_state_saved")
+        killed_at_failpoint(trainers, "killed", "trainer.after_state_saved", *GRPO)
         assert len(buffer.pending_late_rewards(engine=db, agent=AGENT, limit=100)) == len(trained)
         assert len(_records(trainers)) == 1
 
-        _run(trainers, "redo", 1)  # step 2 again, committed: each late reward retrained in v2
+        # step 2 again, committed (each late reward retrained in v2), killed before v2 is published
+        killed_at_failpoint(trainers, "committed", "trainer.after_consume_commit", *GRPO)
+        assert buffer.pending_late_rewards(engine=db, agent=AGENT, limit=100) == []
+        step2 = buffer.last_trainer_step(engine=db, agent=AGENT)
+        assert (step2.step, step2.version, step2.metrics["late_retrained"]) == (2, 2, len(trained))
+        assert checkpoints.read_latest(trainers.run / "ck", AGENT, fallback=False) == 1
         # one more verdict for a call made by v0, now 2 versions back: past max_staleness 1, it is set down, not
-        # trained (the fresh rows, as stale, are downweighted, so step 3 still trains)
+        # trained (the fresh rows, as stale, are downweighted, so step 3 still trains). The next Trainer first
+        # publishes the v2 it owes.
         stale = trained[0].experience_id
         buffer.apply_feedback(engine=db, msg_ids=[stale], reward=0.5, feedback={"source": "late-review"})
         _run(trainers, "after", 1, "staleness.max_staleness=1", "staleness.policy=downweight")  # step 3
-        records = _records(trainers)
-        assert [r["step"] for r in records] == [1, 2, 3]
-        assert [r["late_retrained"] for r in records] == [0, len(trained), 0]
+        records = _records(trainers)  # (step 2's line was never written: the kill came first; its record is the buffer's)
+        assert [r["step"] for r in records] == [1, 3]
+        assert [r["late_retrained"] for r in records] == [0, 0]
+        assert checkpoints.read_latest(trainers.run / "ck", AGENT, fallback=False) == 3
         assert buffer.pending_late_rewards(engine=db, agent=AGENT, limit=100) == []
         assert buffer.retrained_in(engine=db, agent=AGENT, version=2) == sorted(e.experience_id for e in trained)
         for e in trained:
