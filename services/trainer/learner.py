@@ -42,7 +42,7 @@ class _Scorer:
     place for the forward and taken out again (the weights being trained are restored exactly)."""
 
     def __init__(self, policy: Policy, share_prefix_min: int, models: Callable[[str], Policy] | None = None, *,
-                 agent: str | None = None, current_version: int | None = None,
+                 agent: str | None = None, current_version: int | None = None,  # the version the live weights are
                  versions: Callable[[str, int], dict[str, torch.Tensor] | None] | None = None):
         self.policy, self.share_prefix_min, self.models = policy, share_prefix_min, models
         self.agent, self.current_version, self.versions = agent, current_version, versions
@@ -57,7 +57,8 @@ class _Scorer:
     def _published(self, version: int | None) -> dict[str, torch.Tensor] | None:
         """The adapter state to score under for ``version``: None for the weights as they are (no version,
         the current one, v0 (the base model: no adapter), or one whose adapter cannot be read)."""
-        if version in (None, 0, self.current_version) or self.versions is None or self.agent is None:
+        if version is None or version == 0 or version == self.current_version or self.versions is None \
+                or self.agent is None:
             return None
         return self.versions(self.agent, version)
 
@@ -66,7 +67,7 @@ class _Scorer:
         return adapter and not (model is None and version == 0 and self.current_version != 0)
 
     def has_version(self, version: int) -> bool:
-        return version in (0, self.current_version) or self._published(version) is not None
+        return version == 0 or version == self.current_version or self._published(version) is not None
 
     @contextlib.contextmanager
     def _weights(self, adapter: bool, model: str | None, version: int | None):
@@ -75,8 +76,8 @@ class _Scorer:
             yield
             return
         saved = {k: v.clone() for k, v in self.policy.adapter_state(self.agent).items()}  # (on CPU: the live tensors)
-        self.policy.load_adapter_state(self.agent, state)
         try:
+            self.policy.load_adapter_state(self.agent, state)  # inside: a load that fails half-way is undone too
             yield
         finally:
             self.policy.load_adapter_state(self.agent, saved)
@@ -134,6 +135,8 @@ class LearnerWorker:
         self._guard_nll: dict[str, tuple[tuple[str, ...], float]] = {}  # agent -> (guard set, its NLL now)
         self._others: dict[str, Policy] = {}  # path -> another model a recipe scores with (a teacher)
         self._version_states: dict[tuple[str, int], dict[str, torch.Tensor] | None] = {}  # published adapters, read once
+        # agent -> the published version its live weights are exactly (None: unpublished steps since, or unknown)
+        self._live_version: dict[str, int | None] = {}
 
     # ------------------------------------------------------------------ set-up
 
@@ -157,17 +160,25 @@ class LearnerWorker:
         version that sampled them), read once and kept for the next few steps; None, logged once, when it
         cannot be read (retention deleted it, or it has another LoRA rank: ``kaizen publish``)."""
         key = (agent, version)
-        if key not in self._version_states:
+        if key in self._version_states:
+            self._version_states[key] = self._version_states.pop(key)  # the most recently used goes last
+        else:
             from safetensors.torch import load_file
 
             state = None
             try:
                 v = checkpoints.validate_version(self.cfg.checkpoints.root, agent, version)
-                r = json.loads((v.path / "adapter_config.json").read_text()).get("r")
-                if r != self.cfg.lora.r:
-                    raise checkpoints.CheckpointError(f"LoRA rank {r}, not this trainer's {self.cfg.lora.r}")
+                config = json.loads((v.path / "adapter_config.json").read_text())
+                lora = self.cfg.lora
+                if (config.get("r"), float(config.get("lora_alpha", 0))) != (lora.r, float(lora.alpha)):
+                    raise ValueError(f"LoRA rank {config.get('r')} alpha {config.get('lora_alpha')}, not this trainer's "
+                                     f"{lora.r} and {lora.alpha}")
                 state = load_file(str(v.path / "adapter_model.safetensors"))
-            except (checkpoints.CheckpointError, OSError, ValueError) as e:
+                live = self.policy.adapter_state(agent)
+                if {k: tuple(t.shape) for k, t in state.items()} != {k: tuple(t.shape) for k, t in live.items()}:
+                    raise ValueError("its LoRA weights are not this trainer's modules and shapes")
+            except Exception as e:  # unreadable (retention deleted it), corrupt, or another adapter (kaizen publish)
+                state = None
                 log.warning("%s v%d cannot be read (%s): its hinted calls are scored by the teacher as the adapter stands "
                             "before the step", agent, version, e)
             self._version_states[key] = state
@@ -224,10 +235,12 @@ class LearnerWorker:
             return False
         p.add_agent(agent, critic=self.recipe.uses_critic)
         self._fresh_optimizers(agent)
+        self._live_version[agent] = 0  # a fresh adapter is the base model
         if state_dir:
             self.load_state(agent, state_dir)
         elif adapter_dir:
             p.load_adapter_dir(agent, Path(adapter_dir))
+            self._live_version[agent] = None
         return True
 
     def _fresh_optimizers(self, agent: str) -> None:
@@ -245,12 +258,14 @@ class LearnerWorker:
         self.policy.load_adapter_dir(agent, Path(adapter_dir))
         self._fresh_optimizers(agent)
         self._guard_nll.pop(agent, None)  # other weights: the guard scores them afresh
+        self._live_version[agent] = None
 
     def reset_agent(self, agent: str) -> None:
         """Back to the base model (a rollback to v0): a fresh adapter and optimizer; a critic keeps its head."""
         self.policy.reset_adapter(agent)
         self._fresh_optimizers(agent)
         self._guard_nll.pop(agent, None)
+        self._live_version[agent] = 0
 
     # ------------------------------------------------------------------ training
 
@@ -268,11 +283,12 @@ class LearnerWorker:
         self.policy.activate(agent)
         lr = cfg.optim.lr_at(step)
         g = cfg.guard
+        live = self._live_version.get(agent)  # what the weights are before the step (the teacher's reference)
         # every learner takes the same branches, whatever its shard holds: the KL and each attempt's verdict
         # are all-reduced
         kl_on = g.max_kl is not None
         if not guard and not kl_on:
-            return self._update(agent, items, norms, current_version, lr)
+            return self._update(agent, items, norms, current_version, lr, live)
         watched = [i for i in items if not i.demonstration and not i.context]
         key = tuple(i.experience_id for i in guard or ())
         if guard:
@@ -281,7 +297,7 @@ class LearnerWorker:
         logprobs_before = self._sampled_logprobs(watched) if kl_on else []
         saved = self._snapshot(agent)
         for attempt in range(g.retries + 1):
-            stats = self._update(agent, items, norms, current_version, lr * 0.5**attempt)
+            stats = self._update(agent, items, norms, current_version, lr * 0.5**attempt, live)
             stats.guard_attempts = float(attempt + 1)
             passed = True
             if guard:
@@ -297,6 +313,7 @@ class LearnerWorker:
                 return stats
             self._restore(agent, saved)
         stats.guard_refused = 1.0
+        self._live_version[agent] = live  # the weights it started from
         if guard:
             self._guard_nll[agent] = (key, before)
         return stats
@@ -342,8 +359,12 @@ class LearnerWorker:
         kl, tokens = total.tolist()
         return kl / tokens if tokens else None
 
-    def _update(self, agent: str, items: list[TrainItem], norms: Norms, current_version: int, lr: float) -> StepStats:
+    def _update(self, agent: str, items: list[TrainItem], norms: Norms, current_version: int, lr: float,
+                live: int | None = None) -> StepStats:
+        """``live``: the published version the weights are before the update (None: none), which a recipe's
+        scorer needs (a hint's teacher, as the version that sampled the call)."""
         cfg, p, recipe = self.cfg, self.policy, self.recipe
+        self._live_version[agent] = None  # from the first update on, weights no version holds (until written)
         opt = self.optimizers[agent]
         critic_opt = self.critic_optimizers.get(agent)
         for g in opt.param_groups:
@@ -360,7 +381,7 @@ class LearnerWorker:
             rollouts = [i for i in items if not i.demonstration]
             for key, micro in enumerate(self._micro_batches(rollouts)):
                 per_epoch, objective, first = self._micro_step(agent, micro, key=key, epoch=epoch, norms=norms, cache=cache,
-                                                    current_version=current_version)
+                                                    current_version=current_version, live=live)
                 stats.add(per_epoch, 1.0 / cfg.trainer.epochs)  # a step reports its epochs' mean
                 stats.add_objective(objective, 1.0 / cfg.trainer.epochs)
                 stats.add(first)
@@ -412,7 +433,7 @@ class LearnerWorker:
             self.critic_optimizers[agent].load_state_dict(copy.deepcopy(saved["critic_optimizer"]))
 
     def _micro_step(self, agent: str, micro: list[TrainItem], *, key: int, epoch: int, norms: Norms, cache: dict,
-                    current_version: int) -> tuple[dict[str, float], dict[str, float], dict[str, float]]:
+                    current_version: int, live: int | None = None) -> tuple[dict[str, float], dict[str, float], dict[str, float]]:
         """Forward, the recipe's loss (plus the KL penalty and entropy bonus every objective may
         have), backward. Returns (statistics of every epoch, the recipe's statistics, statistics of
         the first epoch only). The recipe's extra inputs are computed at the first epoch, before
@@ -420,7 +441,7 @@ class LearnerWorker:
         a, p, recipe = self.cfg.algorithm, self.policy, self.recipe
         if ("extra", key) not in cache:  # before this forward: a recipe may ask it for some tokens' logprobs
             scorer = _Scorer(p, self.cfg.trainer.shared_prefix_min_tokens, self._other_model, agent=agent,
-                             current_version=current_version, versions=self._published_adapter)
+                             current_version=live, versions=self._published_adapter)
             cache[("extra", key)] = recipe.extra_inputs(micro, scorer)
         gather = cache[("extra", key)].get(GATHER_IDS)
         batch = self._pack(micro)
@@ -565,6 +586,7 @@ class LearnerWorker:
 
         d = Path(path)
         self._guard_nll.pop(agent, None)  # other weights: the guard scores them afresh
+        self._live_version[agent] = None  # a saved state may be of a step never published
         self.policy.load_adapter_state(agent, load_file(str(d / "adapter_model.safetensors")))
         blob = torch.load(d / "trainer_state.pt", weights_only=False)
         self.optimizers[agent].load_state_dict(blob["optimizer"])
@@ -580,9 +602,11 @@ class LearnerWorker:
     def publish(self, agent: str, root: str, version: int, manifest: dict[str, Any]) -> str:
         """Write ``v<version>`` and point LATEST at it, in one call (the demo's warm start)."""
         v = checkpoints.publish_version(root, agent, version, lambda d: self.policy.save_adapter(agent, d), manifest)
+        self._live_version[agent] = version
         return str(v.path)
 
     def write_version(self, agent: str, root: str, version: int, manifest: dict[str, Any]) -> str:
         """Write the adapter as ``v<version>``; the driver moves LATEST (it decides what serves)."""
         v = checkpoints.write_version(root, agent, version, lambda d: self.policy.save_adapter(agent, d), manifest)
+        self._live_version[agent] = version  # (rank 0 alone writes: the other ranks read it back, the same weights)
         return str(v.path)

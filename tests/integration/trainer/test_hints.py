@@ -100,7 +100,7 @@ def test_the_policy_as_teacher_scores_each_call_as_the_version_that_sampled_it(t
     exactly; a version that cannot be read is scored as the adapter stands, and said so."""
     import torch
 
-    from services.trainer.batches import TrainItem
+    from services.trainer.batches import Norms, TrainItem
     from services.trainer.learner import LearnerWorker, _Scorer
     from services.trainer.recipes.hints import teacher_inputs
 
@@ -120,6 +120,7 @@ def test_the_policy_as_teacher_scores_each_call_as_the_version_that_sampled_it(t
 
     nudge()
     w.write_version("calc", str(root), 1, {"step": 1})
+    assert w._live_version["calc"] == 1  # the weights are v1 exactly until the next update
     v1 = {k: v.clone() for k, v in w.policy.adapter_state("calc").items()}
     nudge()  # the Trainer has moved on: v2 is what it trains now
     now = {k: v.clone() for k, v in w.policy.adapter_state("calc").items()}
@@ -144,3 +145,16 @@ def test_the_policy_as_teacher_scores_each_call_as_the_version_that_sampled_it(t
     assert torch.allclose(x["teacher"][2], as_now, atol=1e-5)  # v7 was never published: as the adapter stands
     assert torch.allclose(x["teacher"][3], scorer.logprobs([prompt], [reply], [1.0], adapter=False)[0], atol=1e-5)  # v0: the base
     assert x["teacher_unmatched"].item() == 1.0 and scorer.has_version(1) and not scorer.has_version(7)
+    # another adapter published as v3 (another alpha: kaizen publish) is not read as this policy: as the adapter stands
+    shutil.copytree(root / "calc" / "v1", root / "calc" / "v3")
+    config = json.loads((root / "calc" / "v3" / "adapter_config.json").read_text())
+    (root / "calc" / "v3" / "adapter_config.json").write_text(json.dumps({**config, "lora_alpha": 3 * config["lora_alpha"]}))
+    manifest = json.loads((root / "calc" / "v3" / "manifest.json").read_text())
+    (root / "calc" / "v3" / "manifest.json").write_text(json.dumps({**manifest, "version": 3}))
+    assert not scorer.has_version(3)
+    assert torch.allclose(teacher_inputs([item(3, "other")], scorer, "policy")["teacher"][0], as_now, atol=1e-5)
+    # after an update the live weights are no published version: every version is read back, v2 too (unpublished here)
+    demo = TrainItem(experience_id="d", task_id=None, model_version=0, prompt_ids=prompt, response_ids=reply, old_logprobs=[],
+                     reward=0.0, temperature=1.0, seq=0, demonstration=True)
+    w.train_step("calc", [demo], Norms.of([demo]), 0, 2)
+    assert w._live_version["calc"] is None
