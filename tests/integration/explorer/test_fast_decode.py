@@ -342,14 +342,16 @@ def test_the_kernels_products_are_onednns(kernels, n, k):
 @pytest.mark.parametrize("kind", ["llama", "qwen2"])
 def test_a_bfloat16_step_on_the_kernels_gives_the_models_logits(kernels, kind):
     """In bfloat16 the step runs on the kernels (counted): products of batches of up to 8 rows,
-    attention, norms, rotary embedding (heads of 32: a multiple of 32, as the rotary kernel takes);
+    attention, norms (with the residual sums), rotary embedding (heads of 32: a multiple of 32, as the
+    rotary kernel takes), SiLU(gate) * up;
     it gives what transformers' forward gives, as closely as the step without them."""
     model = _model(kind, torch.bfloat16, dict(SHAPE, hidden_size=128))
     want, want_cache, (new, attn, pos, cache) = _one_step(model)
     on, why = FastDecoder.build(model, CPU, packed=True, fuse_budget=1 << 30)
     off, _ = FastDecoder.build(model, CPU, packed=True, fuse_budget=1 << 30, kernels=False)
     assert on.kernel == "" and off.kernel == "engine.decode_kernels is false", why
-    assert on._kattention and on._krope and on._krms and on.kernels_note() == "products at 1-8 rows, attention, norms, rotary embedding"
+    assert on._kattention and on._krope and on._krms and on._ksilu
+    assert on.kernels_note() == "products at 1-8 rows, attention, norms, rotary embedding, SiLU"
     assert on.extra_bytes > off.extra_bytes  # the products' copy of the weights
     got, got_cache = on.step(new, attn, pos, [(k.clone(), v.clone()) for k, v in cache], [None] * 4)
     assert on.kernel_steps == 1 and off.kernel_steps == 0
@@ -366,7 +368,8 @@ def _one_bf16_step(x: torch.Tensor) -> torch.Tensor:
 
 
 @needs_kernel
-@pytest.mark.parametrize("B, H, KV, D, T", [(1, 9, 3, 64, 40), (5, 4, 2, 32, 17), (3, 8, 1, 16, 9), (2, 8, 8, 128, 70)])
+@pytest.mark.parametrize("B, H, KV, D, T", [(1, 9, 3, 64, 40), (5, 4, 2, 32, 17), (3, 8, 1, 16, 9), (2, 8, 8, 128, 70),
+                                             (4, 8, 2, 64, 50), (3, 4, 2, 128, 16)])  # the last two: head shapes compiled for
 def test_the_kernels_attention_is_the_float32_products(kernels, B, H, KV, D, T):
     """Queries as a view into the fused product's output, key and value buffers with room past T,
     rows padded on the left: the float32 products the step computes without the kernel (and the exact
@@ -397,8 +400,9 @@ def test_the_kernels_attention_is_the_float32_products(kernels, B, H, KV, D, T):
 
 
 @needs_kernel
-def test_the_kernels_norm_and_rotary_embedding_are_torchs(kernels):
-    """The rotary embedding and the cache's writes bit for bit; the norm but for a rare rounding."""
+def test_the_kernels_norm_silu_and_rotary_embedding_are_torchs(kernels):
+    """The rotary embedding and the cache's writes bit for bit, the residual sum too; the norm and
+    SiLU(gate) * up but for a rare rounding."""
     mod = kernels
     torch.manual_seed(3)
     for B, N in ((1, 576), (7, 64), (33, 128)):
@@ -408,6 +412,21 @@ def test_the_kernels_norm_and_rotary_embedding_are_torchs(kernels):
         got = mod.rms_norm(x, w, 1e-5)
         # the mean of squares is summed in another order than torch's: a rounding apart, rarely
         assert (got == want).float().mean() > 0.999 and ((got.float() - want.float()).abs() <= _one_bf16_step(want)).all()
+        delta = torch.randn(B, N).to(torch.bfloat16)
+        total, normed = mod.add_rms_norm(x, delta, w, 1e-5)
+        want = w * torch.nn.functional.rms_norm((x + delta).float(), (N,), eps=1e-5).to(torch.bfloat16)
+        assert torch.equal(total, x + delta)
+        assert (normed == want).float().mean() > 0.999 and ((normed.float() - want.float()).abs() <= _one_bf16_step(want)).all()
+        gu = (torch.randn(B, 2 * N) * 4).to(torch.bfloat16)
+        gu[0, :6] = torch.tensor([0.0, -0.0, 90.0, -90.0, 1e-30, -3e38])  # 0, saturated, tiny, e^-x past float32
+        want = torch.nn.functional.silu(gu[:, :N]) * gu[:, N:]
+        got = mod.silu_mul(gu, N)
+        # e^-x from the kernels' polynomial, not torch's: a rounding apart, rarely
+        assert (got == want).float().mean() > 0.999 and ((got.float() - want.float()).abs() <= _one_bf16_step(want)).all()
+    with pytest.raises(RuntimeError, match=r"\(B, 2I\)"):
+        mod.silu_mul(gu, N + 16)
+    with pytest.raises(RuntimeError, match="x and y"):
+        mod.add_rms_norm(x, delta[:, :16], w, 1e-5)
     for B, H, KV, D, T in ((1, 9, 3, 64, 0), (4, 8, 2, 32, 11)):
         qkv = torch.randn(B, H + 2 * KV, D).to(torch.bfloat16)
         cos, sin = torch.randn(B, 1, D).to(torch.bfloat16), torch.randn(B, 1, D).to(torch.bfloat16)

@@ -12,9 +12,17 @@ The rest of the step was dozens of small torch ops a layer, each a few microseco
 a few kilobytes: at any batch the kernels also compute
 - the attention of the new tokens over the cache buffers, read in place (``attention``: float32 sums
   of bfloat16 products, as the float32 products it replaces, without converting the cache each layer);
-- the llama family's RMSNorm (``rms_norm``: what the torch ops give, but its mean of squares summed in
-  another order, so about one output in 1,000 or fewer rounds the other way) and the rotary embedding
-  with the cache's writes (``rope_into_cache``, bit for bit the torch ops').
+- the llama family's RMSNorm (``rms_norm``, and ``add_rms_norm`` with the residual sum before it: what
+  the torch ops give, but its mean of squares summed in another order, so about one output in 1,000 or
+  fewer rounds the other way), SiLU(gate) * up (``silu_mul``: e^-x from a polynomial, not torch's, so
+  as rarely a rounding apart) and the rotary embedding with the cache's writes (``rope_into_cache``, bit
+  for bit the torch ops').
+
+At 8 rows a product is bound by memory and compute together, so it asks for each block's lines 64 ahead
+of its reads; the attention is compiled for the common head shapes (SmolLM2's 3 query heads a key-value
+head of 64) so that its sums stay in registers. Together with the sampling's two-level inverse CDF
+(``hf._inverse_cdf``) they took SmolLM2's decode at 8 sequences from 270 to 320 tokens/s on one core
+(docs/ENGINES.md).
 
 They are built the first time they are asked for (``make install`` builds them; ~35 s with the
 machine's C++ compiler, cached by torch under ``TORCH_EXTENSIONS_DIR``), only on an x86 CPU with

@@ -136,7 +136,8 @@ class FastDecoder:
     _kmod: object = None  # the decode_kernels module when ``kernel`` is ""
     _kattention: bool = False  # attention on it (the heads' shapes within its limits)
     _krope: bool = False  # the rotary embedding and the cache's writes on it (a head dimension a multiple of 32)
-    _krms: bool = False  # the norms on it (a hidden size a multiple of 16)
+    _krms: bool = False  # the norms on it, each with the residual sum before it (a hidden size a multiple of 16)
+    _ksilu: bool = False  # SiLU(gate) * up on it (the model's activation SiLU, an intermediate size a multiple of 16)
     allocations: int = 0  # key and value buffers (re)allocated
     _weights: list[tuple[torch.Tensor, int, int]] = field(default_factory=list)  # base weights as built from
     _bufs: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)  # per layer: keys, values with room
@@ -218,13 +219,16 @@ class FastDecoder:
                    extra_bytes=(fuse_bytes if fuse else 0) + kernel_bytes, embed=_base(model.model.embed_tokens),
                    norm=_base(model.model.norm), head=head, acts=[b.mlp.act_fn for b in blocks], kernel=kernel_why,
                    _kmod=kern, _kattention=kattention, _krope=kern is not None and head_dim % 32 == 0,
-                   _krms=kern is not None and config.hidden_size % 16 == 0, _weights=[(w, w.data_ptr(), w._version) for w in weights]), ""
+                   _krms=kern is not None and config.hidden_size % 16 == 0,
+                   _ksilu=kern is not None and getattr(config, "hidden_act", None) == "silu" and config.intermediate_size % 16 == 0,
+                   _weights=[(w, w.data_ptr(), w._version) for w in weights]), ""
 
     def kernels_note(self) -> str:
         """What of the step runs on decode_kernels, or why nothing does."""
         if self.kernel:
             return "no, " + self.kernel
-        parts = [name for name, on in (("attention", self._kattention), ("norms", self._krms), ("rotary embedding", self._krope)) if on]
+        parts = [name for name, on in (("attention", self._kattention), ("norms", self._krms), ("rotary embedding", self._krope),
+                                       ("SiLU", self._ksilu)) if on]
         return f"products at 1-{decode_kernels.MAX_ROWS} rows" + "".join(", " + p for p in parts)
 
     @staticmethod
@@ -334,7 +338,7 @@ class FastDecoder:
 
     def _step(self, ids, attn, pos, cache, adapters):
         B, T = attn.shape[0], attn.shape[1] - 1
-        if self._kmod is not None and (B <= decode_kernels.MAX_ROWS or self._kattention or self._krms or self._krope):
+        if self._kmod is not None and (B <= decode_kernels.MAX_ROWS or self._kattention or self._krms or self._krope or self._ksilu):
             self.kernel_steps += 1
         H, KV, D, G, I = self.heads, self.kv_heads, self.head_dim, self.heads // self.kv_heads, self.intermediate
         groups = _groups(adapters)
@@ -351,9 +355,9 @@ class FastDecoder:
         bufs = self._buffers(cache, B, T)
         out_cache = []
         scale = D ** -0.5
+        h = self._rms(x, self.layers[0].norm_in)
         for li, layer in enumerate(self.layers):
             loras = [(rows, self.adapters[a][li]) for a, rows in groups if a is not None]
-            h = self._rms(x, layer.norm_in)
             qkv = _apply(layer.qkv, h, loras, "qkv").view(B, H + 2 * KV, D)
             kbuf, vbuf = bufs[li]
             if self._krope:  # the same bfloat16 products and sums in one call, keys and values into the buffers
@@ -374,10 +378,13 @@ class FastDecoder:
                 q = q_rot.reshape(B * KV, G, D).float()
                 scores = torch.baddbmm(bias, q, k.float().view(B * KV, T + 1, D).transpose(1, 2), alpha=scale)
                 a = torch.bmm(torch.softmax(scores, dim=-1), v.float().view(B * KV, T + 1, D)).view(B, H * D).to(x.dtype)
-            x = x + _apply(layer.o, a, loras, "o")
-            h = self._rms(x, layer.norm_post)
+            x, h = self._add_rms(x, _apply(layer.o, a, loras, "o"), layer.norm_post)
             gu = _apply(layer.gate_up, h, loras, "gate_up")
-            x = x + _apply(layer.down, self.acts[li](gu[:, :I]) * gu[:, I:], loras, "down")
+            act = self._kmod.silu_mul(gu, I) if self._ksilu else self.acts[li](gu[:, :I]) * gu[:, I:]
+            if li + 1 < len(self.layers):
+                x, h = self._add_rms(x, _apply(layer.down, act, loras, "down"), self.layers[li + 1].norm_in)
+            else:
+                x = x + _apply(layer.down, act, loras, "down")
         return self.head(self.norm(x)).float(), out_cache
 
     def _rms(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -385,6 +392,13 @@ class FastDecoder:
         if self._krms:
             return self._kmod.rms_norm(x, weight, self.eps)
         return weight * nn.functional.rms_norm(x.float(), (x.shape[-1],), eps=self.eps).to(x.dtype)
+
+    def _add_rms(self, x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The residual sum ``x + delta`` and its RMSNorm (one call on the kernels)."""
+        if self._krms:
+            return tuple(self._kmod.add_rms_norm(x, delta, weight, self.eps))
+        x = x + delta
+        return x, self._rms(x, weight)
 
     @staticmethod
     @functools.cache

@@ -650,9 +650,12 @@ class HFEngine:
     def _sample_and_emit(self) -> None:
         rows = self._rows
         logits = self._constrain(self._logits)
-        temps = torch.tensor([r.request.req.params.temperature for r in rows], device=logits.device)
+        temps_l = [r.request.req.params.temperature for r in rows]
+        temps = torch.tensor(temps_l, device=logits.device)
         greedy = temps <= 0
-        logp = torch.log_softmax(logits / torch.where(greedy, 1.0, temps).unsqueeze(-1), dim=-1)
+        # (a division by 1 skipped: at 8 rows each op on the logits costs tens of microseconds)
+        scaled = logits if all(t <= 0 or t == 1.0 for t in temps_l) else logits / torch.where(greedy, 1.0, temps).unsqueeze(-1)
+        logp = torch.log_softmax(scaled, dim=-1)
         top_ps = [r.request.req.params.top_p for r in rows]
         sample_lp = logp
         if any(p < 1.0 for p in top_ps):
@@ -661,14 +664,15 @@ class HFEngine:
             probs_sorted = sorted_lp.exp()
             drop = (probs_sorted.cumsum(-1) - probs_sorted) > top_p  # keeps at least the top token
             sample_lp = torch.full_like(logp, float("-inf")).scatter(-1, order, sorted_lp.masked_fill(drop, float("-inf")))
-        cdf = sample_lp.exp().cumsum(-1)
         u = torch.rand(len(rows), generator=self._gen)
         for i, r in enumerate(rows):
             if r.generator is not None:
                 u[i] = torch.rand(1, generator=r.generator)
-        u = (u.to(cdf.device) * cdf[:, -1]).clamp(min=1e-12).unsqueeze(-1)
-        sampled = torch.searchsorted(cdf, u).squeeze(-1).clamp(max=logits.shape[-1] - 1)
-        tokens = torch.where(greedy, logp.argmax(-1), sampled)
+        if all(t <= 0 for t in temps_l):
+            tokens = logp.argmax(-1)
+        else:
+            sampled = _inverse_cdf(sample_lp.exp(), u.to(logits.device))
+            tokens = torch.where(greedy, logp.argmax(-1), sampled) if any(t <= 0 for t in temps_l) else sampled
         chosen = logp.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
         k = max(r.request.req.params.top_logprobs for r in rows)
         top_vals = top_ids = None
@@ -774,3 +778,27 @@ class HFEngine:
             self._logits = out.logits[:, -1, :].float()
         self._attn = attn
         self._pos = self._pos + 1
+
+
+_CDF_BLOCK = 256  # vocabulary entries a block of the two-level inverse CDF
+
+
+def _inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """Per row, the first token whose cumulative probability reaches ``u`` (in [0, 1)) times the row's total:
+    inverse-CDF sampling from unnormalised ``probs`` (B, V). Two levels (sums of blocks of ``_CDF_BLOCK``, then the
+    cumulative sum within the block chosen), so the sequential sum runs over V / 256 + 256 entries a row
+    instead of V: at 8 rows of SmolLM2's 49,152 it was 0.4 of 2 ms a step. The token drawn always has a
+    probability above 0 (a rounding at a block's edge lands on the block's last such token)."""
+    B, V = probs.shape
+    blocks = -(-V // _CDF_BLOCK)
+    if blocks * _CDF_BLOCK != V:
+        probs = torch.nn.functional.pad(probs, (0, blocks * _CDF_BLOCK - V))
+    per = probs.view(B, blocks, _CDF_BLOCK)
+    cum = per.sum(-1).cumsum(-1)  # (B, blocks)
+    target = (u * cum[:, -1]).clamp(min=1e-12)
+    block = torch.searchsorted(cum, target.unsqueeze(-1)).squeeze(-1).clamp(max=blocks - 1)
+    before = torch.where(block > 0, cum.gather(-1, (block - 1).clamp(min=0).unsqueeze(-1)).squeeze(-1), 0.0)
+    inner = per[torch.arange(B, device=probs.device), block].cumsum(-1)  # (B, _CDF_BLOCK)
+    within = torch.minimum(target - before, inner[:, -1])
+    pos = torch.searchsorted(inner, within.unsqueeze(-1)).squeeze(-1).clamp(max=_CDF_BLOCK - 1)
+    return (block * _CDF_BLOCK + pos).clamp(max=V - 1)
