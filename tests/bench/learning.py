@@ -34,8 +34,10 @@ is `explore` with demonstrations of * and + only (the report pools the kinds no 
 `explore-kept` is `explore` whose loop also keeps its best version (`tools.keep_best`: its versions measured on
 the validation problems every 4 steps and at its end, the best measured on the held-out ones; the report adds
 "kept" and "kept over best" beside the loop's last version), `explore-decay` is `explore` with the learning rate
-falling to a tenth over the first 28 Trainer steps (`trainer.optim.decay_steps`), and `explore-corrections` is
-`explore` with the users' corrections of wrong first calls (of the run each user was served); the other settings
+falling to a tenth over the first 28 Trainer steps (`trainer.optim.decay_steps`), `explore-corrections` is
+`explore` with the users' corrections of wrong first calls (of the run each user was served), and
+`explore-pipelined` is `explore-kept` with a backlog of two rounds, so traffic is sampled while the Trainer
+trains (`tools.traffic.max_backlog=64`); the other settings
 sample the traffic at 1, as they were measured.
 `--arms-from DIR` takes each seed's demonstrations-only arm from its finished run in DIR (another bench's
 `--out`, or kept records: the held-out problems depend on the seed and task alone), so a longer loop on
@@ -123,6 +125,9 @@ SETTINGS: dict[str, list[str]] = {
     # group whose 8 runs all used the wrong operator pushes it down, one whose runs were all right pushes the right one up;
     # today both teach nothing, which leaves the late versions' operators free to drift
     "explore-flat": [*EXPLORE, "trainer.algorithm.grpo.flat_groups=baseline"],
+    # `explore-kept` whose traffic runs while the Trainer trains: a backlog of two rounds (64 calls), not one, so the next
+    # round is sampled (by the version before) during each step instead of after it (issue 31: Trainer steps a minute)
+    "explore-pipelined": [*EXPLORE, "tools.keep_best=true", "tools.traffic.max_backlog=64"],
     # no online loop to speak of (one round of traffic at most): the demonstrations-only arm from the cold start to its plateau
     "demonstrations": ["tools.levers=false", "tools.control=false", "duration_s=1", "min_new_versions=0"],
 }

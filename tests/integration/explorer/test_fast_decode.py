@@ -369,7 +369,9 @@ def _one_bf16_step(x: torch.Tensor) -> torch.Tensor:
 
 @needs_kernel
 @pytest.mark.parametrize("B, H, KV, D, T", [(1, 9, 3, 64, 40), (5, 4, 2, 32, 17), (3, 8, 1, 16, 9), (2, 8, 8, 128, 70),
-                                             (4, 8, 2, 64, 50), (3, 4, 2, 128, 16)])  # the last two: head shapes compiled for
+                                             # head shapes compiled for: 4, 2, 1 and 5 query heads of 64, 2 of 128
+                                             (4, 8, 2, 64, 50), (2, 4, 2, 64, 9), (3, 4, 4, 64, 33), (1, 10, 2, 64, 17),
+                                             (3, 4, 2, 128, 16)])
 def test_the_kernels_attention_is_the_float32_products(kernels, B, H, KV, D, T):
     """Queries as a view into the fused product's output, key and value buffers with room past T,
     rows padded on the left: the float32 products the step computes without the kernel (and the exact
@@ -412,11 +414,12 @@ def test_the_kernels_norm_silu_and_rotary_embedding_are_torchs(kernels):
         got = mod.rms_norm(x, w, 1e-5)
         # the mean of squares is summed in another order than torch's: a rounding apart, rarely
         assert (got == want).float().mean() > 0.999 and ((got.float() - want.float()).abs() <= _one_bf16_step(want)).all()
-        delta = torch.randn(B, N).to(torch.bfloat16)
-        total, normed = mod.add_rms_norm(x, delta, w, 1e-5)
-        want = w * torch.nn.functional.rms_norm((x + delta).float(), (N,), eps=1e-5).to(torch.bfloat16)
-        assert torch.equal(total, x + delta)
-        assert (normed == want).float().mean() > 0.999 and ((normed.float() - want.float()).abs() <= _one_bf16_step(want)).all()
+        delta = torch.randn(N, B).to(torch.bfloat16).t()  # not contiguous
+        for a, b in ((x, delta), (x, x)):
+            total, normed = mod.add_rms_norm(a, b, w, 1e-5)
+            want = w * torch.nn.functional.rms_norm((a + b).float(), (N,), eps=1e-5).to(torch.bfloat16)
+            assert torch.equal(total, a + b)
+            assert (normed == want).float().mean() > 0.999 and ((normed.float() - want.float()).abs() <= _one_bf16_step(want)).all()
         gu = (torch.randn(B, 2 * N) * 4).to(torch.bfloat16)
         gu[0, :6] = torch.tensor([0.0, -0.0, 90.0, -90.0, 1e-30, -3e38])  # 0, saturated, tiny, e^-x past float32
         want = torch.nn.functional.silu(gu[:, :N]) * gu[:, N:]

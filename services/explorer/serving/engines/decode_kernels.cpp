@@ -28,6 +28,14 @@ constexpr int kPrefetchLines = 64;
 constexpr int kMaxGroup = 8;      // attention: query heads a key-value head
 constexpr int kMaxHeadDim = 256;  // attention: a head's dimension
 
+// Ask for the line at base + n bfloat16 values (an address that may lie past the tensor's end: a prefetch never faults,
+// and the address is formed as an integer, not as a pointer past the allocation). LEVEL: 3 into L1 (T0), 2 into L2 (T1)
+template <int LEVEL>
+inline void prefetch(const uint16_t* base, int64_t n) {
+  __builtin_prefetch(reinterpret_cast<const void*>(reinterpret_cast<uintptr_t>(base) + static_cast<uintptr_t>(n) * sizeof(uint16_t)),
+                     0, LEVEL);
+}
+
 // R blocks of 16 outputs from block nb on, for M rows of x
 template <int M, int R>
 KAIZEN_TARGET inline void blocks(const uint32_t* x, int64_t K2, const uint16_t* w, const float* bias, uint16_t* y,
@@ -42,7 +50,7 @@ KAIZEN_TARGET inline void blocks(const uint32_t* x, int64_t K2, const uint16_t* 
     __m512bh wv[R];
 #pragma GCC unroll 8
     for (int r = 0; r < R; ++r) {
-      _mm_prefetch((const char*)(w0 + (r * K2 + k + kPrefetchLines) * 32), _MM_HINT_T1);
+      prefetch<2>(w0, (r * K2 + k + kPrefetchLines) * 32);
       wv[r] = (__m512bh)_mm512_loadu_si512(w0 + (r * K2 + k) * 32);
     }
 #pragma GCC unroll 8
@@ -156,8 +164,8 @@ KAIZEN_TARGET void attend(const uint16_t* q, int64_t q_head_stride, const uint16
     }
     const uint16_t* kt = k + t * D;
     for (int64_t c = 0; c < D; c += 32) {  // the keys 8 positions on, and this position's values, read next
-      _mm_prefetch((const char*)(kt + 8 * D + c), _MM_HINT_T0);
-      _mm_prefetch((const char*)(v + t * D + c), _MM_HINT_T0);
+      prefetch<3>(kt, 8 * D + c);
+      prefetch<3>(v, t * D + c);
     }
 #pragma GCC unroll 8
     for (int g = 0; g < G; ++g) {
@@ -223,8 +231,9 @@ KAIZEN_TARGET void attend(const uint16_t* q, int64_t q_head_stride, const uint16
 using AttendFn = void (*)(const uint16_t*, int64_t, const uint16_t*, const uint16_t*, const uint8_t*, int64_t, int64_t, int, float,
                           float*, uint16_t*);
 
-// attend compiled for the head shapes whose sums fit in registers (G x D / 16 <= 20), the others as given at run time:
-// with G and D known the compiler keeps every sum in a register (SmolLM2's G 3, D 64: 2.7 -> 0.9 ms a step at 8 rows)
+// attend compiled for common head shapes (heads of 64 with 1-5 query heads a key-value head, of 128 with 1-2: their
+// G x D / 16 sums fit in registers), any other as given at run time: with G and D known the compiler keeps every sum
+// in a register (SmolLM2's G 3, D 64: 2.7 -> 0.9 ms a step at 8 rows)
 AttendFn attend_for(int G, int64_t D) {
   if (D == 64 && G >= 1 && G <= 5) {
     const AttendFn fns[] = {attend<1, 64>, attend<2, 64>, attend<3, 64>, attend<4, 64>, attend<5, 64>};
@@ -269,7 +278,7 @@ torch::Tensor attention(const torch::Tensor& q, const torch::Tensor& k, const to
       const int64_t b = i / KV, h = i % KV;
       if (i + 1 < i1) {  // the next head's first keys, while this one is computed
         const uint16_t* kn = kp + (i + 1) * cap * D;
-        for (int64_t c = 0; c < 8 * D; c += 32) _mm_prefetch((const char*)(kn + c), _MM_HINT_T0);
+        for (int64_t c = 0; c < 8 * D; c += 32) prefetch<3>(kn, c);
       }
       attend_fn(qp + b * qs0 + h * G * qs1, qs1, kp + (b * KV + h) * cap * D, vp + (b * KV + h) * cap * D, mp + b * T, T, D, G,
              (float)scale, scores.data(), op + b * H * D + h * G * D);

@@ -15,13 +15,14 @@ a few kilobytes: at any batch the kernels also compute
 - the llama family's RMSNorm (``rms_norm``, and ``add_rms_norm`` with the residual sum before it: what
   the torch ops give, but its mean of squares summed in another order, so about one output in 1,000 or
   fewer rounds the other way), SiLU(gate) * up (``silu_mul``: e^-x from a polynomial, not torch's, so
-  as rarely a rounding apart) and the rotary embedding with the cache's writes (``rope_into_cache``, bit
-  for bit the torch ops').
+  as rarely a rounding apart; below -87 it is -0) and the rotary embedding with the cache's writes
+  (``rope_into_cache``, bit for bit the torch ops'). Bit for bit but for subnormal values: the
+  conversion to bfloat16 flushes them to 0, where torch keeps them.
 
 At 8 rows a product is bound by memory and compute together, so it asks for each block's lines 64 ahead
 of its reads; the attention is compiled for the common head shapes (SmolLM2's 3 query heads a key-value
 head of 64) so that its sums stay in registers. Together with the sampling's two-level inverse CDF
-(``hf._inverse_cdf``) they took SmolLM2's decode at 8 sequences from 270 to 320 tokens/s on one core
+(``hf._inverse_cdf``) they took SmolLM2's decode at 8 sequences from 263-272 to 300-312 tokens/s on one core
 (docs/ENGINES.md).
 
 They are built the first time they are asked for (``make install`` builds them; ~35 s with the

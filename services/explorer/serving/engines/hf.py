@@ -658,7 +658,7 @@ class HFEngine:
         logp = torch.log_softmax(scaled, dim=-1)
         top_ps = [r.request.req.params.top_p for r in rows]
         sample_lp = logp
-        if any(p < 1.0 for p in top_ps):
+        if any(p < 1.0 for p, t in zip(top_ps, temps_l) if t > 0):  # (a greedy row's top_p changes nothing)
             top_p = torch.tensor(top_ps, device=logits.device).unsqueeze(-1)
             sorted_lp, order = logp.sort(dim=-1, descending=True)
             probs_sorted = sorted_lp.exp()
