@@ -107,11 +107,39 @@ class TensorBoardScalars:
         self._writer.close()
 
 
+def _drop_torn_line(path: Path) -> None:
+    """A process killed while writing a line leaves it without its newline: cut it off, so every
+    line of the file stays one JSON object (the step it belonged to is written again: ``last_step``)."""
+    if not path.exists():
+        return
+    with open(path, "rb+") as f:
+        size = f.seek(0, 2)
+        if size == 0:
+            return
+        f.seek(size - 1)
+        if f.read(1) == b"\n":
+            return
+        keep = size - 1
+        while keep > 0:  # back to the last newline (lines are short: a few kilobytes)
+            start = max(0, keep - 65536)
+            f.seek(start)
+            chunk = f.read(keep - start)
+            i = chunk.rfind(b"\n")
+            if i >= 0:
+                keep = start + i + 1
+                break
+            keep = start
+        f.truncate(keep)
+        log.warning("%s: cut off a line a killed Trainer left unfinished (%d bytes)", path, size - keep)
+
+
 class MetricsSink:
     def __init__(self, run_dir: str | Path, *, progress: bool = True, prometheus: tuple[str, int] | None = None):
         self.dir = Path(run_dir)
         self.dir.mkdir(parents=True, exist_ok=True)
-        self._jsonl = open(self.dir / "metrics.jsonl", "a", buffering=1)
+        self.path = self.dir / "metrics.jsonl"
+        _drop_torn_line(self.path)
+        self._jsonl = open(self.path, "a", buffering=1)
         self._tb = None
         try:
             self._tb = TensorBoardScalars(self.dir / "tensorboard")
@@ -121,8 +149,22 @@ class MetricsSink:
         self._waiting_since: float | None = None
         self.prometheus = PrometheusMetrics(*prometheus) if prometheus is not None else None
 
-    def step(self, record: dict[str, Any]) -> None:
-        record = {"time": time.time(), **record}
+    def last_step(self, agent: str) -> int | None:
+        """The newest step of ``agent`` this run folder's metrics.jsonl has a line for (None: none)."""
+        last = None
+        with open(self.path, encoding="utf-8") as f:
+            for line in f:
+                try:
+                    r = json.loads(line)
+                except ValueError:
+                    continue
+                if isinstance(r, dict) and r.get("agent") == agent and isinstance(r.get("step"), int):
+                    last = r["step"] if last is None else max(last, r["step"])
+        return last
+
+    def step(self, record: dict[str, Any], at: float | None = None) -> None:
+        """One step's line; ``at``: when the step ended (a line written late, after a restart), else now."""
+        record = {"time": time.time() if at is None else at, **record}
         self._jsonl.write(json.dumps(record) + "\n")
         if self.prometheus is not None:
             self.prometheus.step(record)

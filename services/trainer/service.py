@@ -142,9 +142,23 @@ class TrainerService:
             if wanted and agent not in wanted:
                 continue
             last = buffer.last_trainer_step(engine=self.db, agent=agent)
+            self._log_missed_step(agent, last)
             if self._owed_version(agent, last) is not None:
                 with checkpoints.publication_lock(self.root, agent):
                     self.agents[agent] = self._init_agent(agent)
+
+    def _log_missed_step(self, agent: str, last: TrainerStep | None) -> None:
+        """A Trainer killed between a step's commit and its metrics line never wrote the line: write it
+        now from the record the buffer committed with the step. Only where this run folder's
+        metrics.jsonl goes on from the step before (a restart in another run folder starts its own)."""
+        if last is None or not last.metrics:
+            return
+        logged = self.metrics.last_step(agent)
+        if logged != last.step - 1 and not (logged is None and last.step == 1):
+            return
+        record = {**last.metrics, "published": last.step % self.cfg.save_interval == 0, "recovered": True}
+        self.metrics.step(record, at=aware(last.created_at).timestamp())
+        log.warning("agent %s: wrote step %d's metrics line, which the run killed after its commit never wrote", agent, last.step)
 
     def _owed_version(self, agent: str, last: TrainerStep | None) -> int | None:
         """The version the database says is complete (its last step closed it) whose publication did

@@ -13,6 +13,7 @@ the weights even where the buffer's books balance.
 
 from __future__ import annotations
 
+import json
 import random
 import signal
 import subprocess
@@ -134,6 +135,14 @@ def test_killed_anywhere_the_trainer_restarts_and_repairs(tiny_model, faults_db,
     assert counts.get("discarded") == UNREWARDED and not counts.get("committed")
     assert len(ids) == PROMPT_COUNT * RESPONSES - counts["discarded"]
     assert [sum(1 for _, v in consumed if v == ver) for ver in range(1, TOTAL // INTERVAL + 1)] == [INTERVAL * BATCH] * (TOTAL // INTERVAL)
+    # Metrics: one line a step, the steps a kill after their commit left without one written by the restart
+    # from what the buffer committed (at least the armed kills after commits: steps 2 and TOTAL).
+    lines = [json.loads(line) for line in (run / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert sorted(r["step"] for r in lines) == list(range(1, TOTAL + 1)), [r["step"] for r in lines]
+    recovered = {r["step"]: r for r in lines if r.get("recovered")}
+    assert {2, TOTAL} <= set(recovered), sorted(recovered)
+    assert all(r["published"] == (s % INTERVAL == 0) and r["version"] == (s + INTERVAL - 1) // INTERVAL and "loss" in r
+               for s, r in recovered.items())
 
     # Versions: every one complete, each manifest lists exactly what its steps consumed (so no
     # experience sits in two versions), LATEST names the newest, no temporaries left.
