@@ -128,6 +128,11 @@ SETTINGS: dict[str, list[str]] = {
     # `explore-kept` whose traffic runs while the Trainer trains: a backlog of two rounds (64 calls), not one, so the next
     # round is sampled (by the version before) during each step instead of after it (issue 31: Trainer steps a minute)
     "explore-pipelined": [*EXPLORE, "tools.keep_best=true", "tools.traffic.max_backlog=64"],
+    # `explore` with the agent's own past successes rehearsed in every step (self-imitation at half weight, ramped over 4
+    # steps: 8 calls a step, the best run of each solved problem, taken in turn from the newest 512): against the late
+    # versions' operator drift, a step whose one signal is a multiplication group meets the past additions it would undo
+    "explore-rehearse": [*EXPLORE, "trainer.algorithm.self_imitation.coef=0.5", "trainer.algorithm.self_imitation.ramp_steps=4",
+                         "trainer.algorithm.self_imitation.batch_size=8", "trainer.algorithm.self_imitation.per_task=1"],
     # no online loop to speak of (one round of traffic at most): the demonstrations-only arm from the cold start to its plateau
     "demonstrations": ["tools.levers=false", "tools.control=false", "duration_s=1", "min_new_versions=0"],
 }
