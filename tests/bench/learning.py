@@ -133,6 +133,10 @@ SETTINGS: dict[str, list[str]] = {
     # versions' operator drift, a step whose one signal is a multiplication group meets the past additions it would undo
     "explore-rehearse": [*EXPLORE, "trainer.algorithm.self_imitation.coef=0.5", "trainer.algorithm.self_imitation.ramp_steps=4",
                          "trainer.algorithm.self_imitation.batch_size=8", "trainer.algorithm.self_imitation.per_task=1"],
+    # `explore` whose group-centred rewards are not divided by the group's std (Dr. GRPO: trainer.algorithm.grpo.std_normalize
+    # =false): a group of 7 right runs and 1 wrong then weighs 0.44 of one of 4 and 4 (their summed |advantage|), against
+    # 0.66 scaled by the std; against the late versions' drift, which comes when most informative groups are nearly solved
+    "explore-drgrpo": [*EXPLORE, "trainer.algorithm.grpo.std_normalize=false"],
     # no online loop to speak of (one round of traffic at most): the demonstrations-only arm from the cold start to its plateau
     "demonstrations": ["tools.levers=false", "tools.control=false", "duration_s=1", "min_new_versions=0"],
 }

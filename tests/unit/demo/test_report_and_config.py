@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from services.common.config import load_config
@@ -69,6 +71,9 @@ def test_words_hints_give_the_trainer_its_hint_term_and_are_refused_when_unknown
         return ToolsDemo(cfg, Stack(tmp_path, cfg.agent, config_models={"trainer": TrainerConfig})).trainer_config()
 
     assert trainer()["algorithm"]["grpo"].get("hint_coef") is None
+    # the loop takes turns, so a Trainer step gets every core this process may use; a user's setting wins
+    assert trainer()["trainer"]["torch_threads"] == len(os.sched_getaffinity(0))
+    assert trainer("trainer.trainer.torch_threads=1")["trainer"]["torch_threads"] == 1
     hinted = trainer("tools.words=hints", "tools.hint_coef=0.5")["algorithm"]
     assert hinted["grpo"]["hint_coef"] == 0.5 and hinted["level"] == "token"
     assert trainer("tools.words=corrections")["algorithm"]["grpo"].get("hint_coef") is None
