@@ -67,8 +67,16 @@ def wilson(successes: float, n: int, z: float = 1.96) -> tuple[float, float]:
 
 
 def _cores() -> int:
-    """The CPUs this process may run on."""
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    """The CPUs this process may run on: its affinity, and a container's CPU quota (cgroup v2 cpu.max) when lower."""
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    try:
+        with open("/sys/fs/cgroup/cpu.max") as f:
+            quota, period = f.read().split()[:2]
+        if quota != "max":
+            cpus = min(cpus, max(1, math.ceil(int(quota) / int(period))))
+    except (OSError, ValueError):
+        pass
+    return cpus
 
 
 def _dtype() -> str:
@@ -234,7 +242,9 @@ class ToolsDemo:
         return f"{self.cfg.agent}-sft-only"
 
     def demonstrations_only(self, trainer_cfg: dict, start_version: int) -> DemonstrationsOnly:
-        """The control arm: agent ``<agent>-sft-only`` from ``v<start_version>``, trained on the demonstrations alone."""
+        """The control arm: agent ``<agent>-sft-only`` from ``v<start_version>``, trained on the demonstrations alone,
+        on one thread: it trains in this process while the Explorer measures versions on the other core."""
+        trainer_cfg = deep_merge(trainer_cfg, {"trainer": {"torch_threads": 1}})
         return DemonstrationsOnly(trainer_cfg, db_url=self.stack.db_url, root=self.stack.root, source=self.cfg.agent,
                                   name=self.control_agent, start_version=start_version, model_path=self.cfg.model_path)
 

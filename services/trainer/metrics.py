@@ -119,6 +119,15 @@ def _drop_torn_line(path: Path) -> None:
         f.seek(size - 1)
         if f.read(1) == b"\n":
             return
+        f.seek(max(0, size - 65536))
+        tail = f.read().rsplit(b"\n", 1)[-1]
+        try:  # a whole line without its newline (written by hand, or by something else): kept, and ended
+            json.loads(tail)
+            f.seek(size)
+            f.write(b"\n")
+            return
+        except ValueError:
+            pass
         keep = size - 1
         while keep > 0:  # back to the last newline (lines are short: a few kilobytes)
             start = max(0, keep - 65536)
@@ -140,6 +149,7 @@ class MetricsSink:
         self.path = self.dir / "metrics.jsonl"
         _drop_torn_line(self.path)
         self._jsonl = open(self.path, "a", buffering=1)
+        self._last_steps: dict[str, int] | None = None  # agent -> newest step with a line (last_step), read once
         self._tb = None
         try:
             self._tb = TensorBoardScalars(self.dir / "tensorboard")
@@ -150,22 +160,30 @@ class MetricsSink:
         self.prometheus = PrometheusMetrics(*prometheus) if prometheus is not None else None
 
     def last_step(self, agent: str) -> int | None:
-        """The newest step of ``agent`` this run folder's metrics.jsonl has a line for (None: none)."""
-        last = None
-        with open(self.path, encoding="utf-8") as f:
-            for line in f:
-                try:
-                    r = json.loads(line)
-                except ValueError:
-                    continue
-                if isinstance(r, dict) and r.get("agent") == agent and isinstance(r.get("step"), int):
-                    last = r["step"] if last is None else max(last, r["step"])
-        return last
+        """The newest step of ``agent`` this run folder's metrics.jsonl has a line for (None: none). The
+        file is read once, at the first call; the lines written since are counted as they are written."""
+        if self._last_steps is None:
+            self._last_steps = {}
+            with open(self.path, encoding="utf-8") as f:
+                for line in f:
+                    try:
+                        r = json.loads(line)
+                    except ValueError:
+                        continue
+                    if isinstance(r, dict) and isinstance(r.get("step"), int):
+                        self._note(r)
+        return self._last_steps.get(agent)
+
+    def _note(self, record: dict[str, Any]) -> None:
+        if self._last_steps is not None and isinstance(record.get("step"), int):
+            agent = record.get("agent")
+            self._last_steps[agent] = max(self._last_steps.get(agent, record["step"]), record["step"])
 
     def step(self, record: dict[str, Any], at: float | None = None) -> None:
         """One step's line; ``at``: when the step ended (a line written late, after a restart), else now."""
         record = {"time": time.time() if at is None else at, **record}
         self._jsonl.write(json.dumps(record) + "\n")
+        self._note(record)
         if self.prometheus is not None:
             self.prometheus.step(record)
         if self._tb is not None:

@@ -156,7 +156,9 @@ class TrainerService:
         logged = self.metrics.last_step(agent)
         if logged != last.step - 1 and not (logged is None and last.step == 1):
             return
-        record = {**last.metrics, "published": last.step % self.cfg.save_interval == 0, "recovered": True}
+        record = {**last.metrics, "recovered": True}
+        if last.step % self.cfg.save_interval == 0:  # as a step that closes a version says (its version is, or is owed)
+            record["published"] = True
         self.metrics.step(record, at=aware(last.created_at).timestamp())
         log.warning("agent %s: wrote step %d's metrics line, which the run killed after its commit never wrote", agent, last.step)
 
