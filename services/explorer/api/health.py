@@ -76,6 +76,9 @@ async def metrics(k: StateDep, request: Request):
     m = k.metrics
     m.engine_running.set(stats.running)
     m.engine_waiting.set(stats.waiting)
+    for key, value in stats.extra.items():  # replicas: their sums
+        if key.startswith("busy_") and key.endswith("_seconds"):
+            m.engine_busy.labels(key[len("busy_"):-len("_seconds")]).set(value)
     rec = k.recorder.health()
     m.recorder_pending.set(rec.pending)
     m.recorder_oldest_pending.set(rec.oldest_pending_s)

@@ -54,6 +54,9 @@ class ExplorerMetrics:
         self.committed = Counter("kaizen_committed", "Experiences committed for training", registry=r)
         self.engine_running = Gauge("kaizen_engine_running", "Sequences in the running batch", registry=r)
         self.engine_waiting = Gauge("kaizen_engine_waiting", "Requests waiting for the engine", registry=r)
+        self.engine_busy = Gauge(
+            "kaizen_engine_busy_seconds", "Seconds the engine's thread spent in each phase since it started (the hf engine: "
+            "prefill, decode, sample); its rate over time is the engine's load", ["phase"], registry=r)
         self.adapter_version = Gauge("kaizen_adapter_version", "Version each agent serves", ["agent"], registry=r)
         self.adapter_reloads = Counter("kaizen_adapter_reloads", "Adapter versions hot-loaded", ["agent"], registry=r)
         self.adapter_reload_failures = Gauge(

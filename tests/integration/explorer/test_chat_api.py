@@ -182,6 +182,9 @@ def test_health_and_metrics(explorer):
     text = explorer.http.get("/metrics").text
     assert 'kaizen_requests_total{route="/v1/chat/completions",status="200"} 1.0' in text
     assert "kaizen_completion_tokens_total" in text and "kaizen_request_latency_seconds_bucket" in text
+    busy = {line.split('"')[1]: float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+            if line.startswith("kaizen_engine_busy_seconds{")}
+    assert set(busy) == {"prefill", "decode", "sample"} and all(v > 0 for v in busy.values()), busy  # a call of 4 tokens
     # JSON for clients that ask for it (Trinity-RFT's ProxyClient.get_metrics reads these keys).
     for kw in ({"headers": {"Accept": "application/json"}}, {"params": {"format": "json"}}):
         body = explorer.http.get("/metrics", **kw).json()

@@ -130,6 +130,9 @@ class HFEngine:
         self._grammar_cache: GrammarCache | None = None
         self.steps = 0
         self.tokens_generated = 0
+        # seconds the engine's thread spent in each phase (prefill: admitting requests; decode: the forward of a
+        # step; sample: sampling, emitting and pruning), for /metrics: what a busy engine does with its time
+        self.busy_seconds = {"prefill": 0.0, "decode": 0.0, "sample": 0.0}
         self.shared_prefix_tokens_saved = 0  # prompt tokens not recomputed thanks to a shared prefix
 
     # ------------------------------------------------------------------ lifecycle
@@ -210,6 +213,7 @@ class HFEngine:
                 "prefix_cache_bytes": float(self._prefix.bytes),
                 "fast_decode_steps": float(self.fast_decode_steps),
                 "fast_decode_kernel_steps": float(fast.kernel_steps if (fast := self.fast) is not None else 0),
+                **{f"busy_{phase}_seconds": seconds for phase, seconds in self.busy_seconds.items()},
             },
         )
 
@@ -339,14 +343,21 @@ class HFEngine:
                 self._drain_commands(block=not self._rows and not self._waiting)
                 if self._stopping:
                     break
+                busy, t0 = self.busy_seconds, time.perf_counter()
                 if self._waiting and len(self._rows) < self.max_batch_size:
                     self._admit()
+                    t1 = time.perf_counter()
+                    busy["prefill"] += t1 - t0
+                    t0 = t1
                 if not self._rows:
                     continue
                 self._sample_and_emit()
                 self._prune()
+                t1 = time.perf_counter()
+                busy["sample"] += t1 - t0
                 if self._rows:
                     self._decode()
+                    busy["decode"] += time.perf_counter() - t1
                 self.steps += 1
             except Exception as e:  # never let one bad batch kill the engine
                 log.exception("engine step failed; failing %d running requests", len(self._rows))
