@@ -61,9 +61,9 @@ def test_a_late_reward_is_retrained_once_across_a_kill(tiny_model, faults_db, ra
         stale = trained[0].experience_id
         buffer.apply_feedback(engine=db, msg_ids=[stale], reward=0.5, feedback={"source": "late-review"})
         _run(trainers, "after", 1, "staleness.max_staleness=1", "staleness.policy=downweight")  # step 3
-        records = _records(trainers)  # (step 2's line was never written: the kill came first; its record is the buffer's)
-        assert [r["step"] for r in records] == [1, 3]
-        assert [r["late_retrained"] for r in records] == [0, 0]
+        records = _records(trainers)  # step 2's line, which the kill kept from being written, from the buffer's record
+        assert [(r["step"], r.get("recovered", False)) for r in records] == [(1, False), (2, True), (3, False)]
+        assert [r["late_retrained"] for r in records] == [0, len(trained), 0]
         assert checkpoints.read_latest(trainers.run / "ck", AGENT, fallback=False) == 3
         assert buffer.pending_late_rewards(engine=db, agent=AGENT, limit=100) == []
         assert buffer.retrained_in(engine=db, agent=AGENT, version=2) == sorted(e.experience_id for e in trained)
