@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import asyncio
 import math
-import os
 import random
 import statistics
 import time
@@ -32,6 +31,7 @@ from typing import Literal
 from runner_sdk import ExplorerClient
 from services.common import buffer
 from services.common.config import deep_merge
+from services.common.cpus import usable_cpus
 from services.common.launch import Stack, new_run_dir
 from services.demo import agent_app, tasks
 from services.demo.config import DemoConfig
@@ -64,19 +64,6 @@ def wilson(successes: float, n: int, z: float = 1.96) -> tuple[float, float]:
     centre = (p + z * z / (2 * n)) / (1 + z * z / n)
     half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / (1 + z * z / n)
     return max(0.0, centre - half), min(1.0, centre + half)
-
-
-def _cores() -> int:
-    """The CPUs this process may run on: its affinity, and a container's CPU quota (cgroup v2 cpu.max) when lower."""
-    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    try:
-        with open("/sys/fs/cgroup/cpu.max") as f:
-            quota, period = f.read().split()[:2]
-        if quota != "max":
-            cpus = min(cpus, max(1, math.ceil(int(quota) / int(period))))
-    except (OSError, ValueError):
-        pass
-    return cpus
 
 
 def _dtype() -> str:
@@ -172,7 +159,7 @@ class ToolsDemo:
             # Every core: the loop takes turns (the traffic waits while a step trains, the Trainer while a round
             # runs), so a step has the machine to itself (2 cores: a loop step 14-20 s against 24-28 on one). The
             # engine keeps its one thread: on two, its OpenMP threads and the server's took turns (cpu_paths.py).
-            "trainer": {"micro_batch_size": 8, "torch_threads": _cores(), "poll_interval_s": 0.2},
+            "trainer": {"micro_batch_size": 8, "torch_threads": usable_cpus(), "poll_interval_s": 0.2},
         }
         if self.t.levers:
             base = deep_merge(base, LEVERS)

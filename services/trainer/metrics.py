@@ -109,37 +109,32 @@ class TensorBoardScalars:
 
 def _drop_torn_line(path: Path) -> None:
     """A process killed while writing a line leaves it without its newline: cut it off, so every
-    line of the file stays one JSON object (the step it belonged to is written again: ``last_step``)."""
+    line of the file stays one JSON object (the step it belonged to is written again: ``last_step``).
+    A whole line that only lacks its newline (written by hand, or by something else) is ended instead."""
     if not path.exists():
         return
     with open(path, "rb+") as f:
-        size = f.seek(0, 2)
-        if size == 0:
+        size = end = f.seek(0, 2)
+        tail = b""
+        while end > 0:  # back to the last newline, in chunks (lines are a few kilobytes)
+            start = max(0, end - 65536)
+            f.seek(start)
+            chunk = f.read(end - start)
+            i = chunk.rfind(b"\n")
+            tail = chunk[i + 1:] + tail
+            if i >= 0:
+                break
+            end = start
+        if not tail:
             return
-        f.seek(size - 1)
-        if f.read(1) == b"\n":
-            return
-        f.seek(max(0, size - 65536))
-        tail = f.read().rsplit(b"\n", 1)[-1]
-        try:  # a whole line without its newline (written by hand, or by something else): kept, and ended
+        try:
             json.loads(tail)
             f.seek(size)
             f.write(b"\n")
             return
         except ValueError:
-            pass
-        keep = size - 1
-        while keep > 0:  # back to the last newline (lines are short: a few kilobytes)
-            start = max(0, keep - 65536)
-            f.seek(start)
-            chunk = f.read(keep - start)
-            i = chunk.rfind(b"\n")
-            if i >= 0:
-                keep = start + i + 1
-                break
-            keep = start
-        f.truncate(keep)
-        log.warning("%s: cut off a line a killed Trainer left unfinished (%d bytes)", path, size - keep)
+            f.truncate(size - len(tail))
+        log.warning("%s: cut off a line a killed Trainer left unfinished (%d bytes)", path, len(tail))
 
 
 class MetricsSink:

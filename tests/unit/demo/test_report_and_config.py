@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-import os
-
 import pytest
 
 from services.common.config import load_config
+from services.common.cpus import usable_cpus
 from services.demo.config import DemoConfig
 from services.demo.report import paired_gain_ci
 from services.demo.tools_demo import mean_interval, wilson
@@ -72,7 +71,7 @@ def test_words_hints_give_the_trainer_its_hint_term_and_are_refused_when_unknown
 
     assert trainer()["algorithm"]["grpo"].get("hint_coef") is None
     # the loop takes turns, so a Trainer step gets every core this process may use; a user's setting wins
-    assert trainer()["trainer"]["torch_threads"] == len(os.sched_getaffinity(0))
+    assert trainer()["trainer"]["torch_threads"] == usable_cpus()
     assert trainer("trainer.trainer.torch_threads=1")["trainer"]["torch_threads"] == 1
     hinted = trainer("tools.words=hints", "tools.hint_coef=0.5")["algorithm"]
     assert hinted["grpo"]["hint_coef"] == 0.5 and hinted["level"] == "token"

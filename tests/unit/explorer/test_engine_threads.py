@@ -10,6 +10,7 @@ import os
 import pytest
 import torch
 
+from services.common import cpus
 from services.explorer.serving.engines.base import EngineError, GenerateRequest, SamplingParams
 from services.explorer.serving.engines.cpu_paths import default_torch_threads
 from services.explorer.serving.engines.hf import HFEngine
@@ -18,9 +19,10 @@ from services.explorer.serving.engines.hf_batch import QueuedRequest
 CPU = torch.device("cpu")
 
 
-def test_one_core_is_left_to_the_server_unless_openmp_is_told(monkeypatch):
+def test_one_core_is_left_to_the_server_unless_openmp_is_told(monkeypatch, tmp_path):
     for var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):
         monkeypatch.delenv(var, raising=False)
+    monkeypatch.setattr(cpus, "CPU_MAX", tmp_path / "cpu.max")  # no container quota, whatever this host's
     monkeypatch.setattr(torch, "get_num_threads", lambda: 8)  # torch's own default: the physical cores
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(16)))  # 16 logical CPUs (SMT)
     assert default_torch_threads(CPU) == 7  # the physical cores, less one
@@ -28,6 +30,10 @@ def test_one_core_is_left_to_the_server_unless_openmp_is_told(monkeypatch):
     assert default_torch_threads(CPU) == 1
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0})
     assert default_torch_threads(CPU) == 1  # never none
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(16)))
+    (tmp_path / "cpu.max").write_text("300000 100000\n")  # a container allowed 3 CPUs' time: 2 threads
+    assert default_torch_threads(CPU) == 2
+    (tmp_path / "cpu.max").unlink()
     for var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):
         monkeypatch.setenv(var, "4")
         assert default_torch_threads(CPU) is None  # torch follows the variable itself

@@ -100,3 +100,13 @@ def test_a_restart_writes_the_line_its_last_commit_missed_once_and_only_where_th
     first = tmp_path / "first"
     assert [r["step"] for r in restart(first, _step(1, 1))] == [1]  # an agent's first step, in a new folder
     assert not restart(tmp_path / "none", None)
+
+
+def test_a_torn_line_longer_than_a_read_is_cut_whole(tmp_path):
+    whole = json.dumps(_record("a", 1)) + "\n"
+    (tmp_path / "metrics.jsonl").write_text(whole + '{"agent": "a", "pad": "' + "x" * 200_000)
+    sink = _sink(tmp_path)
+    try:
+        assert (tmp_path / "metrics.jsonl").read_text() == whole and sink.last_step("a") == 1
+    finally:
+        sink.close()

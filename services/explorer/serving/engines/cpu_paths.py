@@ -31,6 +31,7 @@ import torch
 from torch import nn
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
+from services.common.cpus import usable_cpus
 from services.common.models import cpu_has_native_bf16
 
 log = logging.getLogger(__name__)
@@ -40,15 +41,15 @@ DECODE_ATTENTION = "kaizen_cpu_decode"  # the name the attention is registered u
 
 def default_torch_threads(device: torch.device) -> int | None:
     """The engine's torch threads when ``engine.torch_threads`` is unset: on a CPU, one fewer than torch's
-    own default (the physical cores) or the CPUs this process may use, whichever is fewer, so the
+    own default (the physical cores) or the CPUs this process may use (a container's CPU quota included:
+    services/common/cpus.py), whichever is fewer, so the
     server's own thread (HTTP, recording) keeps one; None (torch's default) when OMP_NUM_THREADS or
     MKL_NUM_THREADS says how many, or off the CPU. With its OpenMP threads on every core, their spinning
     and the server's thread took turns: on 2 cores SmolLM2 decoded 13 / 82 / 227 tokens/s at 1 / 8 / 32
     sequences on two threads against 23 / 141 / 268 on one (tests/bench/smollm2.py, docs/ENGINES.md)."""
     if device.type != "cpu" or os.environ.get("OMP_NUM_THREADS") or os.environ.get("MKL_NUM_THREADS"):
         return None
-    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    return max(1, min(cpus, torch.get_num_threads()) - 1)
+    return max(1, min(usable_cpus(), torch.get_num_threads()) - 1)
 
 
 def packing_helps(dtype: torch.dtype, device: torch.device | str) -> bool:
