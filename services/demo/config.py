@@ -112,6 +112,12 @@ class ToolsSection(ConfigModel):
         "(metadata.explore) and the Explorer gets agents.exploration_temperature for the agent, so the records hold "
         "the temperature sampled at and the Trainer scores them at it. null: the traffic samples at `temperature`. "
         "The demo's traffic is all repeated runs that no user reads: a production agent explores in its shadow runs.")
+    call_credit: float = Field(
+        default=0.0, ge=0, le=0.5,
+        description="The traffic's rewards only (never the evaluations'): an episode whose answer scored less is rewarded "
+        "this much when one of its tool calls computed the answer, half as much when one only had the right form (the "
+        "calculator: the problem's operators; the converter: its two units). A signal for the call itself: a group "
+        "whose runs all answered wrong still tells the right operation from a wrong one. 0: the answer alone.")
     eval_concurrency: int = Field(default=16, ge=1, description="Held-out episodes in flight at once.")
     control: bool = Field(
         default=True,

@@ -49,6 +49,9 @@ class Task:
     tool_label: str = "the calculator"  # for the report: "called <tool_label>"
     arguments_word: str = "expression"  # for the report: "with the right <arguments_word>"
     graded: bool = False  # rewards between 0 and 1, not only 0 or 1 (the report's interval is then not Wilson's)
+    # whether a call's arguments (a dict) have the right form for the problem though maybe not its value (the
+    # calculator: the problem's operators; the unit converter: its two units); tools.call_credit rewards it
+    right_form: Callable[[Problem, dict[str, Any]], bool] | None = None
 
     @property
     def tools(self) -> list[dict[str, Any]]:
@@ -114,6 +117,22 @@ class Task:
         """Whether a tool call of the episode got the right result (for the report)."""
         right = self.tool_result(p)
         return any(m.get("role") == "tool" and m.get("content") == right for m in messages)
+
+
+    def call_grade(self, p: Problem, messages: list[dict[str, Any]]) -> float:
+        """How right the episode's tool calls were, whatever its final reply: 1.0 when one computed the answer,
+        0.5 when none did but one had the right form (``right_form``), else 0.0."""
+        if self.called_right(p, messages):
+            return 1.0
+        if self.right_form is None:
+            return 0.0
+        for m in messages:
+            for c in m.get("tool_calls") or ():
+                fn = c.get("function") or {}
+                arguments = tool_arguments(fn.get("name"), self.tool_name, fn.get("arguments") or {})
+                if isinstance(arguments, dict) and self.right_form(p, arguments):
+                    return 0.5
+        return 0.0
 
 
 def tool_arguments(name: str, tool: str, arguments: str | dict[str, Any]) -> dict[str, Any] | str:

@@ -84,9 +84,11 @@ def mean_interval(scores: list[float], z: float = 1.96) -> tuple[float, float]:
 
 
 def feedback_calls(ep: agent_app.Episode, task: Task, *, words: Literal["off", "hints", "corrections"] = "off",
-                   hint_calls: Literal["episode", "tool"] = "episode", corrects: bool = True) -> list[dict]:
+                   hint_calls: Literal["episode", "tool"] = "episode", corrects: bool = True,
+                   call_credit: float = 0.0) -> list[dict]:
     """The Explorer feedback requests (``ExplorerClient.feedback`` keywords) for one finished episode:
-    its reward for every call; after a wrong answer, with ``words="hints"``, the task's hint on every
+    its reward for every call (with ``call_credit``, at least that much when a tool call of the episode
+    computed the answer, half as much when one only had the right form: ``Task.call_grade``); after a wrong answer, with ``words="hints"``, the task's hint on every
     call (``hint_calls="episode"``), or on the first call alone, the tool call the hint speaks about,
     when that call did not compute the answer (``"tool"``); with ``words="corrections"``, the right
     first call as the correction of the episode's first, unless a tool call of the episode computed
@@ -96,7 +98,8 @@ def feedback_calls(ep: agent_app.Episode, task: Task, *, words: Literal["off", "
         raise ValueError(f"unknown feedback in words: words={words!r}, hint_calls={hint_calls!r}")
     if not ep.msg_ids:
         return []
-    reward = {"msg_ids": ep.msg_ids, "reward": ep.reward, "task_id": ep.task_id, "run_id": ep.run_id}
+    value = max(ep.reward, call_credit * task.call_grade(ep.problem, ep.messages)) if call_credit else ep.reward
+    reward = {"msg_ids": ep.msg_ids, "reward": value, "task_id": ep.task_id, "run_id": ep.run_id}
     if ep.reward >= 1.0 or words == "off":
         return [reward]
     if words == "hints" and hint_calls == "episode":
@@ -275,7 +278,7 @@ class ToolsDemo:
                     try:
                         corrects = run == 0 or self.t.correct_runs == "all"  # run 0 is the one a user was served
                         for kwargs in feedback_calls(ep, self.task, words=self.t.words, hint_calls=self.t.hint_calls,
-                                                     corrects=corrects):
+                                                     corrects=corrects, call_credit=self.t.call_credit):
                             await explorer.feedback(**kwargs)
                     except Exception as e:  # one lost reward must not stop the traffic
                         ep.error = f"feedback failed: {e}"

@@ -207,12 +207,19 @@ def hint(p: Problem) -> str:
     return f"Call the calculator with the expression {p.expression}, then state its result."
 
 
+def right_form(p: Problem, arguments: dict[str, Any]) -> bool:
+    """Whether a call's expression uses the problem's operators, in order, whatever its numbers."""
+    expression = arguments.get("expression")
+    return isinstance(expression, str) and operators(expression) == operators(p.expression)
+
+
 TASK = Task(
     name="calculator", tool=CALCULATOR, operations=OPERATIONS, templates=_TEMPLATES, pool=DEMONSTRATION_POOL,
     make_problem=lambda rng, template=None: make_problem(rng, template), run_tool_call=run_tool_call,
     score=lambda p, final: reward(p.answer, final), arguments=lambda p: {"expression": p.expression},
     tool_result=lambda p: calculate(p.expression), final_reply=lambda p: final_reply(p.answer), hint=hint,
     max_tokens=40,  # the call takes 36-38 with its tags
+    right_form=right_form,
 )
 operation = TASK.operation
 split = TASK.split

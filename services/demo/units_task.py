@@ -226,10 +226,17 @@ def hint(p: Problem) -> str:
     return f"Call convert with value {args['value']:g}, from {args['from']} and to {args['to']}, then state its result in {args['to']}."
 
 
+def right_form(p: Problem, arguments: dict[str, Any]) -> bool:
+    """Whether a call converts between the problem's two units, whatever its value."""
+    args = json.loads(p.expression)
+    return unit(arguments.get("from")) == args["from"] and unit(arguments.get("to")) == args["to"]
+
+
 TASK = Task(
     name="units", tool=CONVERT, operations=OPERATIONS, templates=_TEMPLATES, pool=DEMONSTRATION_POOL,
     make_problem=lambda rng, template=None: make_problem(rng, template), run_tool_call=run_tool_call, score=score,
     arguments=lambda p: json.loads(p.expression), tool_result=lambda p: show(p.answer), final_reply=final_reply,
     hint=hint, tool_label="the converter", arguments_word="units", graded=True,
     max_tokens=52,  # the call takes 41-48 with its tags
+    right_form=right_form,
 )

@@ -137,6 +137,11 @@ SETTINGS: dict[str, list[str]] = {
     # =false): a group of 7 right runs and 1 wrong then weighs 0.44 of one of 4 and 4 (their summed |advantage|), against
     # 0.66 scaled by the std; against the late versions' drift, which comes when most informative groups are nearly solved
     "explore-drgrpo": [*EXPLORE, "trainer.algorithm.grpo.std_normalize=false"],
+    # `explore` whose traffic rewards credit the tool call (tools.call_credit=0.2): a wrong answer after a call that computed
+    # the answer scores 0.2, after a call with the problem's operator 0.1. Against the late versions' operator drift: a
+    # group whose 8 runs all answered wrong (the "kids split" phrasing in every run) today teaches nothing, and with the
+    # credit it tells the right operator from a wrong one; in a group with a success a credited run stays near its mean
+    "explore-credit": [*EXPLORE, "tools.call_credit=0.2"],
     # no online loop to speak of (one round of traffic at most): the demonstrations-only arm from the cold start to its plateau
     "demonstrations": ["tools.levers=false", "tools.control=false", "duration_s=1", "min_new_versions=0"],
 }

@@ -3,6 +3,9 @@ on episodes written by hand."""
 
 from __future__ import annotations
 
+import json
+import random
+
 import pytest
 
 from services.demo import tasks, tools_task
@@ -86,3 +89,52 @@ def test_no_call_recorded_no_feedback_and_unknown_words_refused():
     assert feedback_calls(Episode(problem=PROBLEM, task_id="t", run_id="9"), TASK, words="hints") == []
     with pytest.raises(ValueError, match="words='shouts'"):
         feedback_calls(BAD_CALL, TASK, words="shouts")
+
+
+SWAPPED = _episode("5", [("24 * 36", "864"), "846"], 0.0)  # the right call, numbers swapped: still computes the answer
+RIGHT_OPERATOR = _episode("6", [("36 * 42", "1512"), "1512"], 0.0)  # the right operator, a wrong number
+RIGHT_OPERATOR_LATE = _episode("7", [("36 + 24", "60"), ("30 * 24", "720"), "720"], 0.0)
+TWO_OPERATORS = _episode("8", [("36 * 24 + 1", "865"), "865"], 0.0)  # "*+" is not the problem's "*"
+UNPARSED = _episode("9", [("36 ** 24", "error: only numbers, + - * / and parentheses are allowed"), "0"], 0.0)
+
+
+def test_call_grades_worked_by_hand():
+    grade = lambda ep: TASK.call_grade(PROBLEM, ep.messages)  # noqa: E731
+    assert [grade(ep) for ep in (RIGHT, BAD_ANSWER, SECOND_CALL_RIGHT, SWAPPED)] == [1.0] * 4
+    assert [grade(ep) for ep in (RIGHT_OPERATOR, RIGHT_OPERATOR_LATE)] == [0.5, 0.5]
+    assert [grade(ep) for ep in (BAD_CALL, TWO_OPERATORS, UNPARSED, NO_TOOL)] == [0.0] * 4
+
+
+def test_call_credit_rewards_a_wrong_answer_for_its_call_and_never_lowers_a_reward():
+    credit = lambda ep: feedback_calls(ep, TASK, call_credit=0.2)[0]["reward"]  # noqa: E731
+    assert credit(RIGHT) == 1.0
+    assert credit(BAD_ANSWER) == credit(SECOND_CALL_RIGHT) == 0.2
+    assert credit(RIGHT_OPERATOR) == 0.1
+    assert credit(BAD_CALL) == credit(NO_TOOL) == 0.0
+    # off by default; and the words that follow a wrong answer still follow it
+    assert feedback_calls(BAD_ANSWER, TASK)[0]["reward"] == 0.0
+    assert feedback_calls(BAD_CALL, TASK, words="hints", call_credit=0.2) == [_reward(BAD_CALL) | {"hint": HINT}]
+    assert feedback_calls(RIGHT_OPERATOR, TASK, words="hints", call_credit=0.2) == [
+        _reward(RIGHT_OPERATOR) | {"reward": 0.1, "hint": HINT}]
+
+
+def test_units_call_credit_asks_for_both_units_and_keeps_a_half_answer():
+    units = tasks.get("units")
+    p = units.make_problem(random.Random(3), None)
+    args = json.loads(p.expression)
+    swapped = {"value": args["value"], "from": args["to"], "to": args["from"]}
+
+    def ep(arguments: dict, final: str, reward: float) -> Episode:
+        call = {"id": "c0", "type": "function", "function": {"name": "convert", "arguments": json.dumps(arguments)}}
+        messages = [{"role": "user", "content": p.question}, {"role": "assistant", "content": None, "tool_calls": [call]},
+                    {"role": "tool", "tool_call_id": "c0", "content": units.run_tool_call("convert", arguments)},
+                    {"role": "assistant", "content": final}]
+        return Episode(problem=p, task_id="t", run_id="0", msg_ids=["m0", "m1"], messages=messages, final=final, reward=reward)
+
+    right_units = ep(args | {"value": args["value"] + 1}, "no idea", 0.0)
+    assert units.call_grade(p, right_units.messages) == 0.5
+    assert units.call_grade(p, ep(swapped, "no idea", 0.0).messages) == 0.0
+    assert units.call_grade(p, ep(args, "no idea", 0.0).messages) == 1.0
+    assert feedback_calls(right_units, units, call_credit=0.4)[0]["reward"] == 0.2
+    half = ep(args, "The answer is ...", 0.5)  # a graded answer above the credit keeps its own reward
+    assert feedback_calls(half, units, call_credit=0.4)[0]["reward"] == 0.5
