@@ -1,7 +1,7 @@
 """`make bench` section prefix: the hf engine's prefix cache on the demo's own episodes, on and off
 side by side in one process, rounds alternating.
 
-    python -m tests.bench.run prefix     # KAIZEN_BENCH_PREFIX_EPISODES=8 KAIZEN_BENCH_PREFIX_CONCURRENCY=1,4
+    python -m tests.bench.run prefix     # KAIZEN_BENCH_PREFIX_EPISODES=8 KAIZEN_BENCH_PREFIX_CONCURRENCY=1,8
 
 An episode is shaped as the demo's (services/demo/tools_task.py): SmolLM2 gets a word problem with
 the calculator tool in its prompt (about 170 of the first call's tokens are the tool list), answers
@@ -31,6 +31,7 @@ from tests.bench.common import table
 from tests.bench.smollm2 import MODEL, _csv, _env_int, spread
 
 MAX_TOKENS = 48
+SIDES = ("off", "alone", "on")
 
 
 def _prompts(tokenizer, n: int, seed: int) -> list[list[int]]:
@@ -75,9 +76,9 @@ async def _episodes(engine: HFEngine, prompts: list[list[int]], tool_turn: list[
 
 async def _run(cfg: dict) -> dict:
     engines = {}
-    for side, mb in (("off", 0), ("on", 256)):
+    for side, mb, batched in (("off", 0, True), ("alone", 256, False), ("on", 256, True)):
         e = HFEngine(model_path=cfg["model"], dtype=cfg["dtype"], device="cpu", max_batch_size=32,
-                     torch_threads=cfg["threads"], prefix_cache_mb=mb)
+                     torch_threads=cfg["threads"], prefix_cache_mb=mb, batch_own_prefixes=batched)
         await e.start()
         engines[side] = e
     tok = engines["on"].tokenizer
@@ -92,13 +93,15 @@ async def _run(cfg: dict) -> dict:
         for r in range(cfg["rounds"]):
             prompts = _prompts(tok, cfg["episodes"], seed=r)  # the same problems on both sides of a round
             for c in cfg["concurrency"]:
-                for side in (("off", "on") if r % 2 == 0 else ("on", "off")):
+                for side in (SIDES if r % 2 == 0 else SIDES[::-1]):
                     e = engines[side]
-                    reused = e._prefix.tokens_reused
+                    reused, prefill = e._prefix.tokens_reused, e.busy_seconds["prefill"]
                     seconds, sent = await _episodes(e, prompts, tool_turn, end, c)
-                    row = results.setdefault((c, side), {"eps": [], "reused": [], "sent": []})
+                    row_prefill = e.busy_seconds["prefill"] - prefill
+                    row = results.setdefault((c, side), {"eps": [], "reused": [], "prefill_s": []})
                     row["eps"].append(len(prompts) / seconds)
                     row["reused"].append((e._prefix.tokens_reused - reused) / sent)
+                    row["prefill_s"].append(row_prefill / len(prompts))
                     await e.clear_prefix_cache()  # each round starts cold, as a fresh Explorer would
     finally:
         for e in engines.values():
@@ -110,21 +113,26 @@ def main() -> str:
     cfg = {"model": os.environ.get("KAIZEN_BENCH_SMOLLM2_MODEL", MODEL), "dtype": _dtype(),
            "threads": _env_int("KAIZEN_BENCH_PREFIX_THREADS", 1), "rounds": _env_int("KAIZEN_BENCH_ROUNDS", 3),
            "episodes": _env_int("KAIZEN_BENCH_PREFIX_EPISODES", 8),
-           "concurrency": [int(c) for c in _csv("KAIZEN_BENCH_PREFIX_CONCURRENCY", "1,4")]}
+           "concurrency": [int(c) for c in _csv("KAIZEN_BENCH_PREFIX_CONCURRENCY", "1,8")]}
     if not os.path.exists(os.path.join(cfg["model"], "config.json")):
         return f"== prefix: skipped, no model at {cfg['model']} (make pretrained)"
     torch.manual_seed(0)
     results = asyncio.run(_run(cfg))
     rows = []
     for c in cfg["concurrency"]:
-        off, on = results[(c, "off")], results[(c, "on")]
-        ratios = [b / a for a, b in zip(off["eps"], on["eps"])]
-        rows.append([c, spread(off["eps"], "{:.2f}"), spread(on["eps"], "{:.2f}"), spread(ratios, "{:.2f}"),
+        off, alone, on = (results[(c, side)] for side in SIDES)
+        rows.append([c, spread(off["eps"], "{:.2f}"), spread(alone["eps"], "{:.2f}"), spread(on["eps"], "{:.2f}"),
+                     spread([b / a for a, b in zip(off["eps"], on["eps"])], "{:.2f}"),
+                     spread([b / a for a, b in zip(alone["eps"], on["eps"])], "{:.2f}"),
+                     " / ".join(f"{statistics.median(results[(c, side)]['prefill_s']) * 1e3:.0f}" for side in SIDES),
                      f"{statistics.median(on['reused']):.0%}"])
     title = (f"prefix: the hf engine's prefix cache on the demo's two-call episodes (SmolLM2, {cfg['dtype']}, "
             f"{cfg['threads']} thread(s), {cfg['episodes']} episodes per round, greedy, <= {MAX_TOKENS} tokens a call); "
-            f"median (min..max) of {cfg['rounds']} rounds, sides alternating")
-    return table(title, ["concurrency", "episodes/s off", "episodes/s on", "on / off", "prompt tokens reused"], rows)
+            f"off: no cache; alone: the cache, each next call prefilled on its own; on: the next calls admitted together "
+            f"prefilled in one batch, each on its own conversation (the default); median (min..max) of {cfg['rounds']} "
+            f"rounds, sides alternating")
+    return table(title, ["concurrency", "episodes/s off", "alone", "on", "on / off", "on / alone",
+                         "prefill ms an episode off / alone / on", "prompt tokens reused"], rows)
 
 
 if __name__ == "__main__":

@@ -161,3 +161,73 @@ def test_next_calls_admitted_together_each_take_their_own_conversation(engines):
     assert caching._prefix.tokens_reused - reused == sum(len(f) + len(outs[(rid, 0)][0]) - 1
                                                          for f, rid in zip(firsts, ("a1", "b1")))
     assert_same(got, drive(plain, schedule))
+
+
+def test_next_calls_of_many_episodes_are_prefilled_in_one_batch_each_on_its_own_prefix(engines, monkeypatch):
+    """Four episodes' next calls arrive together while another request runs: conversations of different
+    lengths, one asking for two choices, one whose conversation the cache never held (the first call's
+    tokens were not kept). The three the cache holds are prefilled in one forward, each row on its own
+    cached conversation; their outputs are those of a plain engine and of the same engine prefilling
+    them one at a time."""
+    _, plain, caching = engines
+    caching._prefix.clear()
+    rng = random.Random(6)
+    eos = caching._eos
+    system = ids(rng, PREFIX_LEN, eos)
+    firsts = [system + ids(rng, n, eos) for n in (35, 50, 70)]
+    starts = [request(f"e{k}", f, max_tokens=8) for k, f in enumerate(firsts)]
+    outs = drive(caching, {0: starts})
+    seconds = [f + outs[(f"e{k}", 0)][0] + ids(rng, 5 + 3 * k, eos) for k, f in enumerate(firsts)]
+    stranger = system + ids(rng, 40, eos)  # shares the system prompt alone
+    group = [request("n0", seconds[0]), request("n1", seconds[1], n=2), request("n2", seconds[2]), request("x", stranger)]
+    schedule = {0: [request("running", ids(rng, 20, eos), max_tokens=12)], 3: group}
+    want = drive(plain, schedule)
+
+    forwards = []
+    real = caching._forward
+    monkeypatch.setattr(caching, "_forward", lambda input_ids, *a, **k: forwards.append(tuple(input_ids.shape)) or real(input_ids, *a, **k))
+    results = {}
+    for batched in (True, False):
+        caching._prefix.clear()
+        drive(caching, {0: starts})  # the first calls again: the cache holds their conversations
+        caching.batch_own_prefixes = batched
+        forwards.clear()
+        try:
+            results[batched] = drive(caching, schedule)
+        finally:
+            caching.batch_own_prefixes = True
+        # what each next call computes: its tokens after the conversation the cache holds (all but the last
+        # generated token, which was never fed back)
+        widths = [len(s) - len(f) - len(outs[(f"e{k}", 0)][0]) + 1 for k, (f, s) in enumerate(zip(firsts, seconds))]
+        if batched:  # one forward of three rows, as wide as the longest
+            assert (3, max(widths)) in forwards and not [w for w in widths if (1, w) in forwards], forwards
+        else:  # a forward each
+            assert all((1, w) in forwards for w in widths) and not [s for s in forwards if s[0] == 3], forwards
+    assert_same(results[True], want)
+    assert_same(results[False], want)
+
+
+def test_identical_prompts_admitted_together_are_computed_once(engines, monkeypatch):
+    """A task's runs asked at once (the same prompt, as separate requests, one asking for two choices)
+    beside another prompt: two prompts are computed, not five, and each request's outputs are those of
+    a plain engine. The same prompt on another adapter would not be the same prompt (not tested here:
+    the tiny model has no adapter loaded)."""
+    sharing, plain, _ = engines
+    rng = random.Random(7)
+    eos = sharing._eos
+    prefix = ids(rng, PREFIX_LEN, eos)
+    task, other = prefix + ids(rng, 12, eos), prefix + ids(rng, 7, eos)
+    group = [request("run0", task), request("run1", task, n=2), request("other", other), request("run2", task),
+             request("run3", task)]
+    rows = []
+    real = sharing._forward
+    monkeypatch.setattr(sharing, "_forward", lambda input_ids, *a, **k: rows.append(input_ids.shape[0]) or real(input_ids, *a, **k))
+    before = sharing.prompts_deduplicated
+    got = drive(sharing, {0: group})
+    assert sharing.prompts_deduplicated - before == 3 and sharing.stats().extra["prompts_deduplicated"] == sharing.prompts_deduplicated
+    # the prefill: their shared prefix once, then the two prompts' own tokens (decode steps, six rows each, take
+    # the engine's own fast path here, not this forward)
+    assert rows[:2] == [1, 2] and all(r == 6 for r in rows[2:]), rows
+    assert_same(got, drive(plain, {0: group}))
+    for run in ("run1", "run2", "run3"):  # greedy: every run of the task says what the first says
+        assert_same({"r": got[(run, 0)]}, {"r": got[("run0", 0)]})

@@ -71,6 +71,7 @@ class HFEngine:
         decode_attention: bool = True,
         fast_decode: bool = True,
         decode_kernels: bool | None = None,
+        batch_own_prefixes: bool = True,
     ):
         self.model_path = model_path
         self._chat_template = chat_template
@@ -88,6 +89,9 @@ class HFEngine:
         # Keys and values of prompts computed before, reused by later requests that start the same way
         # (prefix_cache.py): within this many MiB, runs of at least 32 tokens (or the sharing minimum).
         self._prefix = PrefixCache(prefix_cache_mb << 20, min_tokens=shared_prefix_min_tokens or 32)
+        # requests admitted together that each continue a conversation the prefix cache holds (the next calls of
+        # several episodes) are prefilled in one batch, each row on its own cached prefix (False: one by one)
+        self.batch_own_prefixes = batch_own_prefixes
         # the CPU's fast paths (cpu_paths.py): linear layers on pre-packed weights (None: decided by the CPU
         # and dtype) and the decode steps' attention as plain products
         self._packed_weights = packed_weights  # None: if packing_helps and the copy fits packing_budget
@@ -134,6 +138,7 @@ class HFEngine:
         # step; sample: sampling, emitting and pruning), for /metrics: what a busy engine does with its time
         self.busy_seconds = {"prefill": 0.0, "decode": 0.0, "sample": 0.0}
         self.shared_prefix_tokens_saved = 0  # prompt tokens not recomputed thanks to a shared prefix
+        self.prompts_deduplicated = 0  # requests whose prompt another one admitted with them computed
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -208,6 +213,7 @@ class HFEngine:
                 "steps": float(self.steps),
                 "tokens_generated": float(self.tokens_generated),
                 "shared_prefix_tokens_saved": float(self.shared_prefix_tokens_saved),
+                "prompts_deduplicated": float(self.prompts_deduplicated),
                 "prefix_cache_hits": float(self._prefix.hits),
                 "prefix_cache_tokens_reused": float(self._prefix.tokens_reused),
                 "prefix_cache_bytes": float(self._prefix.bytes),
@@ -474,15 +480,17 @@ class HFEngine:
             space -= st.req.n
             budget -= cost
         admitted = [st for st in admitted if self._grammar_ready(st)]
-        for group in self._prefill_groups(admitted):
-            self._admit_group(group)
+        for group, own in self._prefill_groups(admitted):
+            self._admit_group(group, own=own)
 
-    def _prefill_groups(self, admitted: list[QueuedRequest]) -> list[list[QueuedRequest]]:
-        """The requests to prefill together. A request whose own conversation the prefix cache holds
-        well beyond what the others share with it (the next call of an episode) is prefilled alone, on
-        top of its cached keys and values; the rest together, sharing their common prefix."""
+    def _prefill_groups(self, admitted: list[QueuedRequest]) -> list[tuple[list[QueuedRequest], bool]]:
+        """The requests to prefill together, each group with whether its rows start from their own cached
+        prefixes. A request whose own conversation the prefix cache holds well beyond what the others
+        share with it (the next call of an episode) is prefilled on top of its cached keys and values:
+        all such requests in one batch, each row on its own prefix (one at a time without
+        ``batch_own_prefixes``); the rest together, sharing their common prefix."""
         if len(admitted) < 2 or not self._prefix.enabled:
-            return [admitted] if admitted else []
+            return [(admitted, False)] if admitted else []
         prompts = [st.req.prompt_token_ids for st in admitted]
         adapters = [st.req.adapter.name if st.req.adapter else None for st in admitted]
         by_adapter: dict[str | None, list[list[int]]] = {}
@@ -492,28 +500,35 @@ class HFEngine:
         common = {a: shared_prefix_len(ps) if len(ps) > 1 else 0 for a, ps in by_adapter.items()}
         alone = [self._prefix.peek(a, p[:-1]) - common[a] >= self._prefix.min_tokens for p, a in zip(prompts, adapters)]
         together = [st for st, a in zip(admitted, alone) if not a]
-        return [[st] for st, a in zip(admitted, alone) if a] + ([together] if together else [])
+        own = [st for st, a in zip(admitted, alone) if a]
+        groups = [(own, True)] if self.batch_own_prefixes and own else [([st], True) for st in own]
+        return groups + ([(together, False)] if together else [])
 
-    def _admit_group(self, admitted: list[QueuedRequest]) -> None:
-        """Prefill ``admitted`` in one batch and merge them into the running batch."""
-        prompts = [st.req.prompt_token_ids for st in admitted]
-        adapters = [st.req.adapter.name if st.req.adapter else None for st in admitted]
+    def _admit_group(self, admitted: list[QueuedRequest], own: bool = False) -> None:
+        """Prefill ``admitted`` in one batch (``own``: each on its own cached prefix) and merge them into
+        the running batch."""
+        # identical prompts on one adapter (the runs of one task, asked at once) are computed once
+        distinct: dict[tuple, int] = {}
+        owner = [distinct.setdefault((st.req.adapter.name if st.req.adapter else None, tuple(st.req.prompt_token_ids)),
+                                     len(distinct)) for st in admitted]
+        prompts = [list(p) for _, p in distinct]
+        adapters = [a for a, _ in distinct]
         try:
-            out, mask = self._prefill(prompts, adapters)
+            out, mask = self._prefill_own(prompts, adapters) if own and len(prompts) > 1 else self._prefill(prompts, adapters)
         except Exception as e:  # fail these requests only; the running batch is untouched
             log.exception("prefill of %d requests failed", len(admitted))
             for st in admitted:
                 self._send(st, e)
             return
-        lens = [len(p) for p in prompts]
-        # Each prompt was computed once; its n choices share (copies of) its cache.
+        self.prompts_deduplicated += len(admitted) - len(prompts)
+        # Each prompt was computed once; its requests and their n choices share (copies of) its cache.
         expand = torch.repeat_interleave(
-            torch.arange(len(admitted)), torch.tensor([st.req.n for st in admitted])
+            torch.tensor(owner), torch.tensor([st.req.n for st in admitted])
         ).to(self._device)
         new_layers = [(k.index_select(0, expand), v.index_select(0, expand)) for k, v, *_ in out.past_key_values]
         new_logits = out.logits[:, -1, :].float().index_select(0, expand)
         new_mask = mask.index_select(0, expand)
-        new_pos = torch.tensor(lens, dtype=torch.long, device=self._device).index_select(0, expand)
+        new_pos = torch.tensor([len(p) for p in prompts], dtype=torch.long, device=self._device).index_select(0, expand)
         new_rows = []
         for st in admitted:
             p = st.req.params
@@ -567,15 +582,7 @@ class HFEngine:
 
         dev = self._device
         shared, cached, layers = self._prefix_plan(prompts, adapters)
-        suffixes = [p[shared:] for p in prompts]
-        pad = self.tokenizer.pad_token_id or 0
-        lens = [len(s) for s in suffixes]
-        width = max(lens)
-        ids = torch.full((len(prompts), width), pad, dtype=torch.long)
-        mask = torch.zeros((len(prompts), width), dtype=torch.long)
-        for i, s in enumerate(suffixes):
-            ids[i, width - lens[i] :] = torch.tensor(s, dtype=torch.long)
-            mask[i, width - lens[i] :] = 1
+        ids, mask = self._left_padded([p[shared:] for p in prompts])
         mask = mask.to(dev)
         cache = DynamicCache()
         if shared:
@@ -593,6 +600,52 @@ class HFEngine:
         out = self._forward(ids.to(dev), mask, pos, cache, adapters)
         if shared:
             self.shared_prefix_tokens_saved += shared * (len(prompts) - 1)
+        return out, mask
+
+    def _left_padded(self, seqs: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+        """(ids, mask), each (len(seqs), longest): the sequences left-padded to one width, on the CPU."""
+        pad = self.tokenizer.pad_token_id or 0
+        width = max(len(s) for s in seqs)
+        ids = torch.full((len(seqs), width), pad, dtype=torch.long)
+        mask = torch.zeros((len(seqs), width), dtype=torch.long)
+        for i, s in enumerate(seqs):
+            ids[i, width - len(s) :] = torch.tensor(s, dtype=torch.long)
+            mask[i, width - len(s) :] = 1
+        return ids, mask
+
+    def _prefill_own(self, prompts: list[list[int]], adapters: list[str | None]):
+        """One batched prefill of prompts that each start with tokens the prefix cache holds (the next
+        calls of several episodes): (model output, attention mask on the device).
+
+        Each row's cached keys and values, left-padded to the longest, come first, then its own
+        suffix, left-padded among the suffixes; the mask is [cached part, suffix part], padding in
+        both, and positions come from its cumsum, so every token sees exactly its own conversation,
+        as if it had been prefilled alone on top of its cache (``_prefill`` of one prompt)."""
+        from transformers import DynamicCache
+
+        found = [self._prefix.lookup(a, p[:-1]) for p, a in zip(prompts, adapters)]
+        ref = next((layers for _, layers in found if layers), None)
+        if ref is None:  # the cache dropped them since: a plain batched prefill
+            return self._prefill(prompts, adapters)
+        past = max(m for m, _ in found)
+        ids, tail = self._left_padded([p[m:] for p, (m, _) in zip(prompts, found)])
+        head = torch.zeros((len(prompts), past), dtype=torch.long)
+        layers = []
+        for j, (k0, v0) in enumerate(ref):
+            ks, vs = [], []
+            for m, rows in found:
+                if rows is None:
+                    ks.append(k0.new_zeros((1, k0.shape[1], past, k0.shape[3])))
+                    vs.append(v0.new_zeros((1, v0.shape[1], past, v0.shape[3])))
+                else:
+                    ks.append(pad_left(rows[j][0], past - m, 2))
+                    vs.append(pad_left(rows[j][1], past - m, 2))
+            layers.append((torch.cat(ks), torch.cat(vs)))
+        for i, (m, _) in enumerate(found):
+            head[i, past - m :] = 1
+        mask = torch.cat([head, tail], dim=1).to(self._device)
+        pos = (mask.cumsum(-1) - 1).clamp(min=0)[:, past:]
+        out = self._forward(ids.to(self._device), mask, pos, DynamicCache(ddp_cache_data=layers), adapters)
         return out, mask
 
     def _prefix_plan(self, prompts: list[list[int]], adapters: list[str | None]) -> tuple[int, int, Layers | None]:
