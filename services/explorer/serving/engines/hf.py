@@ -72,6 +72,7 @@ class HFEngine:
         fast_decode: bool = True,
         decode_kernels: bool | None = None,
         batch_own_prefixes: bool = True,
+        dedupe_prompts: bool = True,
     ):
         self.model_path = model_path
         self._chat_template = chat_template
@@ -92,6 +93,8 @@ class HFEngine:
         # requests admitted together that each continue a conversation the prefix cache holds (the next calls of
         # several episodes) are prefilled in one batch, each row on its own cached prefix (False: one by one)
         self.batch_own_prefixes = batch_own_prefixes
+        # identical prompts admitted together on one adapter (a task's runs) are computed once (False: each its own)
+        self.dedupe_prompts = dedupe_prompts
         # the CPU's fast paths (cpu_paths.py): linear layers on pre-packed weights (None: decided by the CPU
         # and dtype) and the decode steps' attention as plain products
         self._packed_weights = packed_weights  # None: if packing_helps and the copy fits packing_budget
@@ -507,12 +510,19 @@ class HFEngine:
     def _admit_group(self, admitted: list[QueuedRequest], own: bool = False) -> None:
         """Prefill ``admitted`` in one batch (``own``: each on its own cached prefix) and merge them into
         the running batch."""
-        # identical prompts on one adapter (the runs of one task, asked at once) are computed once
-        distinct: dict[tuple, int] = {}
-        owner = [distinct.setdefault((st.req.adapter.name if st.req.adapter else None, tuple(st.req.prompt_token_ids)),
-                                     len(distinct)) for st in admitted]
-        prompts = [list(p) for _, p in distinct]
-        adapters = [a for a, _ in distinct]
+        # identical prompts on one adapter (the runs of one task, asked at once) are computed once: owner[k] is the
+        # prompt that admitted[k] takes
+        distinct: dict[Any, int] = {}
+        owner = []
+        for k, st in enumerate(admitted):
+            adapter = st.req.adapter.name if st.req.adapter else None
+            key = (adapter, tuple(st.req.prompt_token_ids)) if self.dedupe_prompts else k
+            owner.append(distinct.setdefault(key, len(distinct)))
+        first = {}
+        for k, o in enumerate(owner):
+            first.setdefault(o, admitted[k])
+        prompts = [st.req.prompt_token_ids for st in first.values()]
+        adapters = [st.req.adapter.name if st.req.adapter else None for st in first.values()]
         try:
             out, mask = self._prefill_own(prompts, adapters) if own and len(prompts) > 1 else self._prefill(prompts, adapters)
         except Exception as e:  # fail these requests only; the running batch is untouched
