@@ -184,6 +184,12 @@ class TrainerLoopSection(ConfigModel):
         "forward, not one per call; the same losses and gradients up to float rounding, for every recipe (grammars, "
         "hints and critics included). Only on models whose logits are the LM head's product alone (not Gemma 2's "
         "soft-capping, say). false: one row per call.")
+    inert_backward: bool = Field(
+        default=False,
+        description="Calls whose term of the loss is exactly zero whatever the weights (a GRPO group whose runs all "
+        "scored alike, with flat_groups=keep, no KL penalty, entropy bonus or hints) are scored in micro-batches of "
+        "their own without gradients: the step's figures count them, its backward passes skip them, its update is the "
+        "same (their count: inert_calls in the step record). true: a backward for them too, as before 11-29.")
     epochs: int = Field(default=1, ge=1, description="Optimizer updates per batch.")
     torch_threads: int | None = Field(default=None, ge=1, description="torch intra-op threads of each learner.")
     attention: Literal["auto", "sdpa", "eager"] = Field(

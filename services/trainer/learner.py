@@ -374,14 +374,26 @@ class LearnerWorker:
         stats = StepStats(lr=lr)
         cache: dict = {}  # the recipe's memory across the epochs of this step
         t0 = time.perf_counter()
+        rollouts = [i for i in items if not i.demonstration]
+        # calls whose term of the loss is exactly zero (advantage 0, and no KL penalty, entropy bonus or critic to
+        # move them) are scored in micro-batches of their own without gradients: the step's figures count them,
+        # its backward passes do not
+        a = cfg.algorithm
+        if not cfg.trainer.inert_backward and a.kl_coef == 0 and a.entropy_coef == 0 and not recipe.uses_critic:
+            inert = [i for i in rollouts if recipe.inert(i)]
+        else:
+            inert = []
+        skip = {id(i) for i in inert}
+        micros = [(m, True) for m in self._micro_batches([i for i in rollouts if id(i) not in skip])]
+        micros += [(m, False) for m in self._micro_batches(inert)]
+        stats.inert_calls = float(len(inert))
         for epoch in range(cfg.trainer.epochs):
             opt.zero_grad(set_to_none=False)
             if critic_opt:
                 critic_opt.zero_grad(set_to_none=False)
-            rollouts = [i for i in items if not i.demonstration]
-            for key, micro in enumerate(self._micro_batches(rollouts)):
+            for key, (micro, grad) in enumerate(micros):
                 per_epoch, objective, first = self._micro_step(agent, micro, key=key, epoch=epoch, norms=norms, cache=cache,
-                                                    current_version=current_version, live=live)
+                                                    current_version=current_version, live=live, grad=grad)
                 stats.add(per_epoch, 1.0 / cfg.trainer.epochs)  # a step reports its epochs' mean
                 stats.add_objective(objective, 1.0 / cfg.trainer.epochs)
                 stats.add(first)
@@ -433,11 +445,19 @@ class LearnerWorker:
             self.critic_optimizers[agent].load_state_dict(copy.deepcopy(saved["critic_optimizer"]))
 
     def _micro_step(self, agent: str, micro: list[TrainItem], *, key: int, epoch: int, norms: Norms, cache: dict,
-                    current_version: int, live: int | None = None) -> tuple[dict[str, float], dict[str, float], dict[str, float]]:
+                    current_version: int, live: int | None = None,
+                    grad: bool = True) -> tuple[dict[str, float], dict[str, float], dict[str, float]]:
         """Forward, the recipe's loss (plus the KL penalty and entropy bonus every objective may
         have), backward. Returns (statistics of every epoch, the recipe's statistics, statistics of
         the first epoch only). The recipe's extra inputs are computed at the first epoch, before
-        any update, and kept for the step's other epochs."""
+        any update, and kept for the step's other epochs. Without ``grad`` (calls whose term is
+        exactly zero: ``Recipe.inert``) the same forward and figures, no gradients and no backward."""
+        with torch.enable_grad() if grad else torch.no_grad():
+            return self._micro_step_in(agent, micro, key=key, epoch=epoch, norms=norms, cache=cache,
+                                       current_version=current_version, live=live, grad=grad)
+
+    def _micro_step_in(self, agent: str, micro: list[TrainItem], *, key: int, epoch: int, norms: Norms, cache: dict,
+                       current_version: int, live: int | None, grad: bool) -> tuple[dict[str, float], dict[str, float], dict[str, float]]:
         a, p, recipe = self.cfg.algorithm, self.policy, self.recipe
         if ("extra", key) not in cache:  # before this forward: a recipe may ask it for some tokens' logprobs
             scorer = _Scorer(p, self.cfg.trainer.shared_prefix_min_tokens, self._other_model, agent=agent,
@@ -488,7 +508,8 @@ class LearnerWorker:
         stats["loss"] = float(loss.detach())  # the objective's (and KL penalty's); the entropy bonus is not a loss
         if a.entropy_coef > 0:
             loss = loss - a.entropy_coef * aggregate(out.entropy, mask, norms.tokens)
-        loss.backward()
+        if grad:
+            loss.backward()
         return stats, objective, first
 
     def _micro_batches(self, items: list[TrainItem]) -> list[list[TrainItem]]:

@@ -33,6 +33,7 @@ class StepStats:
     grad_norm: float = 0.0
     lr: float = 0.0
     learner_seconds: float = 0.0
+    inert_calls: float = 0.0  # calls whose term of the loss is exactly zero: scored without gradients (Recipe.inert)
     # The guard (TrainerConfig.guard): the demonstrations' NLL per token around the update; every
     # learner holds the same weights and scores the whole guard set, so these are the same on all
     guard_before: float | None = None
@@ -93,6 +94,7 @@ def step_record(*, agent: str, step: int, version: int, algorithm: str, recipe: 
         "small_groups": selection.small_groups, "catch_up": selection.catch_up,
         "team_episodes": selection.team_episodes, "teammate_turns": len(selection.context),
         "logprob_mismatch": total.mismatch_sum / tokens,
+        "inert_calls": int(total.inert_calls),
         "imitations": len(selection.imitations), "groups": selection.groups, "failed_groups": selection.failed_groups,
         "late_retrained": len(selection.late),  # calls trained again for a late reward; and those left as recorded:
         "late_not_retrained": len({lid for lid, w in selection.late_outcomes.items() if w}),

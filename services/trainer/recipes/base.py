@@ -145,6 +145,12 @@ class Recipe(Protocol):
         tokens trained on)."""
         ...
 
+    def inert(self, item: TrainItem) -> bool:
+        """Whether ``item``'s term of ``loss`` is exactly zero whatever the weights (a GRPO call of a group
+        whose runs all scored alike, advantage 0): the learner still scores it, for the step's figures,
+        but computes no gradient for it."""
+        ...
+
 
 class BaseRecipe:
     """The defaults a recipe may keep: no section, a reward needed, no critic, the oldest rows,
@@ -175,6 +181,9 @@ class BaseRecipe:
 
     def statistics(self, sums: dict[str, float], *, tokens: float) -> dict[str, float]:
         return dict(sums)
+
+    def inert(self, item: TrainItem) -> bool:
+        return False
 
 
 def ratio_inputs(mb: MicroBatch, advantages: torch.Tensor) -> tuple[dict[str, torch.Tensor], float]:

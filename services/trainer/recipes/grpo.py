@@ -112,6 +112,11 @@ class GRPO(BaseRecipe):
                 items.append(it)
         return items, skipped
 
+    def inert(self, item: TrainItem) -> bool:
+        """A call whose advantage is 0 (its group's runs all scored alike, flat_groups=keep): the clipped ratio
+        times 0, whatever the weights; not with hints on, whose distillation term may still move it."""
+        return item.advantage == 0.0 and not item.demonstration and not item.context and self.config.hint_coef == 0
+
     @property
     def reads_hints(self) -> bool:
         return self.config.hint_coef > 0

@@ -55,3 +55,36 @@ def test_the_update_does_not_depend_on_how_the_batch_is_cut(tiny_model):
         # float noise can move a weight by up to about lr: a few such elements, every other one equal
         diff = torch.cat([(state[k] - v).abs().flatten() for k, v in whole.items()])
         assert float((diff > 1e-6).float().mean()) < 0.005 and float(diff.max()) < 2 * LR, cut
+
+
+def test_a_group_without_signal_costs_no_backward_and_changes_no_update(tiny_model):
+    """Group t1's four runs scored alike (advantage 0): scored without gradients, the update and the step's
+    figures are those of a step that ran a backward for them too (trainer.inert_backward)."""
+    import json
+
+    from services.trainer.learner import LearnerWorker
+
+    items = _items(json.loads((tiny_model / "config.json").read_text())["vocab_size"])
+    for it in items[4:8]:
+        it.advantage, it.reward = 0.0, 1.0
+
+    def train(inert_backward: bool):
+        w = LearnerWorker({"model": {"path": str(tiny_model), "dtype": "float32"},
+                           "trainer": {"device": "cpu", "torch_threads": 1, "micro_batch_size": 3, "inert_backward": inert_backward},
+                           "algorithm": {"name": "grpo", "level": "token"}, "lora": {"r": 8},
+                           "optim": {"lr": LR, "warmup_steps": 0}, "log_level": "warning"})
+        w.setup()
+        w.ensure_agent("a")
+        steps = [w.train_step("a", items, Norms.of(items), step, 0) for step in range(2)]
+        return steps, w.policy.adapter_state("a")
+
+    skipped, state = train(False)
+    computed, want = train(True)
+    assert [s.inert_calls for s in skipped] == [4.0, 4.0] and [s.inert_calls for s in computed] == [0.0, 0.0]
+    for a, b in zip(skipped, computed):
+        for name in ("loss", "tokens", "entropy_sum", "mismatch_sum", "grad_norm"):
+            assert getattr(a, name) == pytest.approx(getattr(b, name), rel=1e-4, abs=1e-6), name
+        assert a.objective == pytest.approx(b.objective, rel=1e-4, abs=1e-6)
+    diff = torch.cat([(state[k] - v).abs().flatten() for k, v in want.items()])
+    assert any(float(v.abs().max()) > 1e-3 for v in state.values())  # it did move
+    assert float((diff > 1e-6).float().mean()) < 0.005 and float(diff.max()) < 2 * LR
