@@ -85,7 +85,7 @@ async def _episodes(engine: HFEngine, prompts: list[list[int]], tool_turn: list[
 
 async def _run(cfg: dict) -> dict:
     engines = {}
-    for side, mb, batched in (("off", 0, True), ("11-28", 256, False), ("on", 256, True)):
+    for side, mb, batched in (("off", 0, False), ("11-28", 256, False), ("on", 256, True)):
         e = HFEngine(model_path=cfg["model"], dtype=cfg["dtype"], device="cpu", max_batch_size=32,
                      torch_threads=cfg["threads"], prefix_cache_mb=mb, batch_own_prefixes=batched, dedupe_prompts=batched)
         await e.start()
@@ -142,7 +142,7 @@ def main() -> str:
                      f"{statistics.median(on['reused']):.0%}"])
     title = (f"prefix: the hf engine's prefix cache on the demo's two-call episodes (SmolLM2, {cfg['dtype']}, "
             f"{cfg['threads']} thread(s), {cfg['episodes']} episodes per round, greedy, <= {MAX_TOKENS} tokens a call); "
-            f"off: no cache; 11-28: the cache as it was then, each next call prefilled on its own and identical prompts "
+            f"off: no cache (nor one computation of identical prompts); 11-28: the cache as it was then, each next call prefilled on its own and identical prompts "
             f"each computed; on: next calls admitted together prefilled in one batch, each on its own conversation, and "
             f"identical prompts admitted together computed once (the default); median (min..max) of {cfg['rounds']} "
             f"rounds, sides alternating")

@@ -164,11 +164,10 @@ def test_next_calls_admitted_together_each_take_their_own_conversation(engines):
 
 
 def test_next_calls_of_many_episodes_are_prefilled_in_one_batch_each_on_its_own_prefix(engines, monkeypatch):
-    """Four episodes' next calls arrive together while another request runs: conversations of different
-    lengths, one asking for two choices, one whose conversation the cache never held (the first call's
-    tokens were not kept). The three the cache holds are prefilled in one forward, each row on its own
-    cached conversation; their outputs are those of a plain engine and of the same engine prefilling
-    them one at a time."""
+    """Three episodes' next calls arrive together while another request runs, conversations of different
+    lengths, one asking for two choices, beside a prompt that shares only their system prompt. The three
+    are prefilled in one forward, each row on its own cached conversation; the outputs are those of a
+    plain engine and of the same engine prefilling the three one at a time."""
     _, plain, caching = engines
     caching._prefix.clear()
     rng = random.Random(6)

@@ -68,18 +68,33 @@ def test_a_group_without_signal_costs_no_backward_and_changes_no_update(tiny_mod
     for it in items[4:8]:
         it.advantage, it.reward = 0.0, 1.0
 
+    backwards = []
+    real_backward = torch.autograd.backward
+
+    def counted(*args, **kwargs):
+        backwards.append(1)
+        return real_backward(*args, **kwargs)
+
     def train(inert_backward: bool):
+        backwards.clear()
         w = LearnerWorker({"model": {"path": str(tiny_model), "dtype": "float32"},
                            "trainer": {"device": "cpu", "torch_threads": 1, "micro_batch_size": 3, "inert_backward": inert_backward},
                            "algorithm": {"name": "grpo", "level": "token"}, "lora": {"r": 8},
                            "optim": {"lr": LR, "warmup_steps": 0}, "log_level": "warning"})
         w.setup()
         w.ensure_agent("a")
-        steps = [w.train_step("a", items, Norms.of(items), step, 0) for step in range(2)]
-        return steps, w.policy.adapter_state("a")
+        torch.autograd.backward = counted
+        try:
+            steps = [w.train_step("a", items, Norms.of(items), step, 0) for step in range(2)]
+        finally:
+            torch.autograd.backward = real_backward
+        return steps, w.policy.adapter_state("a"), len(backwards)
 
-    skipped, state = train(False)
-    computed, want = train(True)
+    skipped, state, fewer = train(False)
+    computed, want, more = train(True)
+    # micro-batches of 3 rows: the 12 calls together are 4 with a backward each; the 8 with signal are 3, and the
+    # flat group's 4 calls 2 more without one. Per step one backward fewer (the demonstrations' the same on both)
+    assert more - fewer == 2 and fewer > 0, (fewer, more)
     assert [s.inert_calls for s in skipped] == [4.0, 4.0] and [s.inert_calls for s in computed] == [0.0, 0.0]
     for a, b in zip(skipped, computed):
         for name in ("loss", "tokens", "entropy_sum", "mismatch_sum", "grad_norm"):

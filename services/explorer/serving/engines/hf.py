@@ -634,23 +634,13 @@ class HFEngine:
         from transformers import DynamicCache
 
         found = [self._prefix.lookup(a, p[:-1]) for p, a in zip(prompts, adapters)]
-        ref = next((layers for _, layers in found if layers), None)
-        if ref is None:  # the cache dropped them since: a plain batched prefill
+        if any(layers is None for _, layers in found):  # not what _prefill_groups saw: each as a plain prompt
             return self._prefill(prompts, adapters)
         past = max(m for m, _ in found)
         ids, tail = self._left_padded([p[m:] for p, (m, _) in zip(prompts, found)])
         head = torch.zeros((len(prompts), past), dtype=torch.long)
-        layers = []
-        for j, (k0, v0) in enumerate(ref):
-            ks, vs = [], []
-            for m, rows in found:
-                if rows is None:
-                    ks.append(k0.new_zeros((1, k0.shape[1], past, k0.shape[3])))
-                    vs.append(v0.new_zeros((1, v0.shape[1], past, v0.shape[3])))
-                else:
-                    ks.append(pad_left(rows[j][0], past - m, 2))
-                    vs.append(pad_left(rows[j][1], past - m, 2))
-            layers.append((torch.cat(ks), torch.cat(vs)))
+        layers = [(torch.cat([pad_left(rows[j][0], past - m, 2) for m, rows in found]),
+                   torch.cat([pad_left(rows[j][1], past - m, 2) for m, rows in found])) for j in range(len(found[0][1]))]
         for i, (m, _) in enumerate(found):
             head[i, past - m :] = 1
         mask = torch.cat([head, tail], dim=1).to(self._device)
