@@ -118,7 +118,6 @@ class Task:
         right = self.tool_result(p)
         return any(m.get("role") == "tool" and m.get("content") == right for m in messages)
 
-
     def call_grade(self, p: Problem, messages: list[dict[str, Any]]) -> float:
         """How right the episode's tool calls were, whatever its final reply: 1.0 when one computed the answer,
         0.5 when none did but one had the right form (``right_form``), else 0.0."""

@@ -452,7 +452,7 @@ class LearnerWorker:
         the first epoch only). The recipe's extra inputs are computed at the first epoch, before
         any update, and kept for the step's other epochs. Without ``grad`` (calls whose term is
         exactly zero: ``Recipe.inert``) the same forward and figures, no gradients and no backward."""
-        with torch.enable_grad() if grad else torch.no_grad():
+        with torch.set_grad_enabled(grad):
             return self._micro_step_in(agent, micro, key=key, epoch=epoch, norms=norms, cache=cache,
                                        current_version=current_version, live=live, grad=grad)
 

@@ -512,17 +512,16 @@ class HFEngine:
         the running batch."""
         # identical prompts on one adapter (the runs of one task, asked at once) are computed once: owner[k] is the
         # prompt that admitted[k] takes
-        distinct: dict[Any, int] = {}
-        owner = []
+        row: dict[Any, int] = {}  # a prompt (adapter, ids) -> its row in the prefill
+        owner, firsts = [], []
         for k, st in enumerate(admitted):
-            adapter = st.req.adapter.name if st.req.adapter else None
-            key = (adapter, tuple(st.req.prompt_token_ids)) if self.dedupe_prompts else k
-            owner.append(distinct.setdefault(key, len(distinct)))
-        first = {}
-        for k, o in enumerate(owner):
-            first.setdefault(o, admitted[k])
-        prompts = [st.req.prompt_token_ids for st in first.values()]
-        adapters = [st.req.adapter.name if st.req.adapter else None for st in first.values()]
+            key = (st.req.adapter.name if st.req.adapter else None, tuple(st.req.prompt_token_ids)) if self.dedupe_prompts else k
+            if key not in row:
+                row[key] = len(firsts)
+                firsts.append(st)
+            owner.append(row[key])
+        prompts = [st.req.prompt_token_ids for st in firsts]
+        adapters = [st.req.adapter.name if st.req.adapter else None for st in firsts]
         try:
             out, mask = self._prefill_own(prompts, adapters) if own and len(prompts) > 1 else self._prefill(prompts, adapters)
         except Exception as e:  # fail these requests only; the running batch is untouched
