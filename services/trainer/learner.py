@@ -35,6 +35,8 @@ from services.trainer.stats import StepStats
 
 log = logging.getLogger(__name__)
 
+REFERENCE_FILE = "reference_adapter.safetensors"  # in a saved state: the KL's reference (kl_reference: cold_start)
+
 
 class _Scorer:
     """``Recipe.extra_inputs``' view of the policy: logprobs of given tokens, without gradients; with
@@ -137,6 +139,8 @@ class LearnerWorker:
         self._version_states: dict[tuple[str, int], dict[str, torch.Tensor] | None] = {}  # published adapters, read once
         # agent -> the published version its live weights are exactly (None: unpublished steps since, or unknown)
         self._live_version: dict[str, int | None] = {}
+        # agent -> its adapter as the cold start left it: the KL's reference with algorithm.kl_reference cold_start
+        self._reference: dict[str, dict[str, torch.Tensor]] = {}
 
     # ------------------------------------------------------------------ set-up
 
@@ -258,6 +262,7 @@ class LearnerWorker:
         self.policy.load_adapter_dir(agent, Path(adapter_dir))
         self._fresh_optimizers(agent)
         self._guard_nll.pop(agent, None)  # other weights: the guard scores them afresh
+        self._reference.pop(agent, None)  # the next step's weights (these) become the KL's reference
         self._live_version[agent] = None
 
     def reset_agent(self, agent: str) -> None:
@@ -265,6 +270,7 @@ class LearnerWorker:
         self.policy.reset_adapter(agent)
         self._fresh_optimizers(agent)
         self._guard_nll.pop(agent, None)
+        self._reference.pop(agent, None)
         self._live_version[agent] = 0
 
     # ------------------------------------------------------------------ training
@@ -281,6 +287,7 @@ class LearnerWorker:
         mean KL, before || after, pooled over the learners' shards) is refused the same way."""
         cfg = self.cfg
         self.policy.activate(agent)
+        self._keep_reference(agent, step)
         lr = cfg.optim.lr_at(step)
         g = cfg.guard
         live = self._live_version.get(agent)  # what the weights are before the step (the teacher's reference)
@@ -317,6 +324,35 @@ class LearnerWorker:
         if guard:
             self._guard_nll[agent] = (key, before)
         return stats
+
+    def _keep_reference(self, agent: str, step: int) -> None:
+        """With ``kl_reference: cold_start``, the adapter before ``agent``'s first step past its cold start
+        (``step``: the steps it has taken) is kept as the KL's reference, and saved with its state. One
+        that started past it without a saved reference (the option turned on later, an adapter adopted
+        from elsewhere) takes the weights it has now, and says so."""
+        a = self.cfg.algorithm
+        if a.kl_reference != "cold_start" or agent in self._reference or step < a.cold_start_steps:
+            return
+        if step > a.cold_start_steps:
+            log.warning("%s: no saved KL reference; its adapter at step %d is the reference from now on, not the "
+                        "cold start's (step %d)", agent, step, a.cold_start_steps)
+        self._reference[agent] = {k: v.clone() for k, v in self.policy.adapter_state(agent).items()}
+
+    @contextlib.contextmanager
+    def _reference_weights(self, agent: str):
+        """The agent's adapter holds its KL reference (``_reference``) inside, its own weights again after.
+        Entered before a forward whose graph a backward will use: the swap writes the parameters in place."""
+        ref = self._reference.get(agent) if self.cfg.algorithm.kl_reference == "cold_start" else None
+        if ref is None:
+            yield
+            return
+        saved = self.policy.adapter_state(agent)  # copies on the CPU; on a GPU, to the CPU
+        saved = {k: v.clone() for k, v in saved.items()}
+        try:
+            self.policy.load_adapter_state(agent, ref)
+            yield
+        finally:
+            self.policy.load_adapter_state(agent, saved)
 
     def _all_agree(self, passed: bool) -> bool:
         """Whether every learner passed (each scores the same guard set on the same weights, but float
@@ -475,6 +511,10 @@ class LearnerWorker:
         for row, it in enumerate(micro):
             old_lp[row, : len(it.old_logprobs)] = torch.tensor(it.old_logprobs)
         allowed = p.allowed_tokens([i.grammar for i in micro], [i.response_ids for i in micro], batch.response_len)
+        ref_lp = None
+        if a.kl_coef > 0 or a.kl_metric:  # before the policy's forward: a reference adapter is swapped in and out in place
+            with torch.no_grad(), self._reference_weights(agent):
+                ref_lp = p.forward(batch, need_hidden=False, adapter=a.kl_reference == "cold_start", allowed=allowed).logprobs
         out = p.forward(batch, need_hidden=recipe.uses_critic, entropy_grad=a.entropy_coef > 0, allowed=allowed,
                         gather=None if gather is None else _widen(gather, batch.response_len))
         stats: dict[str, float] = {"entropy_sum": float(masked_sum(out.entropy.detach(), mask)), "tokens": float(mask.sum())}
@@ -484,10 +524,7 @@ class LearnerWorker:
             on = torch.tensor([float(it.model_version == current_version) for it in micro], device=dev).unsqueeze(-1) * mask
             first = {"mismatch_sum": float(masked_sum(diff, mask)), "mismatch_on_policy_sum": float(masked_sum(diff, on)),
                      "on_policy_tokens": float(on.sum())}
-        ref_lp = None
-        if a.kl_coef > 0 or a.kl_metric:
-            with torch.no_grad():
-                ref_lp = p.forward(batch, need_hidden=False, adapter=False, allowed=allowed).logprobs
+        if ref_lp is not None:
             stats["kl_sum"] = float(masked_sum(kl_k3(out.logprobs.detach(), ref_lp), mask))
         mb = MicroBatch(
             items=micro, logprobs=out.logprobs, old_logprobs=old_lp, mask=mask,
@@ -587,6 +624,8 @@ class LearnerWorker:
 
         def write(tmp: Path) -> None:
             save_file(self.policy.adapter_state(agent), str(tmp / "adapter_model.safetensors"))
+            if agent in self._reference:
+                save_file(self._reference[agent], str(tmp / REFERENCE_FILE))
             torch.save(
                 {
                     "optimizer": self.optimizers[agent].state_dict(),
@@ -609,6 +648,10 @@ class LearnerWorker:
         self._guard_nll.pop(agent, None)  # other weights: the guard scores them afresh
         self._live_version[agent] = None  # a saved state may be of a step never published
         self.policy.load_adapter_state(agent, load_file(str(d / "adapter_model.safetensors")))
+        if (d / REFERENCE_FILE).exists():
+            self._reference[agent] = load_file(str(d / REFERENCE_FILE))
+        else:
+            self._reference.pop(agent, None)
         blob = torch.load(d / "trainer_state.pt", weights_only=False)
         self.optimizers[agent].load_state_dict(blob["optimizer"])
         if blob.get("value_head") is not None and agent in self.policy.value_heads:

@@ -36,10 +36,16 @@ class ObjectiveSection(ConfigModel):
     )
     clip_low: float = Field(default=0.2, ge=0, description="Ratio clipped below at 1 - clip_low.")
     clip_high: float = Field(default=0.2, ge=0, description="Ratio clipped above at 1 + clip_high (DAPO: raise it).")
-    kl_coef: float = Field(default=0.0, ge=0, description="Weight of the KL penalty to the base model (adapter off).")
+    kl_coef: float = Field(default=0.0, ge=0, description="Weight of the KL penalty to the reference (kl_reference).")
+    kl_reference: Literal["base", "cold_start"] = Field(
+        default="base",
+        description="The KL's reference policy. base: the base model (adapter off). cold_start: the agent's adapter as "
+        "its cold start left it (the weights before its first step past cold_start_steps, kept in the Trainer's saved "
+        "state), the supervised policy RLHF anchors to: a penalty there holds what the demonstrations taught while the "
+        "traffic teaches the rest.")
     entropy_coef: float = Field(default=0.0, ge=0, description="Weight of an entropy bonus.")
     kl_metric: bool = Field(
-        default=True, description="Log the KL to the base model every step even when kl_coef is 0 (one forward without gradients)."
+        default=True, description="Log the KL to the reference every step even when kl_coef is 0 (one forward without gradients)."
     )
     team_credit: bool = Field(
         default=True,
