@@ -336,23 +336,27 @@ class LearnerWorker:
         if step > a.cold_start_steps:
             log.warning("%s: no saved KL reference; its adapter at step %d is the reference from now on, not the "
                         "cold start's (step %d)", agent, step, a.cold_start_steps)
-        self._reference[agent] = {k: v.clone() for k, v in self.policy.adapter_state(agent).items()}
+        self._reference[agent] = {n: p.detach().clone() for n, p in self.policy.adapter_named_parameters(agent).items()}
 
     @contextlib.contextmanager
     def _reference_weights(self, agent: str):
-        """The agent's adapter holds its KL reference (``_reference``) inside, its own weights again after.
-        Entered before a forward whose graph a backward will use: the swap writes the parameters in place."""
+        """The agent's adapter parameters hold its KL reference (``_reference``) inside, their own values
+        again after: copied in place, so entered before a forward whose graph a backward will use."""
         ref = self._reference.get(agent) if self.cfg.algorithm.kl_reference == "cold_start" else None
         if ref is None:
             yield
             return
-        saved = self.policy.adapter_state(agent)  # copies on the CPU; on a GPU, to the CPU
-        saved = {k: v.clone() for k, v in saved.items()}
+        params = self.policy.adapter_named_parameters(agent)
+        with torch.no_grad():
+            saved = {n: p.detach().clone() for n, p in params.items()}
+            for n, p in params.items():
+                p.copy_(ref[n])
         try:
-            self.policy.load_adapter_state(agent, ref)
             yield
         finally:
-            self.policy.load_adapter_state(agent, saved)
+            with torch.no_grad():
+                for n, p in params.items():
+                    p.copy_(saved[n])
 
     def _all_agree(self, passed: bool) -> bool:
         """Whether every learner passed (each scores the same guard set on the same weights, but float
@@ -625,7 +629,7 @@ class LearnerWorker:
         def write(tmp: Path) -> None:
             save_file(self.policy.adapter_state(agent), str(tmp / "adapter_model.safetensors"))
             if agent in self._reference:
-                save_file(self._reference[agent], str(tmp / REFERENCE_FILE))
+                save_file({n: t.detach().cpu().contiguous() for n, t in self._reference[agent].items()}, str(tmp / REFERENCE_FILE))
             torch.save(
                 {
                     "optimizer": self.optimizers[agent].state_dict(),
@@ -648,10 +652,13 @@ class LearnerWorker:
         self._guard_nll.pop(agent, None)  # other weights: the guard scores them afresh
         self._live_version[agent] = None  # a saved state may be of a step never published
         self.policy.load_adapter_state(agent, load_file(str(d / "adapter_model.safetensors")))
+        self._reference.pop(agent, None)
         if (d / REFERENCE_FILE).exists():
-            self._reference[agent] = load_file(str(d / REFERENCE_FILE))
-        else:
-            self._reference.pop(agent, None)
+            ref, names = load_file(str(d / REFERENCE_FILE)), self.policy.adapter_named_parameters(agent)
+            if {n: tuple(t.shape) for n, t in ref.items()} == {n: tuple(p.shape) for n, p in names.items()}:
+                self._reference[agent] = {n: t.to(names[n].device, names[n].dtype) for n, t in ref.items()}
+            else:  # another LoRA layout (the state of another configuration): the next step takes its weights
+                log.warning("%s: the saved KL reference in %s is not this adapter's parameters; not used", agent, d)
         blob = torch.load(d / "trainer_state.pt", weights_only=False)
         self.optimizers[agent].load_state_dict(blob["optimizer"])
         if blob.get("value_head") is not None and agent in self.policy.value_heads:

@@ -274,7 +274,10 @@ class Policy:
         self.model.train()
 
     def adapter_parameters(self, agent: str) -> list[nn.Parameter]:
-        return [p for n, p in self.model.named_parameters() if f".{agent}." in n and "lora_" in n]
+        return list(self.adapter_named_parameters(agent).values())
+
+    def adapter_named_parameters(self, agent: str) -> dict[str, nn.Parameter]:
+        return {n: p for n, p in self.model.named_parameters() if f".{agent}." in n and "lora_" in n}
 
     def adapter_state(self, agent: str) -> dict[str, torch.Tensor]:
         from peft import get_peft_model_state_dict

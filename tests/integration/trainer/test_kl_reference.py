@@ -57,7 +57,7 @@ def _cold_start(w, vocab: int) -> dict[str, torch.Tensor]:
     demos = [i for i in _items(vocab, 0) if i.demonstration]
     for step in range(COLD):
         w.train_step("a", demos, Norms.of(demos), step, 0)
-    return {k: v.clone() for k, v in w.policy.adapter_state("a").items()}
+    return {n: p.detach().clone() for n, p in w.policy.adapter_named_parameters("a").items()}
 
 
 def test_the_reference_is_the_cold_starts_adapter_and_survives_a_restart(tiny_model, vocab, tmp_path):
@@ -112,7 +112,7 @@ def test_a_learner_past_its_cold_start_without_a_saved_reference_takes_its_weigh
     items = _items(vocab, 1)
     plain.train_step("a", items, Norms.of(items), COLD, 0)
     state = plain.save_state("a", str(tmp_path / "state"), {"step": COLD + 1})  # a state with no reference in it
-    now = {k: v.clone() for k, v in plain.policy.adapter_state("a").items()}
+    now = {n: p.detach().clone() for n, p in plain.policy.adapter_named_parameters("a").items()}
 
     w = _worker(tiny_model, "cold_start")
     w.ensure_agent("a", state_dir=state)
