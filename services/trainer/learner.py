@@ -277,6 +277,17 @@ class LearnerWorker:
 
     def train_step(self, agent: str, items: list[TrainItem], norms: Norms, step: int, current_version: int,
                    guard: list[TrainItem] | None = None) -> StepStats:
+        """One optimizer update per epoch on this worker's shard; returns additive statistics (``_train_step``).
+        With ``kl_reference: cold_start``, the weights the step that ends the cold start leaves become the KL's
+        reference (so the state saved after it holds it too)."""
+        self.policy.activate(agent)
+        self._keep_reference(agent, step)  # a reference not kept yet (cold_start_steps 0, an older state): these weights
+        stats = self._train_step(agent, items, norms, step, current_version, guard)
+        self._keep_reference(agent, step + 1)
+        return stats
+
+    def _train_step(self, agent: str, items: list[TrainItem], norms: Norms, step: int, current_version: int,
+                    guard: list[TrainItem] | None) -> StepStats:
         """One optimizer update per epoch on this worker's shard; returns additive statistics.
 
         With ``guard`` (demonstrations, the same on every worker): an update after which their NLL
@@ -286,8 +297,6 @@ class LearnerWorker:
         an update that moves the policy on the step's own sampled tokens by more than that (their
         mean KL, before || after, pooled over the learners' shards) is refused the same way."""
         cfg = self.cfg
-        self.policy.activate(agent)
-        self._keep_reference(agent, step)
         lr = cfg.optim.lr_at(step)
         g = cfg.guard
         live = self._live_version.get(agent)  # what the weights are before the step (the teacher's reference)
@@ -327,9 +336,9 @@ class LearnerWorker:
 
     def _keep_reference(self, agent: str, step: int) -> None:
         """With ``kl_reference: cold_start``, the adapter before ``agent``'s first step past its cold start
-        (``step``: the steps it has taken) is kept as the KL's reference, and saved with its state. One
-        that started past it without a saved reference (the option turned on later, an adapter adopted
-        from elsewhere) takes the weights it has now, and says so."""
+        (``step``: the steps taken, those of the adapter as it is now) is kept as the KL's reference, and
+        saved with its state. One past it without a saved reference (the option turned on later, an
+        adapter adopted from elsewhere) takes the weights it has now, and says so."""
         a = self.cfg.algorithm
         if a.kl_reference != "cold_start" or agent in self._reference or step < a.cold_start_steps:
             return
@@ -346,14 +355,17 @@ class LearnerWorker:
         if ref is None:
             yield
             return
-        params = self.policy.adapter_named_parameters(agent)
+        params, model = self.policy.adapter_named_parameters(agent), self.policy.model
+        training = model.training
         with torch.no_grad():
             saved = {n: p.detach().clone() for n, p in params.items()}
             for n, p in params.items():
                 p.copy_(ref[n])
         try:
+            model.eval()  # the reference without LoRA dropout, as the base model (adapter off) is
             yield
         finally:
+            model.train(training)
             with torch.no_grad():
                 for n, p in params.items():
                     p.copy_(saved[n])
@@ -516,7 +528,9 @@ class LearnerWorker:
             old_lp[row, : len(it.old_logprobs)] = torch.tensor(it.old_logprobs)
         allowed = p.allowed_tokens([i.grammar for i in micro], [i.response_ids for i in micro], batch.response_len)
         ref_lp = None
-        if a.kl_coef > 0 or a.kl_metric:  # before the policy's forward: a reference adapter is swapped in and out in place
+        # before the policy's forward: a reference adapter is copied in and out in place. With cold_start, none before
+        # the cold start ends (a step of it with rollouts): no penalty, no figure
+        if (a.kl_coef > 0 or a.kl_metric) and (a.kl_reference == "base" or agent in self._reference):
             with torch.no_grad(), self._reference_weights(agent):
                 ref_lp = p.forward(batch, need_hidden=False, adapter=a.kl_reference == "cold_start", allowed=allowed).logprobs
         out = p.forward(batch, need_hidden=recipe.uses_critic, entropy_grad=a.entropy_coef > 0, allowed=allowed,
@@ -542,7 +556,7 @@ class LearnerWorker:
         )
         loss, st = recipe.loss(mb)
         objective = {k: float(v) for k, v in st.items() if k != "loss"}
-        if recipe.uses_ratio and a.kl_coef > 0:
+        if recipe.uses_ratio and a.kl_coef > 0 and ref_lp is not None:
             kl = kl_penalty(out.logprobs, ref_lp, mask, norms.tokens)
             loss = loss + a.kl_coef * kl
             stats["kl_loss"] = float(kl.detach())

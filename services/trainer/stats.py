@@ -21,7 +21,7 @@ class StepStats:
     tokens: float = 0.0  # response tokens trained on
     loss: float = 0.0
     entropy_sum: float = 0.0
-    kl_sum: float | None = None  # KL to the base model, summed over tokens (kl_metric or kl_coef)
+    kl_sum: float | None = None  # KL to the reference (kl_reference), summed over tokens (kl_metric or kl_coef)
     kl_loss: float | None = None  # the KL penalty (kl_coef > 0)
     demo_nll: float | None = None  # the supervised term on demonstrations (its share of their token mean)
     objective: dict[str, float] = field(default_factory=dict)  # the recipe's loss statistics, summed by name

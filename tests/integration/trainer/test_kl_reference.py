@@ -63,7 +63,7 @@ def _cold_start(w, vocab: int) -> dict[str, torch.Tensor]:
 def test_the_reference_is_the_cold_starts_adapter_and_survives_a_restart(tiny_model, vocab, tmp_path):
     w = _worker(tiny_model, "cold_start")
     cold = _cold_start(w, vocab)
-    assert "a" not in w._reference  # the cold start's own steps have no reference yet
+    assert all(torch.equal(w._reference["a"][k], v) for k, v in cold.items())  # the cold start's last step left it
     first = _items(vocab, 1)
     s2 = w.train_step("a", first, Norms.of(first), COLD, 0)
     # the first step past the cold start starts on the reference itself: no divergence from it yet ...
@@ -89,6 +89,23 @@ def test_the_reference_is_the_cold_starts_adapter_and_survives_a_restart(tiny_mo
     assert (r3.kl_sum, r3.loss) == pytest.approx((s3.kl_sum, s3.loss), rel=1e-5, abs=1e-7)
     for k, v in w.policy.adapter_state("a").items():
         assert torch.allclose(again.policy.adapter_state("a")[k], v, atol=1e-6), k
+
+
+def test_a_cold_start_step_with_rollouts_has_no_penalty_and_the_state_after_the_cold_start_holds_the_reference(
+        tiny_model, vocab, tmp_path):
+    w = _worker(tiny_model, "cold_start")
+    w.ensure_agent("a")
+    demos = [i for i in _items(vocab, 0) if i.demonstration]
+    w.train_step("a", demos, Norms.of(demos), 0, 0)
+    mixed = _items(vocab, 5)  # rollouts in the cold start's last step: no reference yet, so no KL figure and no penalty
+    s = w.train_step("a", mixed, Norms.of(mixed), COLD - 1, 0)
+    assert s.kl_sum is None and s.kl_loss is None and s.tokens > 0
+    cold = {n: p.detach().clone() for n, p in w.policy.adapter_named_parameters("a").items()}
+    assert all(torch.equal(w._reference["a"][k], v) for k, v in cold.items())
+    state = w.save_state("a", str(tmp_path / "state"), {"step": COLD})  # the state a rollback to the cold start reads
+    again = _worker(tiny_model, "cold_start")
+    again.ensure_agent("a", state_dir=state)
+    assert all(torch.equal(again._reference["a"][k], v) for k, v in cold.items())
 
 
 def test_the_penalty_pulls_the_update_toward_the_reference(tiny_model, vocab):
