@@ -37,8 +37,8 @@ the validation problems every 4 steps and at its end, the best measured on the h
 falling to a tenth over the first 28 Trainer steps (`trainer.optim.decay_steps`), `explore-corrections` is
 `explore` with the users' corrections of wrong first calls (of the run each user was served), and
 `explore-pipelined` is `explore-kept` with a backlog of two rounds, so traffic is sampled while the Trainer
-trains (`tools.traffic.max_backlog=64`), and `explore-kl` is `explore` with a KL penalty of 0.1 to the cold start's
-policy (`trainer.algorithm.kl_reference=cold_start`); the other settings
+trains (`tools.traffic.max_backlog=64`), and `explore-kl` is `explore` with a KL penalty of 0.02 to the cold start's
+policy (`trainer.algorithm.kl_reference=cold_start`; `explore-kl-strong` at 0.1); the other settings
 sample the traffic at 1, as they were measured.
 `--arms-from DIR` takes each seed's demonstrations-only arm from its finished run in DIR (another bench's
 `--out`, or kept records: the held-out problems depend on the seed and task alone), so a longer loop on
@@ -143,11 +143,13 @@ SETTINGS: dict[str, list[str]] = {
     # group whose 8 runs all answered wrong (the "kids split" phrasing in every run) today teaches nothing, and with the
     # credit it tells the right operator from a wrong one; in a group with a success a credited run stays near its mean
     "explore-credit": [*EXPLORE, "tools.call_credit=0.2"],
-    # `explore` with a KL penalty (0.1) to the cold start's policy (trainer.algorithm.kl_reference=cold_start), RLHF's anchor
+    # `explore` with a KL penalty (0.02) to the cold start's policy (trainer.algorithm.kl_reference=cold_start), RLHF's anchor
     # to its supervised policy: against the late versions' operator drift on the phrasings the demonstrations show (0.88-1.00
-    # in the control, 0.62-0.80 in the loop). k3's gradient is strong where a token the cold start liked lost probability,
-    # weak where one it disliked gained some: what the traffic teaches of new phrasings is barely held back
-    "explore-kl": [*EXPLORE, "trainer.algorithm.kl_coef=0.1", "trainer.algorithm.kl_reference=cold_start"],
+    # in the control, 0.62-0.80 in the loop). At 0.1 (`explore-kl-strong`) seed 7's traffic rewards trailed explore-kept's
+    # by half through 18 versions: k3 pulls hard on a token the cold start liked and the policy learnt to avoid, and on the
+    # phrasings no demonstration shows that is the wrong operator the traffic is unlearning
+    "explore-kl": [*EXPLORE, "trainer.algorithm.kl_coef=0.02", "trainer.algorithm.kl_reference=cold_start"],
+    "explore-kl-strong": [*EXPLORE, "trainer.algorithm.kl_coef=0.1", "trainer.algorithm.kl_reference=cold_start"],
     # no online loop to speak of (one round of traffic at most): the demonstrations-only arm from the cold start to its plateau
     "demonstrations": ["tools.levers=false", "tools.control=false", "duration_s=1", "min_new_versions=0"],
 }
