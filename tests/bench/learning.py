@@ -38,7 +38,9 @@ falling to a tenth over the first 28 Trainer steps (`trainer.optim.decay_steps`)
 `explore` with the users' corrections of wrong first calls (of the run each user was served), and
 `explore-pipelined` is `explore-kept` with a backlog of two rounds, so traffic is sampled while the Trainer
 trains (`tools.traffic.max_backlog=64`), and `explore-kl` is `explore` with a KL penalty of 0.02 to the cold start's
-policy (`trainer.algorithm.kl_reference=cold_start`; `explore-kl-strong` at 0.1); the other settings
+policy (`trainer.algorithm.kl_reference=cold_start`; `explore-kl-strong` at 0.1), and `explore-discard` is `explore` with
+the groups whose runs all scored alike set aside and each step filled with groups that carry signal (DAPO's dynamic
+sampling, `trainer.algorithm.grpo.flat_groups=discard`); the other settings
 sample the traffic at 1, as they were measured.
 `--arms-from DIR` takes each seed's demonstrations-only arm from its finished run in DIR (another bench's
 `--out`, or kept records: the held-out problems depend on the seed and task alone), so a longer loop on
@@ -150,6 +152,11 @@ SETTINGS: dict[str, list[str]] = {
     # phrasings no demonstration shows that is the wrong operator the traffic is unlearning
     "explore-kl": [*EXPLORE, "trainer.algorithm.kl_coef=0.02", "trainer.algorithm.kl_reference=cold_start"],
     "explore-kl-strong": [*EXPLORE, "trainer.algorithm.kl_coef=0.1", "trainer.algorithm.kl_reference=cold_start"],
+    # `explore` with DAPO's dynamic sampling (trainer.algorithm.grpo.flat_groups=discard): a group whose 8 runs all scored alike
+    # is set aside and the step waits for two groups that carry signal, so every version trains on two informative groups
+    # (the demo's steps had 0-3, 40 % of its groups flat) at the cost of more traffic a version; the control arm still gets
+    # as many steps
+    "explore-discard": [*EXPLORE, "trainer.algorithm.grpo.flat_groups=discard"],
     # no online loop to speak of (one round of traffic at most): the demonstrations-only arm from the cold start to its plateau
     "demonstrations": ["tools.levers=false", "tools.control=false", "duration_s=1", "min_new_versions=0"],
 }
