@@ -65,7 +65,7 @@ def test_young_unknown_id_waits_for_other_replicas_then_404s(make_explorer):
     ghost = new_id("chatcmpl")  # looks freshly issued, maybe by another replica
     t0 = time.monotonic()
     assert ex.http.post("/feedback", json={"msg_ids": [ghost], "reward": 1.0}).status_code == 404
-    assert time.monotonic() - t0 >= 3.0
+    assert time.monotonic() - t0 >= 2.9  # an id's age is counted from its millisecond, rounded down
     t0 = time.monotonic()
     assert ex.http.post("/feedback", json={"msg_ids": ["made-up"], "reward": 1.0}).status_code == 404
     assert time.monotonic() - t0 < 1.5  # not one of our ids: no reason to wait
