@@ -121,6 +121,9 @@ class Selection:
     groups: int | None = None  # groups the recipe looked at (None: it has none; every row is its own)
     failed_groups: int = 0  # of those, groups in which no episode succeeded (success_reward)
     figures: dict[str, float] = field(default_factory=dict)  # the recipe's own figures of its choice
+    # flat groups set aside (GRPO's flat_groups=discard) since the agent's last step: the earlier polls' on the way
+    # in (select_batch's set_aside), this poll's added by the recipe
+    flat_set_aside: int = 0
     late: list[TrainItem] = field(default_factory=list)  # trained again for a late reward, never consumed again
     # reward_ledger id -> what this step does with that late reward (None: retrained in its version)
     late_outcomes: dict[int, str | None] = field(default_factory=dict)
@@ -251,7 +254,7 @@ class BatchPicker(Protocol):
 def select_batch(
     rows: list[CommittedExperience], *, recipe: BatchPicker, cfg: BatchRules, current_version: int, now: datetime | None = None,
     demonstrations: list[CommittedExperience] = (), step: int = 0, team: TeamEpisodes | None = None,
-    successes: Sequence[CommittedExperience] = (),
+    successes: Sequence[CommittedExperience] = (), set_aside: int = 0,
 ) -> Selection:
     """Pick the next batch of ``rows`` (oldest first) for one agent at ``current_version``, by the
     rules every objective shares and then by the objective's ``recipe``.
@@ -263,9 +266,10 @@ def select_batch(
     examples). ``successes``: the agent's consumed successes (``buffer.fetch_successes``), replayed
     in the supervised term at ``imitation_weight`` (``algorithm.self_imitation``). The first ``guard.demonstrations``
     of them are the step's guard set (always the same ones). ``team``: the team's episode rewards of
-    the rows' tasks, for recipes whose group statistics count the team's episodes (GRPO).
+    the rows' tasks, for recipes whose group statistics count the team's episodes (GRPO). ``set_aside``: the
+    flat groups the agent's polls since its last step set aside (GRPO's ``flat_max_set_aside`` bounds them).
     """
-    sel = Selection()
+    sel = Selection(flat_set_aside=set_aside)
     st = cfg.staleness
     usable: list[Usable] = []
     for row in rows:

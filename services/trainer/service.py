@@ -67,6 +67,7 @@ class AgentProgress:
     next_version: int  # the version the next step goes into
     state_path: str | None  # the state the learners hold right now (rollback point); None: the adapter of `published`
     waiting_on: int | None = None  # the candidate whose release decision this agent's training waits for
+    flat_set_aside: int = 0  # flat groups set aside since the last step (GRPO's flat_groups=discard; not kept across restarts)
 
 
 _MAX_DEMONSTRATIONS = 10_000  # read per poll; an agent's demonstrations are a few to a few hundred
@@ -454,6 +455,7 @@ class TrainerService:
                 if selection.discarded:
                     n = buffer.discard_experiences(engine=self.db, experience_ids=list(selection.discarded))
                     self._log_discards(agent, selection, n)
+                    progress.flat_set_aside = selection.flat_set_aside
                 return False
             if self.cfg.late_rewards.mode_of(agent) == "retrain":
                 self._late(agent, progress, selection)
@@ -496,7 +498,8 @@ class TrainerService:
 
         def select(cfg: TrainerConfig) -> Selection:
             return select_batch(rows, recipe=self.recipe, cfg=cfg, current_version=progress.published,
-                                demonstrations=demos, step=progress.step, team=team, successes=successes)
+                                demonstrations=demos, step=progress.step, team=team, successes=successes,
+                                set_aside=progress.flat_set_aside)
 
         if size > self.cfg.train_batch_size:
             selection = select(self.cfg.model_copy(update={"train_batch_size": size}))
@@ -600,7 +603,7 @@ class TrainerService:
         if selection.discarded:
             self._log_discards(agent, selection, len(selection.discarded))
         failpoint("trainer.after_consume_commit")
-        progress.step, progress.state_path = step, str(state)
+        progress.step, progress.state_path, progress.flat_set_aside = step, str(state), 0
         self.steps_this_run += 1
         if step % cfg.save_interval == 0:
             guard = {k: record[k] for k in ("guard_attempts", "guard_refused") if k in record}

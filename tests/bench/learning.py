@@ -70,11 +70,14 @@ from services.demo import tasks
 
 REPO = Path(__file__).resolve().parents[2]
 
-EXPLORE = ["tools.levers=false", "tools.explore_temperature=1.3"]
+# the demo's flat groups as the settings measured before flat_groups=discard became its default (stripped by _plain)
+KEEP_FLAT = "trainer.algorithm.grpo.flat_groups=keep"
+EXPLORE = ["tools.levers=false", "tools.explore_temperature=1.3", KEEP_FLAT]
+DISCARD = "trainer.algorithm.grpo.flat_groups=discard"
 HINTS_AT_A_FIFTH = ["tools.words=hints", "tools.hint_coef=0.2", "trainer.algorithm.grpo.hint_baseline=call"]
 # demo overrides of each setting (dotted keys of configs/demo.yaml; trainer.* reach the Trainer's config)
 SETTINGS: dict[str, list[str]] = {
-    "base": ["tools.explore_temperature=null", "tools.levers=false"],  # plain GRPO, the demonstrations replayed every step
+    "base": ["tools.explore_temperature=null", "tools.levers=false", KEEP_FLAT],  # plain GRPO, the demonstrations replayed every step
     "levers": ["tools.explore_temperature=null", "tools.levers=true"],  # services/demo/tools_demo.py LEVERS
     "no-self-imitation": ["tools.explore_temperature=null", "tools.levers=true", "trainer.algorithm.self_imitation.coef=0"],
     "no-flat-baseline": ["tools.explore_temperature=null", "tools.levers=true", "trainer.algorithm.grpo.flat_groups=keep"],
@@ -82,15 +85,15 @@ SETTINGS: dict[str, list[str]] = {
                          "trainer.algorithm.demo_replay=every_step"],
     "no-importance": ["tools.explore_temperature=null", "tools.levers=true", "trainer.algorithm.grpo.importance=off"],
     # `base` plus one lever: the agent's own successes replayed beside the demonstrations (which stay every step)
-    "self-imitation": ["tools.explore_temperature=null", "tools.levers=false", "trainer.algorithm.self_imitation.coef=1.0",
+    "self-imitation": ["tools.explore_temperature=null", "tools.levers=false", KEEP_FLAT, "trainer.algorithm.self_imitation.coef=1.0",
                        "trainer.algorithm.self_imitation.ramp_steps=4", "trainer.algorithm.self_imitation.batch_size=8",
                        "trainer.algorithm.self_imitation.per_task=1"],
     # feedback in words on wrong answers, beside the rewards (issue 30): against `base`, rewards alone
-    "hints": ["tools.explore_temperature=null", "tools.levers=false", "tools.words=hints"],
+    "hints": ["tools.explore_temperature=null", "tools.levers=false", KEEP_FLAT, "tools.words=hints"],
     # hints with the distillation advantage centred per call (algorithm.grpo.hint_baseline=call)
-    "hints-centred": ["tools.explore_temperature=null", "tools.levers=false", "tools.words=hints", "trainer.algorithm.grpo.hint_baseline=call"],
+    "hints-centred": ["tools.explore_temperature=null", "tools.levers=false", KEEP_FLAT, "tools.words=hints", "trainer.algorithm.grpo.hint_baseline=call"],
     # every wrong run corrected, as measured (tools.correct_runs=all)
-    "corrections": ["tools.explore_temperature=null", "tools.levers=false", "tools.words=corrections", "tools.correct_runs=all"],
+    "corrections": ["tools.explore_temperature=null", "tools.levers=false", KEEP_FLAT, "tools.words=corrections", "tools.correct_runs=all"],
     # `base` with the traffic sampled hotter than the evaluations (exploration runs; the Trainer scores them at 1.3)
     "explore": EXPLORE,
     # hints on the demo's traffic at 1.3: the per-token distillation term at a fifth, centred per call; the top-16 term
@@ -156,7 +159,11 @@ SETTINGS: dict[str, list[str]] = {
     # is set aside and the step waits for two groups that carry signal, so every version trains on two informative groups
     # (the demo's steps had 0-3, 40 % of its groups flat) at the cost of more traffic a version; the control arm still gets
     # as many steps
-    "explore-discard": [*EXPLORE, "trainer.algorithm.grpo.flat_groups=discard"],
+    "explore-discard": [*EXPLORE, DISCARD, "trainer.algorithm.grpo.flat_max_set_aside=0"],
+    # `explore-discard` bounded: at most 16 flat groups (8 rounds) set aside between two steps, then they are kept, so a
+    # cold start that rarely succeeds still steps and replays its demonstrations (seed 11 starved 240 s unbounded). The
+    # demo's default since 2026-11-30 (services/demo/tools_demo.py)
+    "explore-bounded": [*EXPLORE, DISCARD, "trainer.algorithm.grpo.flat_max_set_aside=16"],
     # no online loop to speak of (one round of traffic at most): the demonstrations-only arm from the cold start to its plateau
     "demonstrations": ["tools.levers=false", "tools.control=false", "duration_s=1", "min_new_versions=0"],
 }
@@ -175,8 +182,10 @@ def _commit() -> str:
 def _plain(overrides: list[str]) -> list[str]:
     """Overrides as compared for resuming: the traffic's temperature pinned to null (the demo's default
     before 1.3) and every wrong run corrected (before tools.correct_runs) are what a run made without
-    them did too."""
-    return [o for o in overrides if o not in ("tools.explore_temperature=null", "tools.correct_runs=all")]
+    them did too, and so are flat groups kept (before flat_groups=discard was the demo's default) and set aside
+    unbounded (before flat_max_set_aside)."""
+    return [o for o in overrides if o not in ("tools.explore_temperature=null", "tools.correct_runs=all", KEEP_FLAT,
+                                              "trainer.algorithm.grpo.flat_max_set_aside=0")]
 
 
 def _overrides(seed: int, setting: str, extra: list[str]) -> list[str]:

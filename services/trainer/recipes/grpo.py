@@ -48,6 +48,10 @@ class GRPOConfig(HintSettings):
         "flat_baseline: an all-wrong group still pushes its answers down, an all-right one up).",
     )
     flat_baseline: float = Field(default=0.5, description="flat_groups=baseline: the fixed baseline of a flat group.")
+    flat_max_set_aside: int = Field(
+        default=0, ge=0, description="flat_groups=discard: at most this many flat groups are set aside between two steps; "
+        "past it the flat groups are kept as with keep, so the step comes (and replays the demonstrations) even while the "
+        "policy rarely succeeds, as DAPO caps its generation batches. 0: no bound (a step waits for groups with signal).")
     aggregation: Literal["token", "sequence"] = Field(
         default="token", description="Token level: the loss is the mean over the batch's tokens (DAPO) or over its "
         "responses, each response's tokens averaged first (the original GRPO).")
@@ -145,6 +149,7 @@ class GRPO(BaseRecipe):
         chosen: list[tuple[list[list[Usable]], list[float]]] = []  # (this agent's episodes, sat-out team rewards)
         fallback: list[list[Usable]] = []
         count = seen = flat = failed = 0
+        set_aside_before = sel.flat_set_aside  # flat groups the polls since the last step set aside (flat_groups=discard)
         flat_chosen: set[int] = set()  # indexes into chosen of groups trained against flat_baseline
         success = self.objective.success_reward
         # An episode's reward is its last call's (an episode reward sent for all its calls is the same on each).
@@ -166,7 +171,8 @@ class GRPO(BaseRecipe):
                 failed += max(rewards) < success
                 if max(rewards) == min(rewards):
                     flat += 1
-                    if a.flat_groups == "discard":
+                    if a.flat_groups == "discard" and (not a.flat_max_set_aside or sel.flat_set_aside < a.flat_max_set_aside):
+                        sel.flat_set_aside += 1
                         for e in episodes.values():
                             for r, _ in e:
                                 sel.discarded[r.experience_id] = f"no signal: every episode of the group scored {rewards[0]:g}"
@@ -187,8 +193,12 @@ class GRPO(BaseRecipe):
             sel.team_episodes = 0
             return
         sel.groups, sel.failed_groups = seen + len(fallback), failed + sum(last(e) < success for e in fallback)
-        sel.figures = {"informative_groups": float(seen - flat), "flat_groups": float(flat),
-                       "informative_share": (seen - flat) / seen if seen else 0.0}
+        # the groups looked at since the last step: this poll's, and the flat ones earlier polls set aside
+        looked = seen + set_aside_before
+        sel.figures = {"informative_groups": float(seen - flat), "flat_groups": float(flat + set_aside_before),
+                       "informative_share": (seen - flat) / looked if looked else 0.0}
+        if a.flat_groups == "discard":
+            sel.figures["flat_set_aside"] = float(sel.flat_set_aside)
         episodes = [e for own, _ in chosen for e in own]
         rewards = [r for own, others in chosen for r in [last(e) for e in own] + others]
         gids = [g for g, (own, others) in enumerate(chosen) for _ in range(len(own) + len(others))]

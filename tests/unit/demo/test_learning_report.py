@@ -79,6 +79,14 @@ def test_a_finished_run_with_the_same_overrides_is_read_back_and_one_with_others
     (made / "bench.json").write_text(json.dumps({"overrides": ["seed=0", "tools.explore_temperature=null", "tools.levers=false",
                                                                "tools.words=corrections"], "commit": "abc1234"}))
     assert bench._finished_with_other_overrides(made, ["seed=0", *bench.SETTINGS["corrections"]]) is None
+    # `explore-kept` and `explore-discard` as measured before flat_groups=discard (bounded) was the demo's default: the
+    # flat groups they pin now (kept; set aside unbounded) are what they ran with; the bounded form is another setting
+    for setting, then in (("explore-kept", ["tools.keep_best=true"]),
+                          ("explore-discard", ["trainer.algorithm.grpo.flat_groups=discard"])):
+        (made / "bench.json").write_text(json.dumps({"overrides": ["seed=0", "tools.levers=false", "tools.explore_temperature=1.3",
+                                                                   *then], "commit": "abc1234"}))
+        assert bench._finished_with_other_overrides(made, ["seed=0", *bench.SETTINGS[setting]]) is None
+    assert "flat_max_set_aside=16" in bench._finished_with_other_overrides(made, ["seed=0", *bench.SETTINGS["explore-bounded"]])
     (made / "bench.json").write_text(json.dumps({"overrides": overrides, "commit": "abc1234"}))
     with pytest.raises(RuntimeError, match=r"kaizen demo failed \(base, seed 0\)"):  # asked for: cleared, run again
         bench.run_demo(0, "base", tmp_path, ["tools.plateau.max_steps=0"], resume=False)

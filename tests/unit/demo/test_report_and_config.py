@@ -90,6 +90,24 @@ def test_words_hints_give_the_trainer_its_hint_term_and_are_refused_when_unknown
     assert trainer("tools.words=corrections", "tools.correct_runs=all")["algorithm"]["grpo"].get("hint_coef") is None
 
 
+def test_the_demo_sets_flat_groups_aside_bounded_but_keeps_them_for_hints_and_levers(tmp_path):
+    from services.common.launch import Stack
+    from services.demo.tools_demo import ToolsDemo
+    from services.trainer.config import TrainerConfig
+
+    def grpo(*overrides):
+        cfg = load_config(DemoConfig, None, ["task=tools", *overrides], env={})
+        return ToolsDemo(cfg, Stack(tmp_path, cfg.agent, config_models={"trainer": TrainerConfig})).trainer_config()["algorithm"]["grpo"]
+
+    assert (grpo()["flat_groups"], grpo()["flat_max_set_aside"]) == ("discard", 16)
+    assert grpo("tools.words=hints")["flat_groups"] == "keep"  # an all-wrong group's hints are its signal
+    assert grpo("tools.words=corrections")["flat_groups"] == "discard"
+    assert grpo("tools.levers=true")["flat_groups"] == "baseline"  # the levers train flat groups against a baseline
+    # the bench's settings measured before pin what they ran with; a user's setting wins
+    assert grpo("trainer.algorithm.grpo.flat_groups=keep")["flat_groups"] == "keep"
+    assert grpo("trainer.algorithm.grpo.flat_max_set_aside=0")["flat_max_set_aside"] == 0
+
+
 def test_explore_temperature_gives_the_agent_its_exploration_temperature(tmp_path):
     from services.common.config import ConfigError
     from services.common.launch import Stack

@@ -81,12 +81,38 @@ def test_flat_groups_are_set_aside_and_the_step_filled_with_groups_that_carry_si
     assert [i.advantage for i in sel.items] == [0.5, -0.5, -0.5, 0.5]
     assert sel.discarded == {"e0": "no signal: every episode of the group scored 0", "e1": "no signal: every episode of the group scored 0",
                              "e2": "no signal: every episode of the group scored 1", "e3": "no signal: every episode of the group scored 1"}
-    assert sel.figures == {"informative_groups": 2.0, "flat_groups": 2.0, "informative_share": 0.5}
+    assert sel.figures == {"informative_groups": 2.0, "flat_groups": 2.0, "informative_share": 0.5, "flat_set_aside": 2.0}
     assert (sel.groups, sel.failed_groups) == (4, 1)  # t0: no success
     # keep (the default): the flat groups are trained, at advantage 0
     k = cfg("algorithm.name=grpo", "train_batch_size=4", "algorithm.grpo.group_size=2")
     sel = select_batch(rows, recipe=k.algorithm.recipe(), cfg=k, current_version=0, now=NOW)
     assert [i.task_id for i in sel.items] == ["t0", "t0", "t1", "t1"] and {i.advantage for i in sel.items} == {0.0}
+
+
+def test_flat_groups_set_aside_are_counted_across_polls_and_bounded():
+    c = cfg("algorithm.name=grpo", "train_batch_size=4", "algorithm.grpo.group_size=2", "algorithm.grpo.flat_groups=discard",
+            "algorithm.grpo.std_normalize=false")
+    recipe = c.algorithm.recipe()
+    # a poll of two flat groups and one with signal: no step; the two are set aside and counted
+    first = select_batch(_groups((0.0, 0.0), (0.0, 0.0), (1.0, 0.0)), recipe=recipe, cfg=c, current_version=0, now=NOW)
+    assert not first.ready and len(first.discarded) == 4 and first.flat_set_aside == 2
+    # the next poll (the group with signal again, then a flat one and one more with signal), told of the two set aside:
+    # the step's figures count the earlier polls' flat groups too
+    rows = [r for r in _groups((0.0, 0.0), (0.0, 0.0), (1.0, 0.0), (1.0, 1.0), (0.0, 1.0)) if r.task_id != "t0" and r.task_id != "t1"]
+    sel = select_batch(rows, recipe=recipe, cfg=c, current_version=0, now=NOW, set_aside=first.flat_set_aside)
+    assert [i.task_id for i in sel.items] == ["t2", "t2", "t4", "t4"] and sel.flat_set_aside == 3
+    assert sel.figures == {"informative_groups": 2.0, "flat_groups": 3.0, "informative_share": 0.4, "flat_set_aside": 3.0}
+    # flat_max_set_aside 3: two set aside before, so the third is set aside, and the fourth and later are kept (advantage 0)
+    b = cfg("algorithm.name=grpo", "train_batch_size=4", "algorithm.grpo.group_size=2", "algorithm.grpo.flat_groups=discard",
+            "algorithm.grpo.flat_max_set_aside=3", "algorithm.grpo.std_normalize=false")
+    rows = _groups((1.0, 1.0), (0.0, 0.0), (0.0, 0.0), (1.0, 0.0))
+    sel = select_batch(rows, recipe=b.algorithm.recipe(), cfg=b, current_version=0, now=NOW, set_aside=2)
+    assert set(sel.discarded) == {"e0", "e1"} and sel.flat_set_aside == 3
+    assert [i.task_id for i in sel.items] == ["t1", "t1", "t2", "t2"] and {i.advantage for i in sel.items} == {0.0}
+    assert sel.figures == {"informative_groups": 0.0, "flat_groups": 5.0, "informative_share": 0.0, "flat_set_aside": 3.0}
+    # unbounded, the same poll waits for signal: all three flat groups set aside, no step
+    sel = select_batch(rows, recipe=recipe, cfg=c, current_version=0, now=NOW, set_aside=2)
+    assert not sel.ready and len(sel.discarded) == 6 and sel.flat_set_aside == 5
 
 
 def test_flat_groups_against_a_fixed_baseline_still_teach():
