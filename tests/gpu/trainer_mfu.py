@@ -23,6 +23,32 @@ import torch
 sys.path.insert(0, os.getcwd())
 
 
+def shaped_model(layers: int = 30) -> tuple[str, int]:
+    """A model of SmolLM2-135M's shape with random bfloat16 weights and the tiny model's tokenizer (ids past its
+    vocabulary decode to nothing), built once a machine under /tmp: its path and parameter count."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from services.common.tiny_model import build_tiny_model
+
+    path = f"/tmp/smollm2-shaped-{layers}"
+    cfg = LlamaConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=layers,
+                      num_attention_heads=9, num_key_value_heads=3, max_position_embeddings=8192, tie_word_embeddings=True)
+    if not os.path.exists(os.path.join(path, "params.json")):  # built once a machine: later runs reuse it
+        model = LlamaForCausalLM(cfg).to(torch.bfloat16)
+        model.save_pretrained(path + ".part")
+        tiny = build_tiny_model("/tmp/tiny-for-tokenizer")
+        for f in os.listdir(tiny):
+            if "token" in f or f.endswith(".txt") or f == "special_tokens_map.json":
+                shutil.copy(os.path.join(tiny, f), path + ".part")
+        with open(os.path.join(path + ".part", "params.json"), "w") as f:
+            json.dump(sum(t.numel() for t in model.parameters()), f)
+        shutil.rmtree(path, ignore_errors=True)
+        os.replace(path + ".part", path)
+        del model
+    with open(os.path.join(path, "params.json")) as f:
+        return path, json.load(f)
+
+
 def main() -> dict:
     p = argparse.ArgumentParser()
     p.add_argument("--peak-tflops", type=float, default=989.0, help="the card's dense bf16 peak (H100 SXM, H200: 989)")
@@ -40,30 +66,11 @@ def main() -> dict:
     p.add_argument("--no-chain", action="store_true", help="trainer.chain_calls off: one row per call")
     p.add_argument("--tag", default="", help="written to $OUT/trainer_mfu{-tag}.json")
     a = p.parse_args()
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    from services.common.tiny_model import build_tiny_model
     from services.trainer.batches import Norms, TrainItem
     from services.trainer.learner import LearnerWorker
     from services.trainer.policy import chain_rows
 
-    path = f"/tmp/smollm2-shaped-{a.layers}"
-    cfg = LlamaConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=a.layers,
-                      num_attention_heads=9, num_key_value_heads=3, max_position_embeddings=8192, tie_word_embeddings=True)
-    if not os.path.exists(os.path.join(path, "params.json")):  # built once a machine: later runs reuse it
-        model = LlamaForCausalLM(cfg).to(torch.bfloat16)
-        model.save_pretrained(path + ".part")
-        tiny = build_tiny_model("/tmp/tiny-for-tokenizer")
-        for f in os.listdir(tiny):
-            if "token" in f or f.endswith(".txt") or f == "special_tokens_map.json":
-                shutil.copy(os.path.join(tiny, f), path + ".part")
-        with open(os.path.join(path + ".part", "params.json"), "w") as f:
-            json.dump(sum(t.numel() for t in model.parameters()), f)
-        shutil.rmtree(path, ignore_errors=True)
-        os.replace(path + ".part", path)
-        del model
-    with open(os.path.join(path, "params.json")) as f:
-        params = json.load(f)
+    path, params = shaped_model(a.layers)
     w = LearnerWorker({"model": {"path": path, "dtype": "bfloat16"}, "trainer": {"device": a.device, "micro_batch_size": a.micro,
                                                                                   "micro_batch_tokens": a.micro_tokens,
                                                                                   "chain_calls": not a.no_chain},
