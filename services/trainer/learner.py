@@ -529,10 +529,14 @@ class LearnerWorker:
         allowed = p.allowed_tokens([i.grammar for i in micro], [i.response_ids for i in micro], batch.response_len)
         ref_lp = None
         # before the policy's forward: a reference adapter is copied in and out in place. With cold_start, none before
-        # the cold start ends (a step of it with rollouts): no penalty, no figure
+        # the cold start ends (a step of it with rollouts): no penalty, no figure. The reference does not move within a
+        # step: scored at its first epoch, kept for the others
         if (a.kl_coef > 0 or a.kl_metric) and (a.kl_reference == "base" or agent in self._reference):
-            with torch.no_grad(), self._reference_weights(agent):
-                ref_lp = p.forward(batch, need_hidden=False, adapter=a.kl_reference == "cold_start", allowed=allowed).logprobs
+            if ("reference", key) not in cache:
+                with torch.no_grad(), self._reference_weights(agent):
+                    cache[("reference", key)] = p.forward(batch, need_hidden=False, adapter=a.kl_reference == "cold_start",
+                                                          allowed=allowed).logprobs
+            ref_lp = cache[("reference", key)]
         out = p.forward(batch, need_hidden=recipe.uses_critic, entropy_grad=a.entropy_coef > 0, allowed=allowed,
                         gather=None if gather is None else _widen(gather, batch.response_len))
         stats: dict[str, float] = {"entropy_sum": float(masked_sum(out.entropy.detach(), mask)), "tokens": float(mask.sum())}

@@ -40,7 +40,9 @@ falling to a tenth over the first 28 Trainer steps (`trainer.optim.decay_steps`)
 trains (`tools.traffic.max_backlog=64`), and `explore-kl` is `explore` with a KL penalty of 0.02 to the cold start's
 policy (`trainer.algorithm.kl_reference=cold_start`; `explore-kl-strong` at 0.1), and `explore-discard` is `explore` with
 the groups whose runs all scored alike set aside and each step filled with groups that carry signal (DAPO's dynamic
-sampling, `trainer.algorithm.grpo.flat_groups=discard`); the other settings
+sampling, `trainer.algorithm.grpo.flat_groups=discard`), and `explore-bounded` is `explore-discard` with at most 16
+flat groups set aside between two steps (`flat_max_set_aside=16`, the demo's default since 2026-11-30; every
+setting above it pins the flat groups it was measured with); the other settings
 sample the traffic at 1, as they were measured.
 `--arms-from DIR` takes each seed's demonstrations-only arm from its finished run in DIR (another bench's
 `--out`, or kept records: the held-out problems depend on the seed and task alone), so a longer loop on
