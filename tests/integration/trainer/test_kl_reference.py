@@ -144,3 +144,28 @@ def test_a_learner_past_its_cold_start_without_a_saved_reference_takes_its_weigh
     assert any("no saved KL reference" in m and "at step 3" in m for m in said), said
     assert all(torch.equal(w._reference["a"][k], v) for k, v in now.items())
     assert _kl(s) == pytest.approx(0.0, abs=1e-6)
+
+
+@pytest.mark.parametrize("reference", ["base", "cold_start"])
+def test_the_reference_is_scored_once_a_step_whatever_its_epochs(tiny_model, vocab, reference, monkeypatch):
+    """Three epochs: the reference's forward (without gradients) runs once per micro-batch, the policy's three
+    times, and the step's KL figure is the mean of its epochs' against that one reference."""
+    from services.trainer.learner import LearnerWorker
+
+    w = LearnerWorker({"model": {"path": str(tiny_model), "dtype": "float32"},
+                       "trainer": {"device": "cpu", "torch_threads": 1, "epochs": 3},
+                       "algorithm": {"name": "grpo", "kl_coef": 0.5, "kl_reference": reference, "cold_start_steps": COLD},
+                       "lora": {"r": 8}, "optim": {"lr": 1e-2, "warmup_steps": 0}, "log_level": "warning"})
+    w.setup()
+    _cold_start(w, vocab)
+    rollouts = [i for i in _items(vocab, 1) if not i.demonstration]
+    forwards, real = [], w.policy.forward
+
+    def counted(batch, **kw):
+        forwards.append(torch.is_grad_enabled())
+        return real(batch, **kw)
+
+    monkeypatch.setattr(w.policy, "forward", counted)
+    stats = w.train_step("a", rollouts, Norms.of(rollouts), COLD, 0)
+    assert forwards == [False, True, True, True], forwards  # one micro-batch: the reference once, then three epochs
+    assert _kl(stats) > 0
