@@ -21,13 +21,6 @@ pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(DEVICE == "cuda" and not torch.cuda.is_available(), reason="no CUDA device")]
 
 
-@pytest.fixture(scope="module")
-def model(tmp_path_factory):
-    from services.common.tiny_model import build_tiny_model
-
-    return build_tiny_model(tmp_path_factory.mktemp("gpu-engine") / "tiny")
-
-
 def _adapter(model, path, seed: int) -> str:
     """A LoRA adapter of random, non-zero weights (the Trainer's target modules)."""
     from peft import LoraConfig, get_peft_model
@@ -58,7 +51,8 @@ _MODELS: dict = {}
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_logprobs_equal_a_teacher_forced_pass_while_versions_are_swapped_under_load(model, tmp_path, dtype):
+def test_logprobs_equal_a_teacher_forced_pass_while_versions_are_swapped_under_load(tiny_model, tmp_path, dtype):
+    model = tiny_model
     from services.explorer.serving.engines.base import AdapterRef, GenerateRequest, SamplingParams
     from services.explorer.serving.engines.hf import HFEngine
 
