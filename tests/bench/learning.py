@@ -41,8 +41,8 @@ trains (`tools.traffic.max_backlog=64`), and `explore-kl` is `explore` with a KL
 policy (`trainer.algorithm.kl_reference=cold_start`; `explore-kl-strong` at 0.1), and `explore-discard` is `explore` with
 the groups whose runs all scored alike set aside and each step filled with groups that carry signal (DAPO's dynamic
 sampling, `trainer.algorithm.grpo.flat_groups=discard`), and `explore-bounded` is `explore-discard` with at most 16
-flat groups set aside between two steps (`flat_max_set_aside=16`, the demo's default since 2026-11-30; every
-setting above it pins the flat groups it was measured with); the other settings
+flat groups set aside between two steps (`flat_max_set_aside=16`, the demo's default since 2026-11-30; the settings
+without the levers measured before it pin the flat groups kept, as they ran); the other settings
 sample the traffic at 1, as they were measured.
 `--arms-from DIR` takes each seed's demonstrations-only arm from its finished run in DIR (another bench's
 `--out`, or kept records: the held-out problems depend on the seed and task alone), so a longer loop on
@@ -167,7 +167,7 @@ SETTINGS: dict[str, list[str]] = {
     # demo's default since 2026-11-30 (services/demo/tools_demo.py)
     "explore-bounded": [*EXPLORE, DISCARD, "trainer.algorithm.grpo.flat_max_set_aside=16"],
     # no online loop to speak of (one round of traffic at most): the demonstrations-only arm from the cold start to its plateau
-    "demonstrations": ["tools.levers=false", "tools.control=false", "duration_s=1", "min_new_versions=0"],
+    "demonstrations": ["tools.levers=false", KEEP_FLAT, "tools.control=false", "duration_s=1", "min_new_versions=0"],
 }
 ARM_ONLY = "demonstrations"
 
@@ -184,10 +184,12 @@ def _commit() -> str:
 def _plain(overrides: list[str]) -> list[str]:
     """Overrides as compared for resuming: the traffic's temperature pinned to null (the demo's default
     before 1.3) and every wrong run corrected (before tools.correct_runs) are what a run made without
-    them did too, and so are flat groups kept (before flat_groups=discard was the demo's default) and set aside
-    unbounded (before flat_max_set_aside)."""
-    return [o for o in overrides if o not in ("tools.explore_temperature=null", "tools.correct_runs=all", KEEP_FLAT,
-                                              "trainer.algorithm.grpo.flat_max_set_aside=0")]
+    them did too, and so are flat groups kept without the levers (before flat_groups=discard was the demo's
+    default) and set aside unbounded (before flat_max_set_aside)."""
+    drop = {"tools.explore_temperature=null", "tools.correct_runs=all", "trainer.algorithm.grpo.flat_max_set_aside=0"}
+    if "tools.levers=true" not in overrides:  # the levers' flat groups were never the demo's to keep
+        drop.add(KEEP_FLAT)
+    return [o for o in overrides if o not in drop]
 
 
 def _overrides(seed: int, setting: str, extra: list[str]) -> list[str]:

@@ -51,7 +51,8 @@ class GRPOConfig(HintSettings):
     flat_max_set_aside: int = Field(
         default=0, ge=0, description="flat_groups=discard: at most this many flat groups are set aside between two steps; "
         "past it the flat groups are kept as with keep, so the step comes (and replays the demonstrations) even while the "
-        "policy rarely succeeds, as DAPO caps its generation batches. 0: no bound (a step waits for groups with signal).")
+        "policy rarely succeeds, as DAPO caps its generation batches; they come after every group with signal the poll "
+        "holds. 0: no bound (a step waits for groups with signal). Unused unless flat_groups=discard.")
     aggregation: Literal["token", "sequence"] = Field(
         default="token", description="Token level: the loss is the mean over the batch's tokens (DAPO) or over its "
         "responses, each response's tokens averaged first (the original GRPO).")
@@ -151,6 +152,8 @@ class GRPO(BaseRecipe):
         count = seen = flat = failed = 0
         set_aside_before = sel.flat_set_aside  # flat groups the polls since the last step set aside (flat_groups=discard)
         flat_chosen: set[int] = set()  # indexes into chosen of groups trained against flat_baseline
+        # flat groups past flat_max_set_aside: kept, but after every group with signal this poll holds
+        deferred: list[tuple[list[list[Usable]], list[float], int, bool]] = []
         success = self.objective.success_reward
         # An episode's reward is its last call's (an episode reward sent for all its calls is the same on each).
         last = lambda e: max(e, key=lambda rw: rw[0].seq)[0].reward  # noqa: E731
@@ -167,16 +170,20 @@ class GRPO(BaseRecipe):
                 continue  # more runs of this task may still arrive
             if n >= a.min_group_size:
                 rewards = [last(e) for e in episodes.values()] + sat_out
-                seen += 1
-                failed += max(rewards) < success
-                if max(rewards) == min(rewards):
-                    flat += 1
-                    if a.flat_groups == "discard" and (not a.flat_max_set_aside or sel.flat_set_aside < a.flat_max_set_aside):
+                if max(rewards) == min(rewards) and a.flat_groups == "discard":
+                    if not a.flat_max_set_aside or sel.flat_set_aside < a.flat_max_set_aside:
+                        seen, flat, failed = seen + 1, flat + 1, failed + (max(rewards) < success)
                         sel.flat_set_aside += 1
                         for e in episodes.values():
                             for r, _ in e:
                                 sel.discarded[r.experience_id] = f"no signal: every episode of the group scored {rewards[0]:g}"
-                        continue
+                    else:
+                        deferred.append((list(episodes.values()), sat_out, calls, max(rewards) < success))
+                    continue
+                seen += 1
+                failed += max(rewards) < success
+                if max(rewards) == min(rewards):
+                    flat += 1
                     flat_chosen.add(len(chosen))
                 chosen.append((list(episodes.values()), sat_out))
                 count += calls
@@ -189,6 +196,14 @@ class GRPO(BaseRecipe):
                 fallback.extend(episodes.values())
                 count += calls
                 sel.small_groups += 1
+        for own, sat_out, calls, no_success in deferred:  # the step comes even while the policy rarely succeeds
+            if count >= batch_size:
+                break  # left committed: the next poll meets them again
+            seen, flat, failed = seen + 1, flat + 1, failed + no_success
+            flat_chosen.add(len(chosen))
+            chosen.append((own, sat_out))
+            count += calls
+            sel.team_episodes += len(sat_out)
         if count < batch_size:
             sel.team_episodes = 0
             return

@@ -198,14 +198,15 @@ def test_the_steps_trained_groups_that_carry_signal_and_counted_those_set_aside(
     online = [m for m in (json.loads(line) for line in (demo_run / "trainer" / "metrics.jsonl").read_text().splitlines())
               if m["batch_size"] > 0]
     assert online and all(0 <= m["flat_set_aside"] <= 16 and m["flat_groups"] >= m["flat_set_aside"] for m in online), online
-    rewards: dict[str, dict[str, set]] = defaultdict(lambda: defaultdict(set))  # task -> status -> rewards
+    consumed: dict[str, dict[str, float]] = defaultdict(dict)  # task -> run -> reward, of the rows trained on
     for r in rows:
-        if r["task_id"] is not None and not r["task_id"].startswith(EVAL_TASK_PREFIX):
-            rewards[r["task_id"]][r["status"]].add(r["reward"])
-    consumed = [by["consumed"] for by in rewards.values() if "consumed" in by]
-    assert consumed
+        if r["task_id"] is not None and not r["task_id"].startswith(EVAL_TASK_PREFIX) and r["status"] == "consumed":
+            consumed[r["task_id"]][r["run_id"]] = r["reward"]
+    # whole groups (a group left with one episode after group_wait_s is trained against the batch's mean)
+    groups = [runs for runs in consumed.values() if len(runs) >= grpo["min_group_size"]]
+    assert groups, consumed
     if max(m["flat_set_aside"] for m in online) < 16:  # the bound never reached: no flat group was trained
-        assert all(len(r) == 2 for r in consumed), consumed
+        assert all(len(set(runs.values())) == 2 for runs in groups), groups
 
 
 def test_a_call_after_a_tool_result_was_prompted_with_the_whole_conversation(rows):

@@ -134,6 +134,53 @@ def test_each_algorithm_raises_the_rewarded_probability(algorithm, steps, tiny_m
     assert "published v" in log
 
 
+def test_flat_groups_set_aside_by_polls_without_a_step_count_in_the_next_steps_record(tiny_model, sampled_db, ray_address,
+                                                                                       tmp_path):
+    """flat_groups=discard: while the buffer holds only flat groups, polls set them aside and make no step; the
+    step that comes once groups with signal are committed counts them in its record (flat_set_aside, flat_groups,
+    informative_share), and a later step starts counting again from 0."""
+    import sqlite3
+
+    url = _copy_db(sampled_db, tmp_path)
+    with sqlite3.connect(tmp_path / "buffer.db") as con:
+        tasks = [t for (t,) in con.execute("SELECT task_id FROM experiences GROUP BY task_id ORDER BY min(seq)")]
+        flat, held = tasks[:2], tasks[2:]
+        con.execute(f"UPDATE experiences SET reward = 0 WHERE task_id IN ({', '.join('?' * len(flat))})", flat)
+        # rewarded but not yet committed: the Trainer does not see them
+        held_rows = con.execute(f"UPDATE experiences SET status = 'rewarded' WHERE task_id IN ({', '.join('?' * len(held))})",
+                                held).rowcount
+    proc = subprocess.Popen(_args(tiny_model, tmp_path, ray_address, "algorithm.name=grpo", "algorithm.grpo.group_size=4",
+                                  "algorithm.grpo.flat_groups=discard", "trainer.poll_interval_s=0.2", "--max-steps", "2"),
+                            cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    db = buffer.create_buffer_engine(url)
+    try:
+        deadline = time.monotonic() + 240
+        while len(buffer.list_experiences(engine=db, status="discarded", limit=1000)) < 8:  # the two flat groups' calls
+            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[0][-4000:] if proc.poll() else "waited"
+            time.sleep(0.2)
+        time.sleep(1.0)  # more polls without a step
+        assert not (tmp_path / "run" / "metrics.jsonl").exists() or not (tmp_path / "run" / "metrics.jsonl").read_text()
+        assert buffer.commit_experiences(engine=db) == held_rows
+        out, _ = proc.communicate(timeout=240)
+        assert proc.returncode == 0, out[-4000:]
+        discarded = {e.task_id for e in buffer.list_experiences(engine=db, status="discarded", limit=100_000)}
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        db.dispose()
+    records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [1, 2]
+    first, second = records
+    assert set(flat) <= discarded
+    # every flat group set aside before the second step's poll was counted by the first step: the two set aside by
+    # polls that made no step, and those of its own poll
+    set_aside_later = second["flat_set_aside"]
+    assert first["flat_set_aside"] == len(discarded) - set_aside_later and first["flat_set_aside"] >= 2, (first, discarded)
+    assert first["flat_groups"] == first["flat_set_aside"]  # all flat groups were set aside: none kept
+    assert first["informative_share"] == first["informative_groups"] / (first["informative_groups"] + first["flat_groups"])
+    assert second["flat_set_aside"] == second["flat_groups"]
+
+
 def test_grpo_with_every_lever_learns_and_reports_each(tiny_model, sampled_db, base_model, ray_address, tmp_path):
     """Flat groups set aside (dynamic sampling), importance correction against the proximal policy,
     response-level aggregation, the agent's successes replayed beside a decaying supervised term."""

@@ -87,6 +87,9 @@ def test_a_finished_run_with_the_same_overrides_is_read_back_and_one_with_others
                                                                    *then], "commit": "abc1234"}))
         assert bench._finished_with_other_overrides(made, ["seed=0", *bench.SETTINGS[setting]]) is None
     assert "flat_max_set_aside=16" in bench._finished_with_other_overrides(made, ["seed=0", *bench.SETTINGS["explore-bounded"]])
+    # with the levers, flat groups kept is a setting of its own (no-flat-baseline), not what `levers` ran with
+    (made / "bench.json").write_text(json.dumps({"overrides": ["seed=0", *bench.SETTINGS["levers"]], "commit": "abc1234"}))
+    assert "flat_groups=keep" in bench._finished_with_other_overrides(made, ["seed=0", *bench.SETTINGS["no-flat-baseline"]])
     (made / "bench.json").write_text(json.dumps({"overrides": overrides, "commit": "abc1234"}))
     with pytest.raises(RuntimeError, match=r"kaizen demo failed \(base, seed 0\)"):  # asked for: cleared, run again
         bench.run_demo(0, "base", tmp_path, ["tools.plateau.max_steps=0"], resume=False)

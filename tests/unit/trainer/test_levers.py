@@ -102,14 +102,21 @@ def test_flat_groups_set_aside_are_counted_across_polls_and_bounded():
     sel = select_batch(rows, recipe=recipe, cfg=c, current_version=0, now=NOW, set_aside=first.flat_set_aside)
     assert [i.task_id for i in sel.items] == ["t2", "t2", "t4", "t4"] and sel.flat_set_aside == 3
     assert sel.figures == {"informative_groups": 2.0, "flat_groups": 3.0, "informative_share": 0.4, "flat_set_aside": 3.0}
-    # flat_max_set_aside 3: two set aside before, so the third is set aside, and the fourth and later are kept (advantage 0)
+    # flat_max_set_aside 3: two set aside before, so the third is set aside, and the fourth and later are kept (advantage
+    # 0), after every group with signal: t3 first, then t1 fills the batch; t2 is left for the next poll
     b = cfg("algorithm.name=grpo", "train_batch_size=4", "algorithm.grpo.group_size=2", "algorithm.grpo.flat_groups=discard",
             "algorithm.grpo.flat_max_set_aside=3", "algorithm.grpo.std_normalize=false")
     rows = _groups((1.0, 1.0), (0.0, 0.0), (0.0, 0.0), (1.0, 0.0))
     sel = select_batch(rows, recipe=b.algorithm.recipe(), cfg=b, current_version=0, now=NOW, set_aside=2)
     assert set(sel.discarded) == {"e0", "e1"} and sel.flat_set_aside == 3
-    assert [i.task_id for i in sel.items] == ["t1", "t1", "t2", "t2"] and {i.advantage for i in sel.items} == {0.0}
-    assert sel.figures == {"informative_groups": 0.0, "flat_groups": 5.0, "informative_share": 0.0, "flat_set_aside": 3.0}
+    assert [(i.task_id, i.advantage) for i in sel.items] == [("t3", 0.5), ("t3", -0.5), ("t1", 0.0), ("t1", 0.0)]
+    assert sel.figures == {"informative_groups": 1.0, "flat_groups": 4.0, "informative_share": 0.2, "flat_set_aside": 3.0}
+    assert (sel.groups, sel.failed_groups) == (3, 1)  # this poll's: t0 (all right) set aside, t3 and t1 (all wrong) trained
+    # with only flat groups past the bound, they fill the step by themselves
+    sel = select_batch(_groups((0.0, 0.0), (1.0, 1.0), (0.0, 0.0)), recipe=b.algorithm.recipe(), cfg=b, current_version=0,
+                       now=NOW, set_aside=3)
+    assert not sel.discarded and [i.task_id for i in sel.items] == ["t0", "t0", "t1", "t1"]
+    assert {i.advantage for i in sel.items} == {0.0} and sel.figures["informative_share"] == 0.0
     # unbounded, the same poll waits for signal: all three flat groups set aside, no step
     sel = select_batch(rows, recipe=recipe, cfg=c, current_version=0, now=NOW, set_aside=2)
     assert not sel.ready and len(sel.discarded) == 6 and sel.flat_set_aside == 5
