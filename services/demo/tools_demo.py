@@ -145,11 +145,9 @@ class ToolsDemo:
         base = {
             "model": {"path": self.cfg.model_path, "dtype": _dtype()},
             "algorithm": {"name": "grpo", "kl_metric": False,
-                          # a group whose runs all scored alike is set aside and the step waits for groups that carry
-                          # signal (DAPO's dynamic sampling: +0.06 [+0.02, +0.10] over keeping them, docs/DEMO.md), at most
-                          # 16 of them (8 rounds) between two steps, so a cold start that rarely succeeds still steps
-                          "grpo": {"group_size": tr.repeat, "min_group_size": 2, "group_wait_s": 30.0, "small_groups": "batch",
-                                   "flat_groups": "discard", "flat_max_set_aside": 16},
+                          # flat groups (every run scored alike) are kept: setting them aside (flat_groups=discard) paid at
+                          # 24 versions but, bounded, not in the loop's 7 minutes, where it gets fewer versions (docs/DEMO.md)
+                          "grpo": {"group_size": tr.repeat, "min_group_size": 2, "group_wait_s": 30.0, "small_groups": "batch"},
                           # the cold start: 4 steps on 4 demonstrations each (about 3 s a step); every later step
                           # replays 4 too (the mixed objective). A longer cold start (16 steps: the demonstrations'
                           # NLL near 0) scored higher at first but left no entropy to explore, and GRPO then gained nothing.
@@ -170,9 +168,8 @@ class ToolsDemo:
         }
         if self.t.levers:
             base = deep_merge(base, LEVERS)
-        if self.t.words == "hints":  # the hinted calls' tokens also learn the teacher's view (self-distillation); an
-            # all-wrong group's hints are its signal, so flat groups are kept
-            base = deep_merge(base, {"algorithm": {"level": "token", "grpo": {"hint_coef": self.t.hint_coef, "flat_groups": "keep"}}})
+        if self.t.words == "hints":  # the hinted calls' tokens also learn the teacher's view (self-distillation)
+            base = deep_merge(base, {"algorithm": {"level": "token", "grpo": {"hint_coef": self.t.hint_coef}}})
         return self.stack.trainer_config(base, self.cfg.trainer)
 
     # ------------------------------------------------------------------ stages

@@ -41,8 +41,8 @@ trains (`tools.traffic.max_backlog=64`), and `explore-kl` is `explore` with a KL
 policy (`trainer.algorithm.kl_reference=cold_start`; `explore-kl-strong` at 0.1), and `explore-discard` is `explore` with
 the groups whose runs all scored alike set aside and each step filled with groups that carry signal (DAPO's dynamic
 sampling, `trainer.algorithm.grpo.flat_groups=discard`), and `explore-bounded` is `explore-discard` with at most 16
-flat groups set aside between two steps (`flat_max_set_aside=16`, the demo's default since 2026-11-30; the settings
-without the levers measured before it pin the flat groups kept, as they ran); the other settings
+flat groups set aside between two steps (`flat_max_set_aside=16`; the settings without the levers pin the flat groups
+kept, as they ran); the other settings
 sample the traffic at 1, as they were measured.
 `--arms-from DIR` takes each seed's demonstrations-only arm from its finished run in DIR (another bench's
 `--out`, or kept records: the held-out problems depend on the seed and task alone), so a longer loop on
@@ -72,7 +72,8 @@ from services.demo import tasks
 
 REPO = Path(__file__).resolve().parents[2]
 
-# the demo's flat groups as the settings measured before flat_groups=discard became its default (stripped by _plain)
+# flat groups kept (the Trainer's and the demo's default), pinned in the settings without the levers that ran with them,
+# so a later default cannot change what they mean (stripped by _plain when comparing with records made before the pin)
 KEEP_FLAT = "trainer.algorithm.grpo.flat_groups=keep"
 EXPLORE = ["tools.levers=false", "tools.explore_temperature=1.3", KEEP_FLAT]
 DISCARD = "trainer.algorithm.grpo.flat_groups=discard"
@@ -163,8 +164,7 @@ SETTINGS: dict[str, list[str]] = {
     # as many steps
     "explore-discard": [*EXPLORE, DISCARD, "trainer.algorithm.grpo.flat_max_set_aside=0"],
     # `explore-discard` bounded: at most 16 flat groups (8 rounds) set aside between two steps, then they are kept, so a
-    # cold start that rarely succeeds still steps and replays its demonstrations (seed 11 starved 240 s unbounded). The
-    # demo's default since 2026-11-30 (services/demo/tools_demo.py)
+    # cold start that rarely succeeds still steps and replays its demonstrations (seed 11 starved 240 s unbounded)
     "explore-bounded": [*EXPLORE, DISCARD, "trainer.algorithm.grpo.flat_max_set_aside=16"],
     # no online loop to speak of (one round of traffic at most): the demonstrations-only arm from the cold start to its plateau
     "demonstrations": ["tools.levers=false", KEEP_FLAT, "tools.control=false", "duration_s=1", "min_new_versions=0"],
