@@ -170,19 +170,19 @@ class GRPO(BaseRecipe):
                 continue  # more runs of this task may still arrive
             if n >= a.min_group_size:
                 rewards = [last(e) for e in episodes.values()] + sat_out
-                if max(rewards) == min(rewards) and a.flat_groups == "discard":
+                is_flat, no_success = max(rewards) == min(rewards), max(rewards) < success
+                if is_flat and a.flat_groups == "discard":
                     if not a.flat_max_set_aside or sel.flat_set_aside < a.flat_max_set_aside:
-                        seen, flat, failed = seen + 1, flat + 1, failed + (max(rewards) < success)
+                        seen, flat, failed = seen + 1, flat + 1, failed + no_success
                         sel.flat_set_aside += 1
                         for e in episodes.values():
                             for r, _ in e:
                                 sel.discarded[r.experience_id] = f"no signal: every episode of the group scored {rewards[0]:g}"
                     else:
-                        deferred.append((list(episodes.values()), sat_out, calls, max(rewards) < success))
+                        deferred.append((list(episodes.values()), sat_out, calls, no_success))
                     continue
-                seen += 1
-                failed += max(rewards) < success
-                if max(rewards) == min(rewards):
+                seen, failed = seen + 1, failed + no_success
+                if is_flat:
                     flat += 1
                     flat_chosen.add(len(chosen))
                 chosen.append((list(episodes.values()), sat_out))
