@@ -183,9 +183,11 @@ class ToolsSection(ConfigModel):
         return self
 
 
-_DEFAULTS = {  # task -> (model_path, agent, duration_s)
-    "tools": (".cache/smollm2-135m-instruct", "calculator", 420.0),
-    "parity": (".cache/tiny-model", "parity", 300.0),
+_DEFAULTS = {  # task -> (model_path, agent, duration_s, min_new_versions, max_duration_s)
+    # tools: at least 7 minutes and until traffic was served by 24 new versions, at most 11 (docs/DEMO.md: the loop
+    # sets its flat groups aside, which pays per version, and gets 13-17 of them in 7 minutes on 2 cores)
+    "tools": (".cache/smollm2-135m-instruct", "calculator", 420.0, 24, 660.0),
+    "parity": (".cache/tiny-model", "parity", 300.0, 0, None),
 }
 
 
@@ -202,13 +204,14 @@ class DemoConfig(ConfigModel):
                               "(converter with tools.task=units) / parity.")
     seed: int = Field(default=0, description="Seed of the task split and the warm start.")
     duration_s: float | None = Field(default=None, gt=0, description="How long the online loop runs. Default: 420 (tools), 300 (parity).")
-    min_new_versions: int = Field(
-        default=0, ge=0,
+    min_new_versions: int | None = Field(
+        default=None, ge=0,
         description="Keep the online loop going past duration_s until its traffic was served by this many versions "
-        "newer than the start one (0: stop at duration_s). For slow machines and tests.")
+        "newer than the start one (0: stop at duration_s). Default: 24 (tools, unless duration_s is set), else 0.")
     max_duration_s: float | None = Field(
         default=None, gt=0,
-        description="Hard limit of the online loop when min_new_versions extends it (default: 4 x duration_s).")
+        description="Hard limit of the online loop when min_new_versions extends it. Default: 660 (tools, unless "
+        "duration_s is set), else 4 x duration_s.")
     progress_every_s: float = Field(default=5.0, gt=0, description="Seconds between progress lines.")
     release_check: bool = Field(
         default=True,
@@ -222,8 +225,15 @@ class DemoConfig(ConfigModel):
 
     @model_validator(mode="after")
     def _task_defaults(self) -> "DemoConfig":
-        model_path, agent, duration_s = _DEFAULTS[self.task]
+        model_path, agent, duration_s, min_new_versions, max_duration_s = _DEFAULTS[self.task]
         self.model_path = self.model_path or model_path
         self.agent = self.agent or ("converter" if self.task == "tools" and self.tools.task == "units" else agent)
-        self.duration_s = self.duration_s or duration_s
+        if self.duration_s is None:  # the task's own loop; a duration of one's own stops at it unless told otherwise
+            self.duration_s = duration_s
+            self.min_new_versions = min_new_versions if self.min_new_versions is None else self.min_new_versions
+            self.max_duration_s = self.max_duration_s or max_duration_s
+        self.min_new_versions = self.min_new_versions or 0
+        self.max_duration_s = self.max_duration_s or 4 * self.duration_s
+        if self.max_duration_s < self.duration_s:
+            raise ValueError(f"max_duration_s={self.max_duration_s:g} is shorter than duration_s={self.duration_s:g}")
         return self

@@ -120,7 +120,7 @@ class OnlineLoop:
         cfg, elapsed = self.cfg, time.monotonic() - self.t0
         if elapsed < cfg.duration_s:
             return False
-        if cfg.min_new_versions == 0 or elapsed >= (cfg.max_duration_s or 4 * cfg.duration_s):
+        if cfg.min_new_versions == 0 or elapsed >= cfg.max_duration_s:
             return True
         served = buffer.count_versions_served(engine=db, agent=self.stack.agent, newer_than=self.start_version)
         if served >= cfg.min_new_versions:

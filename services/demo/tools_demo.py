@@ -145,9 +145,14 @@ class ToolsDemo:
         base = {
             "model": {"path": self.cfg.model_path, "dtype": _dtype()},
             "algorithm": {"name": "grpo", "kl_metric": False,
-                          # flat groups (every run scored alike) are kept: setting them aside (flat_groups=discard) paid at
-                          # 24 versions but, bounded, not in the loop's 7 minutes, where it gets fewer versions (docs/DEMO.md)
-                          "grpo": {"group_size": tr.repeat, "min_group_size": 2, "group_wait_s": 30.0, "small_groups": "batch"},
+                          # flat groups (every run scored alike) set aside, so that each step trains on groups that
+                          # carry signal (DAPO's dynamic sampling), at most 16 between two steps so that a loop whose
+                          # traffic rarely succeeds still steps: it pays per version, so the loop runs until 24 of them
+                          # (config.py; docs/DEMO.md). With hints the flat groups are kept: a hinted call teaches
+                          # whatever its group scored (docs/TRAINER.md).
+                          "grpo": {"group_size": tr.repeat, "min_group_size": 2, "group_wait_s": 30.0, "small_groups": "batch",
+                                   **({"flat_groups": "keep"} if self.t.words == "hints" else
+                                      {"flat_groups": "discard", "flat_max_set_aside": 16})},
                           # the cold start: 4 steps on 4 demonstrations each (about 3 s a step); every later step
                           # replays 4 too (the mixed objective). A longer cold start (16 steps: the demonstrations'
                           # NLL near 0) scored higher at first but left no entropy to explore, and GRPO then gained nothing.
@@ -460,7 +465,9 @@ def run_tools(cfg: DemoConfig) -> int:
         say(f"  [{time.monotonic() - t_start:5.0f}s] cold start done")
         evals.append(asyncio.run(demo.evaluate("after cold start", cold_steps)))
         tr = cfg.tools.traffic
-        say(f"- online loop for {cfg.duration_s:.0f}s: the agent app answers traffic problems ({tr.tasks_per_batch} per round, "
+        until = f", then until traffic was served by {cfg.min_new_versions} new versions (at most {cfg.max_duration_s:.0f}s)" \
+            if cfg.min_new_versions else ""
+        say(f"- online loop for {cfg.duration_s:.0f}s{until}: the agent app answers traffic problems ({tr.tasks_per_batch} per round, "
             f"{tr.repeat} runs each), rewards each episode and commits; the Trainer trains GRPO on episodes, the Explorer hot-loads")
         loop = asyncio.run(demo.online_loop(cold_steps))
         stack.stop("trainer")  # the loop is over: its last version is measured, and the control arm needs the core

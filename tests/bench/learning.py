@@ -14,8 +14,9 @@ seeds, each with a 95% interval from a bootstrap over the held-out problems stra
   - traffic gave: the online loop minus its control arm (the equal-step figure);
   - each setting against the first: the online loops' paired difference on the same problems.
 `--loop-steps N` (12 by default) makes each online loop run until its traffic was served by N new versions
-(about N Trainer steps) instead of the demo's 7 minutes, so slow and fast hosts compare the same steps;
-0 runs the demo's 7 minutes, the default before 2026-11-27 (the older commands in docs/DEMO.md).
+(about N Trainer steps) instead of a duration, so slow and fast hosts compare the same steps;
+0 runs 7 minutes (the default before 2026-11-27: the older commands in docs/DEMO.md; `make demo`'s own loop
+goes on after its 7 minutes until 24 versions, at most 11 minutes, since 2026-11-30).
 Settings are the demo overrides below: `base` is plain GRPO with the demonstrations replayed every
 step, `levers` turns on the Trainer's levers (services/demo/tools_demo.py LEVERS), and each
 `no-*` setting is `levers` with one lever off (the ablation), `self-imitation` is `base` with that one lever
@@ -72,7 +73,7 @@ from services.demo import tasks
 
 REPO = Path(__file__).resolve().parents[2]
 
-# flat groups kept (the Trainer's and the demo's default), pinned in the settings without the levers that ran with them,
+# flat groups kept (the Trainer's default, and the demo's before 2026-11-30), pinned in the settings without the levers that ran with them,
 # so a later default cannot change what they mean (stripped by _plain when comparing with records made before the pin)
 KEEP_FLAT = "trainer.algorithm.grpo.flat_groups=keep"
 EXPLORE = ["tools.levers=false", "tools.explore_temperature=1.3", KEEP_FLAT]
@@ -185,8 +186,10 @@ def _plain(overrides: list[str]) -> list[str]:
     """Overrides as compared for resuming: the traffic's temperature pinned to null (the demo's default
     before 1.3) and every wrong run corrected (before tools.correct_runs) are what a run made without
     them did too, and so are flat groups kept without the levers (before flat_groups=discard was the demo's
-    default) and set aside unbounded (before flat_max_set_aside)."""
-    drop = {"tools.explore_temperature=null", "tools.correct_runs=all", "trainer.algorithm.grpo.flat_max_set_aside=0"}
+    default) and set aside unbounded (before flat_max_set_aside), and so is a loop of the demo's 7 minutes alone
+    (before its loop went on to 24 versions)."""
+    drop = {"tools.explore_temperature=null", "tools.correct_runs=all", "trainer.algorithm.grpo.flat_max_set_aside=0",
+            "min_new_versions=0"}
     if "tools.levers=true" not in overrides:  # the levers' flat groups were never the demo's to keep
         drop.add(KEEP_FLAT)
     return [o for o in overrides if o not in drop]
@@ -485,7 +488,7 @@ def main(argv: list[str] | None = None) -> str:
                    help="Also copy each finished run's record (bench.json, summary.json) to this folder, which a later --out can "
                    "name to report those runs again, or pool them with new ones (docs/learning-runs holds the README's).")
     p.add_argument("--loop-steps", type=int, default=12,
-                   help="Run each online loop until its traffic was served by this many new versions; 0: the demo's duration.")
+                   help="Run each online loop until its traffic was served by this many new versions; 0: 7 minutes.")
     p.add_argument("--task", default="calculator", choices=["calculator", "units"],
                    help="The demo's task (tools.task) for every run: units is the second task, a unit converter with a graded reward.")
     p.add_argument("--arms-from", type=Path, default=None,
@@ -515,7 +518,8 @@ def main(argv: list[str] | None = None) -> str:
         if clash := sorted(str(d) for d in sources.values() if d.resolve() in mine):
             p.error(f"--arms-from reads {', '.join(clash)}, which a run here (--out or --keep) would replace: choose other folders")
     a.plateau_steps = 0 if a.arms_from is not None else (48 if a.plateau_steps is None else a.plateau_steps)
-    loop = [f"min_new_versions={a.loop_steps}", "duration_s=1", "max_duration_s=7200"] if a.loop_steps else []
+    # 0: the demo's 7 minutes alone (its own loop goes on to 24 versions since 2026-11-30)
+    loop = [f"min_new_versions={a.loop_steps}", "duration_s=1", "max_duration_s=7200"] if a.loop_steps else ["min_new_versions=0"]
     plan = []
     for seed in a.seeds:
         for setting in a.settings:

@@ -87,6 +87,11 @@ def test_a_finished_run_with_the_same_overrides_is_read_back_and_one_with_others
                                                                    *then], "commit": "abc1234"}))
         assert bench._finished_with_other_overrides(made, ["seed=0", *bench.SETTINGS[setting]]) is None
     assert "flat_max_set_aside=16" in bench._finished_with_other_overrides(made, ["seed=0", *bench.SETTINGS["explore-bounded"]])
+    # a loop of 7 minutes as measured before the demo's loop went on to 24 versions: what `--loop-steps 0` pins now
+    (made / "bench.json").write_text(json.dumps({"overrides": ["seed=0", *bench.SETTINGS["explore-bounded"]], "commit": "abc1234"}))
+    assert bench._finished_with_other_overrides(made, ["seed=0", *bench.SETTINGS["explore-bounded"], "min_new_versions=0"]) is None
+    assert "min_new_versions=24" in bench._finished_with_other_overrides(made, ["seed=0", *bench.SETTINGS["explore-bounded"],
+                                                                              "min_new_versions=24"])
     # with the levers, flat groups kept is a setting of its own (no-flat-baseline), not what `levers` ran with
     (made / "bench.json").write_text(json.dumps({"overrides": ["seed=0", *bench.SETTINGS["levers"]], "commit": "abc1234"}))
     assert "flat_groups=keep" in bench._finished_with_other_overrides(made, ["seed=0", *bench.SETTINGS["no-flat-baseline"]])

@@ -41,8 +41,26 @@ def test_paired_bootstrap_of_a_gain():
 def test_each_task_has_its_own_defaults():
     tools = load_config(DemoConfig, None, [])
     assert (tools.task, tools.model_path, tools.agent, tools.duration_s) == ("tools", ".cache/smollm2-135m-instruct", "calculator", 420.0)
+    # the loop: at least 7 minutes, then on until traffic was served by 24 new versions, at most 11 minutes
+    assert (tools.min_new_versions, tools.max_duration_s) == (24, 660.0)
     parity = load_config(DemoConfig, None, ["task=parity", "duration_s=30"])
     assert (parity.model_path, parity.agent, parity.duration_s) == (".cache/tiny-model", "parity", 30.0)
+    assert (parity.min_new_versions, parity.max_duration_s) == (0, 120.0)
+    assert load_config(DemoConfig, None, ["task=parity"]).max_duration_s == 1200.0
+
+
+def test_a_loop_duration_of_ones_own_stops_at_it_unless_told_otherwise():
+    from services.common.config import ConfigError
+
+    short = load_config(DemoConfig, None, ["duration_s=150"])  # DEMO.md's short loops stay short
+    assert (short.duration_s, short.min_new_versions, short.max_duration_s) == (150.0, 0, 600.0)
+    versions = load_config(DemoConfig, None, ["duration_s=1", "min_new_versions=12", "max_duration_s=7200"])  # the bench's
+    assert (versions.duration_s, versions.min_new_versions, versions.max_duration_s) == (1.0, 12, 7200.0)
+    capped = load_config(DemoConfig, None, ["max_duration_s=900"])
+    assert (capped.duration_s, capped.min_new_versions, capped.max_duration_s) == (420.0, 24, 900.0)
+    assert load_config(DemoConfig, None, ["min_new_versions=0"]).min_new_versions == 0  # the 7 minutes alone
+    with pytest.raises(ConfigError, match="max_duration_s=300 is shorter than duration_s=420"):
+        load_config(DemoConfig, None, ["max_duration_s=300"])
 
 
 def test_a_partial_traffic_section_keeps_the_task_defaults_for_the_rest():
@@ -90,7 +108,7 @@ def test_words_hints_give_the_trainer_its_hint_term_and_are_refused_when_unknown
     assert trainer("tools.words=corrections", "tools.correct_runs=all")["algorithm"]["grpo"].get("hint_coef") is None
 
 
-def test_the_demo_keeps_flat_groups_and_a_user_may_set_them_aside(tmp_path):
+def test_the_demo_sets_flat_groups_aside_at_most_16_at_a_time_but_keeps_them_with_hints(tmp_path):
     from services.common.launch import Stack
     from services.demo.tools_demo import ToolsDemo
     from services.trainer.config import TrainerConfig
@@ -99,11 +117,11 @@ def test_the_demo_keeps_flat_groups_and_a_user_may_set_them_aside(tmp_path):
         cfg = load_config(DemoConfig, None, ["task=tools", *overrides], env={})
         return ToolsDemo(cfg, Stack(tmp_path, cfg.agent, config_models={"trainer": TrainerConfig})).trainer_config()["algorithm"]["grpo"]
 
-    assert grpo().get("flat_groups", "keep") == "keep"  # the Trainer's default
+    assert (grpo()["flat_groups"], grpo()["flat_max_set_aside"]) == ("discard", 16)  # the bench's explore-bounded
+    assert grpo("tools.words=corrections")["flat_groups"] == "discard"
+    assert grpo("tools.words=hints")["flat_groups"] == "keep"  # an all-wrong group's hints would go untrained
     assert grpo("tools.levers=true")["flat_groups"] == "baseline"  # the levers train flat groups against a baseline
-    # the bench's explore-bounded: set aside, at most 16 between two steps
-    bounded = grpo("trainer.algorithm.grpo.flat_groups=discard", "trainer.algorithm.grpo.flat_max_set_aside=16")
-    assert (bounded["flat_groups"], bounded["flat_max_set_aside"]) == ("discard", 16)
+    assert grpo("trainer.algorithm.grpo.flat_groups=keep")["flat_groups"] == "keep"  # the bench's explore-kept
 
 
 def test_explore_temperature_gives_the_agent_its_exploration_temperature(tmp_path):
