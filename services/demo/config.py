@@ -129,7 +129,8 @@ class ToolsSection(ConfigModel):
         default=LEVERS_DEFAULT,
         description="The Trainer's levers for learning from the traffic (services/demo/tools_demo.py LEVERS: the agent's "
         "successes replayed, the demonstrations decaying and replayed where groups failed, flat groups against a "
-        "baseline, importance correction); false: plain GRPO with the demonstrations replayed every step. "
+        "baseline, importance correction); false: GRPO with the demonstrations replayed every step and flat groups "
+        "set aside (kept with words=hints). "
         "`python -m tests.bench.learning` compares the two.")
     words: Literal["off", "hints", "corrections"] = Field(
         default="off",
@@ -184,9 +185,9 @@ class ToolsSection(ConfigModel):
 
 
 _DEFAULTS = {  # task -> (model_path, agent, duration_s, min_new_versions, max_duration_s)
-    # tools: at least 7 minutes and until traffic was served by 24 new versions, at most 11 (docs/DEMO.md: the loop
-    # sets its flat groups aside, which pays per version, and gets 13-17 of them in 7 minutes on 2 cores)
-    "tools": (".cache/smollm2-135m-instruct", "calculator", 420.0, 24, 660.0),
+    # tools: at least 7 minutes and until traffic was served by 24 new versions, at most 11.5 (docs/DEMO.md: the loop
+    # sets its flat groups aside, which pays per version, and gets 13-17 of them in 7 minutes on 2 cores, 24 in 601-667 s)
+    "tools": (".cache/smollm2-135m-instruct", "calculator", 420.0, 24, 690.0),
     "parity": (".cache/tiny-model", "parity", 300.0, 0, None),
 }
 
@@ -203,14 +204,17 @@ class DemoConfig(ConfigModel):
     agent: str | None = Field(default=None, description="Name of the agent (adapter) being trained. Default: calculator "
                               "(converter with tools.task=units) / parity.")
     seed: int = Field(default=0, description="Seed of the task split and the warm start.")
-    duration_s: float | None = Field(default=None, gt=0, description="How long the online loop runs. Default: 420 (tools), 300 (parity).")
+    duration_s: float | None = Field(
+        default=None, gt=0,
+        description="How long the online loop runs at least (and, unless min_new_versions is set too, at most). Default: "
+        "420 (tools: then on until 24 new versions, see min_new_versions), 300 (parity).")
     min_new_versions: int | None = Field(
         default=None, ge=0,
         description="Keep the online loop going past duration_s until its traffic was served by this many versions "
         "newer than the start one (0: stop at duration_s). Default: 24 (tools, unless duration_s is set), else 0.")
     max_duration_s: float | None = Field(
         default=None, gt=0,
-        description="Hard limit of the online loop when min_new_versions extends it. Default: 660 (tools, unless "
+        description="Hard limit of the online loop when min_new_versions extends it. Default: 690 (tools, unless "
         "duration_s is set), else 4 x duration_s.")
     progress_every_s: float = Field(default=5.0, gt=0, description="Seconds between progress lines.")
     release_check: bool = Field(
@@ -228,12 +232,14 @@ class DemoConfig(ConfigModel):
         model_path, agent, duration_s, min_new_versions, max_duration_s = _DEFAULTS[self.task]
         self.model_path = self.model_path or model_path
         self.agent = self.agent or ("converter" if self.task == "tools" and self.tools.task == "units" else agent)
-        if self.duration_s is None:  # the task's own loop; a duration of one's own stops at it unless told otherwise
+        own = self.duration_s is not None
+        if not own:  # the task's own loop; a duration of one's own stops at it unless told otherwise
             self.duration_s = duration_s
             self.min_new_versions = min_new_versions if self.min_new_versions is None else self.min_new_versions
             self.max_duration_s = self.max_duration_s or max_duration_s
         self.min_new_versions = self.min_new_versions or 0
         self.max_duration_s = self.max_duration_s or 4 * self.duration_s
         if self.max_duration_s < self.duration_s:
-            raise ValueError(f"max_duration_s={self.max_duration_s:g} is shorter than duration_s={self.duration_s:g}")
+            raise ValueError(f"max_duration_s={self.max_duration_s:g} is shorter than duration_s={self.duration_s:g}"
+                             + ("" if own else f" (the {self.task} task's default: set duration_s too)"))
         return self

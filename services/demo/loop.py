@@ -120,10 +120,14 @@ class OnlineLoop:
         cfg, elapsed = self.cfg, time.monotonic() - self.t0
         if elapsed < cfg.duration_s:
             return False
-        if cfg.min_new_versions == 0 or elapsed >= cfg.max_duration_s:
+        if cfg.min_new_versions == 0:
             return True
         served = buffer.count_versions_served(engine=db, agent=self.stack.agent, newer_than=self.start_version)
         if served >= cfg.min_new_versions:
+            return True
+        if elapsed >= cfg.max_duration_s:
+            say(f"  (stopping the loop at max_duration_s={cfg.max_duration_s:.0f}s: traffic was served by {served} of the "
+                f"{cfg.min_new_versions} versions asked for after v{self.start_version})")
             return True
         if not self._extended:
             self._extended = True

@@ -190,6 +190,24 @@ def test_every_episode_was_rewarded_as_a_whole_and_committed(rows):
     assert all(runs == {"0", "1"} for runs in groups.values()), groups  # GRPO groups of tools.traffic.repeat episodes
 
 
+def test_the_steps_trained_groups_that_carry_signal_and_counted_those_set_aside(demo_run, rows):
+    """The demo's flat groups (every run scored alike) are set aside, at most 16 between two steps
+    (algorithm.grpo.flat_groups=discard, flat_max_set_aside): each step's record counts those of the polls before it."""
+    grpo = yaml.safe_load((demo_run / "trainer.yaml").read_text())["algorithm"]["grpo"]
+    assert (grpo["flat_groups"], grpo["flat_max_set_aside"]) == ("discard", 16)
+    online = [m for m in (json.loads(line) for line in (demo_run / "trainer" / "metrics.jsonl").read_text().splitlines())
+              if m["batch_size"] > 0]
+    assert online and all(0 <= m["flat_set_aside"] <= 16 and m["flat_groups"] >= m["flat_set_aside"] for m in online), online
+    rewards: dict[str, dict[str, set]] = defaultdict(lambda: defaultdict(set))  # task -> status -> rewards
+    for r in rows:
+        if r["task_id"] is not None and not r["task_id"].startswith(EVAL_TASK_PREFIX):
+            rewards[r["task_id"]][r["status"]].add(r["reward"])
+    consumed = [by["consumed"] for by in rewards.values() if "consumed" in by]
+    assert consumed
+    if max(m["flat_set_aside"] for m in online) < 16:  # the bound never reached: no flat group was trained
+        assert all(len(r) == 2 for r in consumed), consumed
+
+
 def test_a_call_after_a_tool_result_was_prompted_with_the_whole_conversation(rows):
     traffic = [r for r in rows if r["task_id"] is not None and not r["task_id"].startswith(EVAL_TASK_PREFIX)]
     by_episode: dict[tuple, list[dict]] = defaultdict(list)

@@ -41,8 +41,8 @@ def test_paired_bootstrap_of_a_gain():
 def test_each_task_has_its_own_defaults():
     tools = load_config(DemoConfig, None, [])
     assert (tools.task, tools.model_path, tools.agent, tools.duration_s) == ("tools", ".cache/smollm2-135m-instruct", "calculator", 420.0)
-    # the loop: at least 7 minutes, then on until traffic was served by 24 new versions, at most 11 minutes
-    assert (tools.min_new_versions, tools.max_duration_s) == (24, 660.0)
+    # the loop: at least 7 minutes, then on until traffic was served by 24 new versions, at most 11.5 minutes
+    assert (tools.min_new_versions, tools.max_duration_s) == (24, 690.0)
     parity = load_config(DemoConfig, None, ["task=parity", "duration_s=30"])
     assert (parity.model_path, parity.agent, parity.duration_s) == (".cache/tiny-model", "parity", 30.0)
     assert (parity.min_new_versions, parity.max_duration_s) == (0, 120.0)
@@ -59,8 +59,10 @@ def test_a_loop_duration_of_ones_own_stops_at_it_unless_told_otherwise():
     capped = load_config(DemoConfig, None, ["max_duration_s=900"])
     assert (capped.duration_s, capped.min_new_versions, capped.max_duration_s) == (420.0, 24, 900.0)
     assert load_config(DemoConfig, None, ["min_new_versions=0"]).min_new_versions == 0  # the 7 minutes alone
-    with pytest.raises(ConfigError, match="max_duration_s=300 is shorter than duration_s=420"):
+    with pytest.raises(ConfigError, match=r"max_duration_s=300 is shorter than duration_s=420 \(the tools task's default: set duration_s too\)"):
         load_config(DemoConfig, None, ["max_duration_s=300"])
+    with pytest.raises(ConfigError, match=r"max_duration_s=100 is shorter than duration_s=200 \(got"):
+        load_config(DemoConfig, None, ["duration_s=200", "max_duration_s=100"])
 
 
 def test_a_partial_traffic_section_keeps_the_task_defaults_for_the_rest():
