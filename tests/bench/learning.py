@@ -16,7 +16,7 @@ seeds, each with a 95% interval from a bootstrap over the held-out problems stra
 `--loop-steps N` (12 by default) makes each online loop run until its traffic was served by N new versions
 (about N Trainer steps) instead of a duration, so slow and fast hosts compare the same steps;
 0 runs 7 minutes (the default before 2026-11-27: the older commands in docs/DEMO.md; `make demo`'s own loop
-goes on after its 7 minutes until 24 versions, at most 11 minutes, since 2026-11-30).
+goes on after its 7 minutes until 24 versions, at most 11.5 minutes, since 2026-11-30).
 Settings are the demo overrides below: `base` is plain GRPO with the demonstrations replayed every
 step, `levers` turns on the Trainer's levers (services/demo/tools_demo.py LEVERS), and each
 `no-*` setting is `levers` with one lever off (the ablation), `self-imitation` is `base` with that one lever
