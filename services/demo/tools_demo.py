@@ -26,7 +26,7 @@ import statistics
 import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Literal
+from typing import Awaitable, Callable, Literal
 
 from runner_sdk import ExplorerClient
 from services.common import buffer
@@ -372,16 +372,20 @@ async def loop_end(demo: ToolsDemo, cold: EvalResult, final_version: int) -> Eva
     return await demo.evaluate("after online loop", final_version)
 
 
-async def _final_and_arms(demo: ToolsDemo, trainer_cfg: dict, cold: EvalResult, final_version: int) -> Arms:
+async def _final_and_arms(demo: ToolsDemo, trainer_cfg: dict, cold: EvalResult, final_version: int,
+                          beside: Callable[[], Awaitable[None]] | None = None) -> Arms:
     """The last version on the held-out problems while the demonstrations-only arm trains to as many
-    steps as the online loop took (one core each); then the control arm; then, with ``tools.plateau``,
-    the arm trained on until it stops improving on the validation problems, and its best version."""
+    steps as the online loop took (one core each), then ``beside`` (the release check), still while it
+    trains; then the control arm; then, with ``tools.plateau``, the arm trained on until it stops
+    improving on the validation problems, and its best version."""
     t, start = demo.t, cold.version
     validation = Validation(demo)
     if not (t.control or t.plateau.max_steps):
         out = Arms(await loop_end(demo, cold, final_version))
         if t.keep_best:
             await keep_loop_best(demo, cold, out.final, validation, out)
+        if beside:
+            await beside()
         return out
     control_steps = final_version - start
     every, top = t.plateau.every, t.plateau.max_steps
@@ -397,6 +401,8 @@ async def _final_and_arms(demo: ToolsDemo, trainer_cfg: dict, cold: EvalResult, 
     out = Arms(await loop_end(demo, cold, final_version))
     if t.keep_best:  # while the arm trains on the other core
         await keep_loop_best(demo, cold, out.final, validation, out)
+    if beside:  # the Explorer would wait for the arm otherwise (about 50 s of its 24 steps on the other core)
+        await beside()
     arm = await training
     await asyncio.to_thread(demo.wait_for_agent_version, demo.control_agent, arm.version)
     if t.control:
@@ -473,13 +479,19 @@ def run_tools(cfg: DemoConfig) -> int:
         stack.stop("trainer")  # the loop is over: its last version is measured, and the control arm needs the core
         final_version = stack.serving()["version"]
         if cfg.tools.control:
-            say(f"- control arm, beside the last version's measurement: v{cold_steps} trained {final_version - cold_steps} more "
-                f"steps on the replayed demonstrations alone (no traffic), in this process -> {demo.control_agent}")
-        arms = asyncio.run(_final_and_arms(demo, trainer_cfg, evals[1], final_version))
+            say(f"- control arm, beside the last version's measurement{' and the release check' if cfg.release_check else ''}: "
+                f"v{cold_steps} trained {final_version - cold_steps} more steps on the replayed demonstrations alone (no traffic), "
+                f"in this process -> {demo.control_agent}")
+        after_loop: dict = {}
+
+        async def release_beside_the_arm() -> None:
+            # what the Explorer served and answered in the loop, before the gate loads and promotes candidates
+            after_loop.update(serving=stack.serving(), requests=stack.http_statuses())
+            after_loop["release"] = await asyncio.to_thread(release_check, stack, cfg.model_path) if cfg.release_check else []
+
+        arms = asyncio.run(_final_and_arms(demo, trainer_cfg, evals[1], final_version, beside=release_beside_the_arm))
         evals.append(arms.final)
-        serving = stack.serving()
-        explorer_requests = stack.http_statuses()
-        release = release_check(stack, cfg.model_path) if cfg.release_check else []
+        serving, explorer_requests, release = after_loop["serving"], after_loop["requests"], after_loop["release"]
     finally:
         stack.stop()
     stages = [
