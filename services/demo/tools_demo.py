@@ -23,6 +23,7 @@ import asyncio
 import math
 import random
 import statistics
+import threading
 import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -391,8 +392,13 @@ async def _final_and_arms(demo: ToolsDemo, trainer_cfg: dict, cold: EvalResult, 
     every, top = t.plateau.every, t.plateau.max_steps
     marks = sorted({*range(every, min(control_steps, top) + 1, every), control_steps} - {0})  # published on the way
 
+    built = threading.Event()
+
     def to_control_point() -> DemonstrationsOnly:
-        arm = demo.demonstrations_only(trainer_cfg, start)
+        try:
+            arm = demo.demonstrations_only(trainer_cfg, start)
+        finally:
+            built.set()
         for m in marks or [0]:  # 0: the loop trained nothing, the arm is the cold start published under its name
             arm.train(start + m - arm.version)
         return arm
@@ -402,6 +408,9 @@ async def _final_and_arms(demo: ToolsDemo, trainer_cfg: dict, cold: EvalResult, 
     if t.keep_best:  # while the arm trains on the other core
         await keep_loop_best(demo, cold, out.final, validation, out)
     if beside:  # the Explorer would wait for the arm otherwise (about 50 s of its 24 steps on the other core)
+        # once the arm's model is built: transformers' lazy imports are not safe from two threads at once, and the
+        # release check imports from it too (a loop that published nothing has no measurement to wait for first)
+        await asyncio.to_thread(built.wait)
         await beside()
     arm = await training
     await asyncio.to_thread(demo.wait_for_agent_version, demo.control_agent, arm.version)

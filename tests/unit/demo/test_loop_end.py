@@ -1,6 +1,7 @@
 """What the demo measures at the end of its online loop (services/demo/tools_demo.py): the version the
 loop ended on, unless it is the cold start's, measured already (loop_end); with tools.keep_best, the
-loop's best version on the validation problems (keep_loop_best)."""
+loop's best version on the validation problems (keep_loop_best); the release check beside the control arm
+only once the arm's model is built (_final_and_arms)."""
 
 from __future__ import annotations
 
@@ -96,3 +97,59 @@ def test_a_loop_that_published_nothing_keeps_the_cold_start():
     demo, out = _keep({4: 0.3}, 4)
     assert demo.measured == [("validation", 4)] and [p["steps"] for p in out.loop_curve] == [0]
     assert (out.kept.label, out.kept.version, out.kept.per_prompt) == ("online loop, best on validation (0 steps)", 4, [1.0, 1.0, 0.0])
+
+
+class _ArmDemo(_Demo):
+    """A ToolsDemo for _final_and_arms: a control arm slow to build (its model loaded on the arm's thread),
+    what happens recorded in order."""
+
+    def __init__(self):
+        super().__init__()
+        from types import SimpleNamespace
+
+        self.t = SimpleNamespace(control=True, keep_best=False, plateau=SimpleNamespace(max_steps=0, every=4, patience=2))
+        self.cfg = SimpleNamespace(agent="calculator")
+        self.control_agent = "calculator-sft-only"
+        self.events: list[str] = []
+
+    def demonstrations_only(self, trainer_cfg, start_version):
+        import time
+
+        time.sleep(0.3)  # loading the model, importing transformers on the way
+        self.events.append("arm built")
+        demo = self
+
+        class _Arm:
+            version = start_version
+
+            def train(self, steps):
+                demo.events.append(f"arm trained {steps}")
+                self.version += steps
+                return self.version
+
+        return _Arm()
+
+    def wait_for_agent_version(self, agent, version):
+        self.events.append(f"{agent} serves v{version}")
+
+    async def evaluate(self, label, version, agent=None, problems=None):
+        self.events.append(f"measured {label}")
+        return await super().evaluate(label, version, agent, problems)
+
+
+@pytest.mark.parametrize("final_version", [4, 16])
+def test_the_release_check_runs_beside_the_arm_once_its_model_is_built(final_version):
+    """beside (the release check) imports transformers on its own thread: never while the arm's thread
+    builds its model, even when the loop published nothing and there is no measurement to wait for first."""
+    from services.demo.tools_demo import _final_and_arms
+
+    demo = _ArmDemo()
+
+    async def beside():
+        demo.events.append("release check")
+
+    out = asyncio.run(_final_and_arms(demo, {}, COLD, final_version, beside=beside))
+    events = demo.events
+    assert events.index("arm built") < events.index("release check") < events.index("measured control: demonstrations only")
+    assert ("measured after online loop" in events) == (final_version > COLD.version)
+    assert f"calculator-sft-only serves v{final_version}" in events and out.control.label == "control: demonstrations only"
