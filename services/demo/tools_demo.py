@@ -392,13 +392,19 @@ async def _final_and_arms(demo: ToolsDemo, trainer_cfg: dict, cold: EvalResult, 
     every, top = t.plateau.every, t.plateau.max_steps
     marks = sorted({*range(every, min(control_steps, top) + 1, every), control_steps} - {0})  # published on the way
 
-    built = threading.Event()
+    # `beside` starts once the arm has built its model: transformers' lazy imports are not safe from two threads at
+    # once, and the release check imports the same auto classes and model (a loop that published nothing has no
+    # measurement to wait for first); by then they are loaded, and the arm trains on beside it
+    settled, failed = threading.Event(), threading.Event()
 
     def to_control_point() -> DemonstrationsOnly:
         try:
             arm = demo.demonstrations_only(trainer_cfg, start)
+        except BaseException:
+            failed.set()
+            raise
         finally:
-            built.set()
+            settled.set()
         for m in marks or [0]:  # 0: the loop trained nothing, the arm is the cold start published under its name
             arm.train(start + m - arm.version)
         return arm
@@ -408,10 +414,9 @@ async def _final_and_arms(demo: ToolsDemo, trainer_cfg: dict, cold: EvalResult, 
     if t.keep_best:  # while the arm trains on the other core
         await keep_loop_best(demo, cold, out.final, validation, out)
     if beside:  # the Explorer would wait for the arm otherwise (about 50 s of its 24 steps on the other core)
-        # once the arm's model is built: transformers' lazy imports are not safe from two threads at once, and the
-        # release check imports from it too (a loop that published nothing has no measurement to wait for first)
-        await asyncio.to_thread(built.wait)
-        await beside()
+        await asyncio.to_thread(settled.wait)
+        if not failed.is_set():  # else the arm's error, next, not a release check first
+            await beside()
     arm = await training
     await asyncio.to_thread(demo.wait_for_agent_version, demo.control_agent, arm.version)
     if t.control:
@@ -494,13 +499,13 @@ def run_tools(cfg: DemoConfig) -> int:
         after_loop: dict = {}
 
         async def release_beside_the_arm() -> None:
-            # what the Explorer served and answered in the loop, before the gate loads and promotes candidates
-            after_loop.update(serving=stack.serving(), requests=stack.http_statuses())
+            after_loop["serving"] = stack.serving()  # the loop's last version, before the gate promotes a candidate
             after_loop["release"] = await asyncio.to_thread(release_check, stack, cfg.model_path) if cfg.release_check else []
 
         arms = asyncio.run(_final_and_arms(demo, trainer_cfg, evals[1], final_version, beside=release_beside_the_arm))
         evals.append(arms.final)
-        serving, explorer_requests, release = after_loop["serving"], after_loop["requests"], after_loop["release"]
+        serving, release = after_loop["serving"], after_loop["release"]
+        explorer_requests = stack.http_statuses()  # every measurement's requests, the gate suite's too (it asks over HTTP)
     finally:
         stack.stop()
     stages = [

@@ -100,22 +100,28 @@ def test_a_loop_that_published_nothing_keeps_the_cold_start():
 
 
 class _ArmDemo(_Demo):
-    """A ToolsDemo for _final_and_arms: a control arm slow to build (its model loaded on the arm's thread),
-    what happens recorded in order."""
+    """A ToolsDemo for _final_and_arms: a control arm slow to build (its model loaded on the arm's thread)
+    whose training waits for the release check (so the check must run beside it), what happens recorded
+    in order."""
 
-    def __init__(self):
+    def __init__(self, control: bool = True, broken: bool = False):
         super().__init__()
+        import threading
         from types import SimpleNamespace
 
-        self.t = SimpleNamespace(control=True, keep_best=False, plateau=SimpleNamespace(max_steps=0, every=4, patience=2))
+        self.t = SimpleNamespace(control=control, keep_best=False, plateau=SimpleNamespace(max_steps=0, every=4, patience=2))
         self.cfg = SimpleNamespace(agent="calculator")
         self.control_agent = "calculator-sft-only"
         self.events: list[str] = []
+        self.checked = threading.Event()
+        self.broken = broken
 
     def demonstrations_only(self, trainer_cfg, start_version):
         import time
 
         time.sleep(0.3)  # loading the model, importing transformers on the way
+        if self.broken:
+            raise RuntimeError("no model here")
         self.events.append("arm built")
         demo = self
 
@@ -123,7 +129,9 @@ class _ArmDemo(_Demo):
             version = start_version
 
             def train(self, steps):
-                demo.events.append(f"arm trained {steps}")
+                if not demo.checked.wait(5):
+                    raise AssertionError("the release check did not run while the arm trained")
+                demo.events.append("arm trained")
                 self.version += steps
                 return self.version
 
@@ -136,20 +144,39 @@ class _ArmDemo(_Demo):
         self.events.append(f"measured {label}")
         return await super().evaluate(label, version, agent, problems)
 
+    async def beside(self):
+        self.events.append("release check")
+        self.checked.set()
+
 
 @pytest.mark.parametrize("final_version", [4, 16])
 def test_the_release_check_runs_beside_the_arm_once_its_model_is_built(final_version):
     """beside (the release check) imports transformers on its own thread: never while the arm's thread
-    builds its model, even when the loop published nothing and there is no measurement to wait for first."""
+    builds its model, even when the loop published nothing and there is no measurement to wait for
+    first; then while the arm trains (its training waits for it here, so a check after it fails)."""
     from services.demo.tools_demo import _final_and_arms
 
     demo = _ArmDemo()
-
-    async def beside():
-        demo.events.append("release check")
-
-    out = asyncio.run(_final_and_arms(demo, {}, COLD, final_version, beside=beside))
+    out = asyncio.run(_final_and_arms(demo, {}, COLD, final_version, beside=demo.beside))
     events = demo.events
-    assert events.index("arm built") < events.index("release check") < events.index("measured control: demonstrations only")
+    assert events.index("arm built") < events.index("release check") < events.index("arm trained")
+    assert events.index("arm trained") < events.index("measured control: demonstrations only")
     assert ("measured after online loop" in events) == (final_version > COLD.version)
     assert f"calculator-sft-only serves v{final_version}" in events and out.control.label == "control: demonstrations only"
+
+
+def test_without_a_control_arm_the_release_check_follows_the_last_measurement():
+    from services.demo.tools_demo import _final_and_arms
+
+    demo = _ArmDemo(control=False)
+    out = asyncio.run(_final_and_arms(demo, {}, COLD, 16, beside=demo.beside))
+    assert demo.events == ["measured after online loop", "release check"] and out.control is None
+
+
+def test_an_arm_that_fails_raises_its_own_error_with_no_release_check_first():
+    from services.demo.tools_demo import _final_and_arms
+
+    demo = _ArmDemo(broken=True)
+    with pytest.raises(RuntimeError, match="no model here"):
+        asyncio.run(_final_and_arms(demo, {}, COLD, 16, beside=demo.beside))
+    assert "release check" not in demo.events
