@@ -185,9 +185,10 @@ class ToolsSection(ConfigModel):
 
 
 _DEFAULTS = {  # task -> (model_path, agent, duration_s, min_new_versions, max_duration_s)
-    # tools: at least 7 minutes and until traffic was served by 24 new versions, at most 11.5 (docs/DEMO.md: the loop
-    # sets its flat groups aside, which pays per version, and gets 13-17 of them in 7 minutes on 2 cores, 24 in 601-667 s)
-    "tools": (".cache/smollm2-135m-instruct", "calculator", 420.0, 24, 690.0),
+    # tools: at least 7 minutes and until traffic was served by 24 new versions, at most the tool task's loop_cap_s (the
+    # calculator's 11.5 minutes; docs/DEMO.md: the loop sets its flat groups aside, which pays per version, and gets 13-17
+    # of them in 7 minutes on 2 cores, 24 in 601-667 s)
+    "tools": (".cache/smollm2-135m-instruct", "calculator", 420.0, 24, None),
     "parity": (".cache/tiny-model", "parity", 300.0, 0, None),
 }
 
@@ -214,8 +215,9 @@ class DemoConfig(ConfigModel):
         "newer than the start one (0: stop at duration_s). Default: 24 (tools, unless duration_s is set), else 0.")
     max_duration_s: float | None = Field(
         default=None, gt=0,
-        description="Hard limit of the online loop when min_new_versions extends it. Default: 690 (tools, unless "
-        "duration_s is set), else 4 x duration_s.")
+        description="Hard limit of the online loop when min_new_versions extends it. Default (tools, unless duration_s is "
+        "set): 690 for the calculator, 640 for units (tools.task), which keeps the whole demo within 15 minutes on 2 cores; "
+        "else 4 x duration_s.")
     progress_every_s: float = Field(default=5.0, gt=0, description="Seconds between progress lines.")
     release_check: bool = Field(
         default=True,
@@ -236,6 +238,10 @@ class DemoConfig(ConfigModel):
         if not own:  # the task's own loop; a duration of one's own stops at it unless told otherwise
             self.duration_s = duration_s
             self.min_new_versions = min_new_versions if self.min_new_versions is None else self.min_new_versions
+            if self.task == "tools":
+                from services.demo import tasks
+
+                max_duration_s = tasks.get(self.tools.task).loop_cap_s
             self.max_duration_s = self.max_duration_s or max_duration_s
         self.min_new_versions = self.min_new_versions or 0
         self.max_duration_s = self.max_duration_s or 4 * self.duration_s

@@ -52,6 +52,10 @@ class Task:
     # whether a call's arguments (a dict) have the right form for the problem though maybe not its value (the
     # calculator: the problem's operators; the unit converter: its two units); tools.call_credit rewards it
     right_form: Callable[[Problem, dict[str, Any]], bool] | None = None
+    # the demo's online loop stops at this many seconds (max_duration_s) if 24 versions have not served by then, so the
+    # whole `kaizen demo` stays within 15 minutes on 2 cores: the units task's longer calls make its loop and its
+    # measurements slower (docs/DEMO.md)
+    loop_cap_s: float = 690.0
 
     @property
     def tools(self) -> list[dict[str, Any]]:

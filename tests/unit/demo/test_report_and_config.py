@@ -43,6 +43,10 @@ def test_each_task_has_its_own_defaults():
     assert (tools.task, tools.model_path, tools.agent, tools.duration_s) == ("tools", ".cache/smollm2-135m-instruct", "calculator", 420.0)
     # the loop: at least 7 minutes, then on until traffic was served by 24 new versions, at most 11.5 minutes
     assert (tools.min_new_versions, tools.max_duration_s) == (24, 690.0)
+    # the unit converter's loop stops sooner: its calls are longer, so are its measurements, and the demo stays in 15 minutes
+    units = load_config(DemoConfig, None, ["tools.task=units"])
+    assert (units.agent, units.min_new_versions, units.max_duration_s) == ("converter", 24, 640.0)
+    assert load_config(DemoConfig, None, ["tools.task=units", "max_duration_s=900"]).max_duration_s == 900.0
     parity = load_config(DemoConfig, None, ["task=parity", "duration_s=30"])
     assert (parity.model_path, parity.agent, parity.duration_s) == (".cache/tiny-model", "parity", 30.0)
     assert (parity.min_new_versions, parity.max_duration_s) == (0, 120.0)
