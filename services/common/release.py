@@ -76,6 +76,13 @@ class GateSection(ConfigModel):
     tolerance: float = Field(default=0.05, ge=0, description="A candidate may score at most this much below the serving version.")
     confidence: float = Field(default=0.95, gt=0.5, lt=1, description="Confidence of the one-sided bound the gate tests.")
     timeout_s: float = Field(default=1800.0, gt=0, description="An evaluation that takes longer rejects the candidate.")
+    every: int = Field(
+        default=1, ge=1,
+        description="Measure every this many versions a Trainer publishes: the others, each trained from the version "
+        "serving, serve at once (between gates), and every Nth is measured against the version the gate last measured "
+        "(the anchor). A rejection rolls back to the anchor, refusing the versions that served since, and the Trainer "
+        "continues from the anchor's state. 1: every version is measured against the one serving. A candidate of "
+        "`kaizen publish` is always measured against the one serving.")
 
 
 class CanarySection(ConfigModel):
@@ -296,6 +303,36 @@ def refused_versions(decisions: "list[ReleaseDecision]") -> set[int]:
         elif d.decision == "promoted":
             refused.discard(d.version)
     return refused
+
+
+def promoted_between_gates(manifest: dict[str, Any]) -> bool:
+    """Whether a version's last release decision promoted it unmeasured, between two gates (release.gate.every)."""
+    final = [e for e in manifest.get("release") or [] if e.get("decision") in TERMINAL_DECISIONS]
+    return bool(final) and final[-1]["decision"] == "promoted" and bool((final[-1].get("figures") or {}).get("between_gates"))
+
+
+def gate_block(root: str | Path, agent: str, serving: int, limit: int | None = None) -> tuple[int, list[int]]:
+    """The gated mode's block (release.gate.every), read from the versions' manifests: the version the gate
+    last measured (the anchor) and the versions that served since (newest first, ``serving`` first), found by
+    walking back from ``serving`` through ``parent_version`` while a version was promoted between gates (at
+    most ``limit`` of them). The anchor is 0 (the base model) when the walk reaches it, or a version no longer
+    on disk (the caller checks)."""
+    from services.common import checkpoints
+    from services.common.checkpoints import CheckpointError
+
+    served: list[int] = []
+    v = serving
+    while v > 0 and (limit is None or len(served) < limit):
+        try:
+            manifest = checkpoints.validate_version(root, agent, v).manifest()
+        except CheckpointError:
+            break
+        parent = manifest.get("parent_version")
+        if not promoted_between_gates(manifest) or not isinstance(parent, int) or parent >= v:
+            break
+        served.append(v)
+        v = parent
+    return v, served
 
 
 def carry_out(root: str | Path, agent: str, d: "ReleaseDecision") -> None:

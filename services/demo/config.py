@@ -156,6 +156,14 @@ class ToolsSection(ConfigModel):
         "steps from the cold start, and its last), and the earliest with the highest score is measured on the held-out "
         "problems (the report's \"online loop, best on validation\"). The demonstrations-only arm's best is chosen by "
         "the same rule, on its own curve (which stops at its plateau).")
+    gate_every: int | None = Field(
+        default=None, ge=1,
+        description="The online loop's versions go through the Explorer's release gate (release.mode gated, "
+        "release.gate.every): every this many versions the Trainer publishes, the Nth is measured against the version "
+        "the gate last measured, greedily on the gate's 32 problems (the release check's suite), and a rejection rolls "
+        "the loop back to that version (the Trainer continues from its state); the versions between serve unmeasured. "
+        "The cold start's last version is the first measured, against the base model. None: every version serves at "
+        "once (release.mode immediate).")
     plateau: PlateauSection = Field(default_factory=PlateauSection)
     traffic: TrafficSection = Field(default_factory=lambda: TrafficSection(**_TOOLS_TRAFFIC))
 

@@ -144,12 +144,25 @@ class OnlineLoop:
             f" | serving v{m['version']} (reloads {m['reloads']}) | failed {self.failed_requests}")
 
 
-def gate_section(env: str, dataset: str, agent: str) -> dict:
-    """The demo Explorer's release policy: its Trainer publishes straight to LATEST (release.mode
-    immediate, the online loop as it always ran), while candidates published by hand (``kaizen
-    publish --candidate``, the release check below) go through a gate on this suite."""
+def gate_section(env: str, dataset: str, agent: str, every: int = 1) -> dict:
+    """The demo Explorer's release policy: candidates published by hand (``kaizen publish --candidate``,
+    the release check below) go through a gate on this suite; so do the Trainer's when it publishes
+    candidates too (tools.gate_every: the same section in its config, ``every`` of them measured), while
+    by default it publishes straight to LATEST (release.mode immediate, the online loop as it always ran)."""
     return {"mode": "gated", "poll_interval_s": 0.5,
-            "gate": {"suite": {"env": env, "dataset": dataset, "agent": agent, "concurrency": 16}, "tolerance": 0.1}}
+            "gate": {"suite": {"env": env, "dataset": dataset, "agent": agent, "concurrency": 16}, "tolerance": 0.1,
+                     "every": every}}
+
+
+def settle_candidate(stack: Stack, timeout_s: float = 600) -> dict | None:
+    """The Trainer stopped with a candidate awaiting its release decision (release.mode gated): wait for
+    the Explorer's gate to decide it, so that the version serving is the loop's last. Returns the decision."""
+    candidate = checkpoints.read_candidate(stack.root, stack.agent)
+    if candidate is None or candidate <= (checkpoints.read_latest(stack.root, stack.agent) or 0):
+        return None
+    decision = _wait_for_decision(stack, candidate, timeout_s)
+    say(f"  the Trainer's last candidate, v{candidate}: {decision['decision']} by the gate")
+    return decision
 
 
 def release_check(stack: Stack, model_path: str, timeout_s: float = 600) -> list[dict]:

@@ -30,14 +30,14 @@ from pathlib import Path
 from typing import Awaitable, Callable, Literal
 
 from runner_sdk import ExplorerClient
-from services.common import buffer
+from services.common import buffer, checkpoints
 from services.common.config import deep_merge
 from services.common.cpus import usable_cpus
 from services.common.launch import Stack, new_run_dir
 from services.demo import agent_app, tasks
 from services.demo.config import DemoConfig
 from services.demo.demonstrations_only import DemonstrationsOnly, Plateau
-from services.demo.loop import EvalResult, OnlineLoop, Round, demo_stack, gate_section, release_check, say
+from services.demo.loop import EvalResult, OnlineLoop, Round, demo_stack, gate_section, release_check, say, settle_candidate
 from services.demo.report import Stage, report
 from services.demo.task import Problem, Task
 
@@ -135,11 +135,15 @@ class ToolsDemo:
             base["agents"] = {"names": [self.cfg.agent, self.control_agent], "default": self.cfg.agent}
         if self.t.explore_temperature is not None:  # the traffic's calls are exploration runs, sampled hotter
             base.setdefault("agents", {})["exploration_temperature"] = {self.cfg.agent: self.t.explore_temperature}
-        if self.cfg.release_check:
-            problems = "units_gate_problems" if self.t.task == "units" else "gate_problems"
-            base["release"] = gate_section("services.demo.agent_app:GateEnv", f"services.demo.agent_app:{problems}",
-                                           "services.demo.agent_app:gate_agent")
+        if self.cfg.release_check or self.t.gate_every:
+            base["release"] = self.gate()
         return self.stack.explorer_config(base, self.cfg.explorer)
+
+    def gate(self) -> dict:
+        """The release gate's section: the Explorer's, and the Trainer's with tools.gate_every."""
+        problems = "units_gate_problems" if self.t.task == "units" else "gate_problems"
+        return gate_section("services.demo.agent_app:GateEnv", f"services.demo.agent_app:{problems}",
+                            "services.demo.agent_app:gate_agent", every=self.t.gate_every or 1)
 
     def trainer_config(self) -> dict:
         tr = self.t.traffic
@@ -172,6 +176,8 @@ class ToolsDemo:
             # engine keeps its one thread: on two, its OpenMP threads and the server's took turns (cpu_paths.py).
             "trainer": {"micro_batch_size": 8, "torch_threads": usable_cpus(), "poll_interval_s": 0.2},
         }
+        if self.t.gate_every:  # the loop's versions are candidates, measured every gate_every by the Explorer
+            base["release"] = self.gate()
         if self.t.levers:
             base = deep_merge(base, LEVERS)
         if self.t.words == "hints":  # the hinted calls' tokens also learn the teacher's view (self-distillation)
@@ -373,7 +379,7 @@ async def loop_end(demo: ToolsDemo, cold: EvalResult, final_version: int) -> Eva
     return await demo.evaluate("after online loop", final_version)
 
 
-async def _final_and_arms(demo: ToolsDemo, trainer_cfg: dict, cold: EvalResult, final_version: int,
+async def _final_and_arms(demo: ToolsDemo, trainer_cfg: dict, cold: EvalResult, final_version: int, loop_steps: int,
                           beside: Callable[[], Awaitable[None]] | None = None) -> Arms:
     """The last version on the held-out problems while the demonstrations-only arm trains to as many
     steps as the online loop took (one core each), then ``beside`` (the release check), still while it
@@ -388,7 +394,7 @@ async def _final_and_arms(demo: ToolsDemo, trainer_cfg: dict, cold: EvalResult, 
         if beside:
             await beside()
         return out
-    control_steps = final_version - start
+    control_steps = loop_steps  # as many as the loop's Trainer took (final_version - start unless a gate rolled back)
     every, top = t.plateau.every, t.plateau.max_steps
     marks = sorted({*range(every, min(control_steps, top) + 1, every), control_steps} - {0})  # published on the way
 
@@ -491,10 +497,15 @@ def run_tools(cfg: DemoConfig) -> int:
             f"{tr.repeat} runs each), rewards each episode and commits; the Trainer trains GRPO on episodes, the Explorer hot-loads")
         loop = asyncio.run(demo.online_loop(cold_steps))
         stack.stop("trainer")  # the loop is over: its last version is measured, and the control arm needs the core
+        settle_candidate(stack)  # tools.gate_every: the Trainer's last candidate decided, so what serves is the loop's last
         final_version = stack.serving()["version"]
+        # the Trainer's steps since the cold start (a gate's rejection rolls back to an older version: the steps stay taken)
+        loop_steps = max(final_version, *checkpoints.list_versions(stack.root, stack.agent)) - cold_steps
+        if final_version != cold_steps + loop_steps:
+            say(f"  the loop ends on v{final_version}, the version its gate last promoted; its Trainer took {loop_steps} steps")
         if cfg.tools.control:
             say(f"- control arm, beside the last version's measurement{' and the release check' if cfg.release_check else ''}: "
-                f"v{cold_steps} trained {final_version - cold_steps} more steps on the replayed demonstrations alone (no traffic), "
+                f"v{cold_steps} trained {loop_steps} more steps on the replayed demonstrations alone (no traffic), "
                 f"in this process -> {demo.control_agent}")
         after_loop: dict = {}
 
@@ -502,7 +513,8 @@ def run_tools(cfg: DemoConfig) -> int:
             after_loop["serving"] = stack.serving()  # the loop's last version, before the gate promotes a candidate
             after_loop["release"] = await asyncio.to_thread(release_check, stack, cfg.model_path) if cfg.release_check else []
 
-        arms = asyncio.run(_final_and_arms(demo, trainer_cfg, evals[1], final_version, beside=release_beside_the_arm))
+        arms = asyncio.run(_final_and_arms(demo, trainer_cfg, evals[1], final_version, loop_steps,
+                                           beside=release_beside_the_arm))
         evals.append(arms.final)
         serving, release = after_loop["serving"], after_loop["release"]
         explorer_requests = stack.http_statuses()  # every measurement's requests, the gate suite's too (it asks over HTTP)
@@ -521,7 +533,7 @@ def run_tools(cfg: DemoConfig) -> int:
     others = []
     if arms.control is not None:
         others.append(Stage(arms.control, "GRPO on traffic", f"the online loop against its control arm: the same "
-                            f"{final_version - cold_steps} steps of replayed demonstrations without the traffic"))
+                            f"{loop_steps} steps of replayed demonstrations without the traffic"))
     if arms.best is not None:
         others.append(Stage(arms.best, "traffic over best", "the online loop against the best the demonstrations alone reached, "
                             "chosen on validation problems (tools.plateau)"))

@@ -1,5 +1,7 @@
 """Which old adapter versions may be deleted: never the newest ``keep``, never one an Explorer
-replica reports in use, and never before ``grace_s`` has passed since its successor appeared."""
+replica reports in use, never the serving version's block (release.gate.every: the version the gate
+last measured, which a rejection rolls back to, and those that served since), and never before
+``grace_s`` has passed since its successor appeared."""
 
 from __future__ import annotations
 
@@ -9,6 +11,7 @@ import time
 from pathlib import Path
 
 from services.common import checkpoints
+from services.common.release import gate_block
 
 log = logging.getLogger(__name__)
 
@@ -17,6 +20,9 @@ def versions_to_delete(root: str | Path, agent: str, *, keep: int, grace_s: floa
     versions = checkpoints.list_versions(root, agent)
     latest = checkpoints.read_latest(root, agent)
     in_use = checkpoints.versions_in_use(root, agent, now=now)
+    if latest:
+        anchor, served = gate_block(root, agent, latest)
+        in_use |= {anchor, *served}
     doomed = []
     for i, v in enumerate(versions[:-keep] if keep else versions):
         if v == latest or v in in_use:

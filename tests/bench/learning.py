@@ -167,6 +167,10 @@ SETTINGS: dict[str, list[str]] = {
     # `explore-discard` bounded: at most 16 flat groups (8 rounds) set aside between two steps, then they are kept, so a
     # cold start that rarely succeeds still steps and replays its demonstrations (seed 11 starved 240 s unbounded)
     "explore-bounded": [*EXPLORE, DISCARD, "trainer.algorithm.grpo.flat_max_set_aside=16"],
+    # `explore-bounded` whose versions go through the Explorer's release gate in the loop (tools.gate_every=4): every 4th
+    # version is measured greedily on the gate's 32 problems against the one the gate last measured, and a worse one rolls
+    # the loop back to it (the Trainer continues from its state): against the late versions' drift (seeds 16 and 18)
+    "explore-gated": [*EXPLORE, DISCARD, "trainer.algorithm.grpo.flat_max_set_aside=16", "tools.gate_every=4"],
     # no online loop to speak of (one round of traffic at most): the demonstrations-only arm from the cold start to its plateau
     "demonstrations": ["tools.levers=false", KEEP_FLAT, "tools.control=false", "duration_s=1", "min_new_versions=0"],
 }

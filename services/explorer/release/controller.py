@@ -42,6 +42,7 @@ from services.common.release import (
     ReleaseSection,
     confidence_sequence,
     decide,
+    gate_block,
     paired_lower_bound,
     verdict,
 )
@@ -216,41 +217,98 @@ class ReleaseController:
         task = asyncio.create_task(self._gate(agent, candidate, serving, policy), name=f"release-gate-{agent}")
         self._gates[agent] = _GateRun(task=task, candidate=candidate)
 
+    def _block(self, agent: str, candidate: int, serving: int, every: int) -> tuple[int, list[int], bool]:
+        """release.gate.every: (the version ``candidate`` is measured against, the versions that served since
+        that one, newest first, whether to measure it now). A Trainer's candidate trained from the serving
+        version is measured every ``every`` versions, against the anchor (the version the gate last measured);
+        anything else (``kaizen publish``, another lineage, every=1) against the serving version, at once."""
+        if every <= 1:
+            return serving, [], True
+        serving = checkpoints.read_latest(self.root, agent) or 0  # not this replica's: it may not have loaded it yet
+        try:
+            manifest = checkpoints.validate_version(self.root, agent, candidate).manifest()
+        except CheckpointError:
+            return serving, [], True  # the evaluation says what is wrong with it
+        if manifest.get("source") == "publish" or manifest.get("parent_version") != serving:
+            return serving, [], True
+        anchor, served = gate_block(self.root, agent, serving, limit=every - 1)
+        if len(served) + 1 < every:
+            return anchor, served, False
+        if anchor != 0 and anchor not in checkpoints.list_versions(self.root, agent):
+            log.warning("agent %s: v%d, the gate's last measured version, is gone from disk: v%d is measured against "
+                        "the serving v%d", agent, anchor, candidate, serving)
+            return serving, [], True
+        return anchor, served, True
+
     async def _gate(self, agent: str, candidate: int, serving: int, policy: ReleasePolicy) -> None:
         with self._leader(agent) as leader:
             if not leader or self._terminal(agent, candidate) is not None:
                 return  # another replica evaluates it (or has decided)
             gate = policy.gate
+            anchor, served, measure = self._block(agent, candidate, serving, gate.every)
+            serving = served[0] if served else serving
+            if not measure:
+                at = len(served) + 1
+                self._decide(agent, candidate, "promoted", serving=candidate, actor="gate", locked=True,
+                             reason=f"{at} of {gate.every} versions after v{anchor}, the version the gate last measured: "
+                             f"it serves unmeasured (release.gate.every={gate.every})",
+                             figures={"between_gates": True, "anchor": anchor, "position": at, "every": gate.every})
+                return
             url = self.base_url()
             if url is None:
                 log.warning("agent %s: v%d waits for its gate until this Explorer knows its own address (set "
                             "server.self_url, or it is learned from the first request)", agent, candidate)
                 return
-            log.info("agent %s: evaluating candidate v%d against v%d (%s)", agent, candidate, serving,
+            log.info("agent %s: evaluating candidate v%d against v%d (%s)", agent, candidate, anchor,
                      "suite" if gate.suite else "replay of held-out traffic")
             t0 = time.monotonic()
             try:
-                c, extra = await asyncio.wait_for(self._evaluate(agent, serving, candidate, gate, url), gate.timeout_s)
+                c, extra, remember = await asyncio.wait_for(self._evaluate(agent, anchor, candidate, gate, url), gate.timeout_s)
             except asyncio.TimeoutError:
-                self._decide(agent, candidate, "rejected", serving=serving, actor="gate", locked=True,
-                             reason=f"the evaluation took longer than release.gate.timeout_s={gate.timeout_s:g}")
+                await self._refuse(agent, candidate, serving, anchor, served, actor="gate",
+                                   reason=f"the evaluation took longer than release.gate.timeout_s={gate.timeout_s:g}")
                 return
             except Exception as e:  # a broken suite must not promote anything
                 log.exception("agent %s: the gate's evaluation of v%d failed", agent, candidate)
-                self._decide(agent, candidate, "rejected", serving=serving, actor="gate", locked=True,
-                             reason=f"the evaluation failed: {type(e).__name__}: {e}")
+                await self._refuse(agent, candidate, serving, anchor, served, actor="gate",
+                                   reason=f"the evaluation failed: {type(e).__name__}: {e}")
                 return
             figures = {**c.figures(), **extra, "tolerance": gate.tolerance, "seconds": round(time.monotonic() - t0, 1)}
+            if served:  # a block of release.gate.every measured against its anchor
+                figures.update(anchor=anchor, served_since=served, every=gate.every)
             self.status[agent].comparison = figures
             promote = c.lower > -gate.tolerance
-            why = (f"mean {c.mean_candidate:.3f} vs v{serving} {c.mean_serving:.3f} over {c.n_candidate} tasks: difference "
+            why = (f"mean {c.mean_candidate:.3f} vs v{anchor} {c.mean_serving:.3f} over {c.n_candidate} tasks: difference "
                    f"{c.diff:+.3f}, lower bound {c.lower:+.3f} {'>' if promote else '<='} -{gate.tolerance:g} ({c.test})")
-            self._decide(agent, candidate, "promoted" if promote else "rejected", serving=candidate if promote else serving,
-                         actor="gate", reason=why, figures=figures, locked=True)
+            if promote:
+                key, scores = remember  # the candidate serves: its scores are the next comparison's baseline
+                self._baseline = {k: v for k, v in self._baseline.items() if k[0] != agent}
+                self._baseline[key] = scores
+                self._decide(agent, candidate, "promoted", serving=candidate, actor="gate", reason=why, figures=figures,
+                             locked=True)
+            else:
+                await self._refuse(agent, candidate, serving, anchor, served, actor="gate", reason=why, figures=figures)
+
+    async def _refuse(self, agent: str, candidate: int, serving: int, anchor: int, served: list[int], *, actor: str,
+                      reason: str, figures: dict[str, Any] | None = None) -> None:
+        """Reject ``candidate``; when versions served unmeasured since ``anchor`` (release.gate.every), first roll
+        them back to it (one decision naming them all refused). The release lock is held."""
+        if served:
+            self._decide(agent, serving, "rolled_back", serving=anchor, actor=actor, locked=True,
+                         reason=f"v{candidate}, measured {len(served) + 1} versions after v{anchor}, was refused ({reason}): "
+                         f"v{anchor} serves again",
+                         figures={**(figures or {}), "from": serving, "to": anchor, "refused": served})
+            for v in served[1:]:  # the serving one's pins are let go by the decision itself
+                self.episodes.forget_version(agent, v)
+        self._decide(agent, candidate, "rejected", serving=anchor, actor=actor, reason=reason, figures=figures, locked=True)
+        if served:
+            await self.registry.sync(agent)
 
     async def _evaluate(self, agent: str, serving: int, candidate: int, gate: GateSection,
-                        url: str) -> tuple[Comparison, dict[str, Any]]:
-        """Score both versions on the same tasks (the serving version's scores are kept while it serves)."""
+                        url: str) -> tuple[Comparison, dict[str, Any], tuple[tuple, list[float]]]:
+        """Score both versions on the same tasks (the scores of the version compared against are kept while
+        it is the one compared against). Returns the comparison, its figures, and the candidate's scores
+        with their key (kept if it is promoted)."""
         from services.explorer.release import evaluation
 
         if gate.suite is not None:
@@ -275,7 +333,7 @@ class ReleaseController:
             self._baseline = {k: v for k, v in self._baseline.items() if k[:2] != key[:2]}
             self._baseline[key] = base
         cand = await asyncio.to_thread(score, candidate, "candidate")
-        return paired_lower_bound(base, cand, confidence=gate.confidence), extra
+        return paired_lower_bound(base, cand, confidence=gate.confidence), extra, ((agent, candidate, *key[2:]), cand)
 
     # ------------------------------------------------------------------ canary
 

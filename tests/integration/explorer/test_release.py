@@ -360,3 +360,66 @@ def test_gate_on_a_replay_of_held_out_traffic(make_explorer, tmp_path, adapters)
 
     _candidate(adapters, root, "good", 3, parent=1)
     assert _decision(ex, 3)["decision"] == "promoted"
+
+
+def _serving(ex, version: int, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while ex.http.get("/v1/models/guide").json()["version"] != version:
+        assert time.monotonic() < deadline, f"v{version} did not serve within {timeout}s"
+        time.sleep(0.05)
+
+
+def test_gate_every_third_version_rolls_back_to_the_last_one_it_measured(make_explorer, tmp_path, adapters, tiny_model):
+    """release.gate.every=3: two versions serve unmeasured, the third is measured against the version the
+    gate last measured; a worse one rolls every version since back to it (their traffic refused), and the
+    next block, trained from it again, is measured against it with its scores kept from the first time."""
+    root = tmp_path / "explorer0" / "checkpoints"
+    publish_adapter(adapters["good"], root, "guide", 1)
+    ex = make_explorer("release.mode=gated", "release.gate.every=3", *SUITE)
+    assert _ask(ex)[1] == RIGHT
+
+    for v, at in ((2, 1), (3, 2)):  # a Trainer's candidates, each trained from the one serving
+        _candidate(adapters, root, "bad", v, parent=v - 1)
+        d = _decision(ex, v)
+        assert (d["decision"], d["serving"], d["by"]) == ("promoted", v, "gate") and "serves unmeasured" in d["reason"]
+        assert d["figures"] == {"between_gates": True, "anchor": 1, "position": at, "every": 3}
+        _serving(ex, v)
+    assert _ask(ex, "between")[1] == WRONG  # users met the unmeasured versions: what every=3 trades for speed
+
+    _candidate(adapters, root, "bad", 4, parent=3)
+    rejected = _decision(ex, 4)
+    assert (rejected["decision"], rejected["serving"]) == ("rejected", 1)
+    figures = rejected["figures"]
+    assert (figures["anchor"], figures["served_since"], figures["every"]) == (1, [3, 2], 3)
+    assert (figures["mean_serving"], figures["mean_candidate"]) == (1.0, 0.0) and "vs v1 1.000" in rejected["reason"]
+    back = [d for d in ex.http.get("/versions", params={"agent": "guide"}).json()["data"][2]["decisions"]
+            if d["decision"] == "rolled_back"]
+    assert len(back) == 1 and (back[0]["serving"], back[0]["figures"]["refused"]) == (1, [3, 2])
+    assert checkpoints.read_latest(root, "guide") == 1 and checkpoints.read_candidate(root, "guide") is None
+    _serving(ex, 1)
+    assert {_ask(ex, f"after-{i}")[1] for i in range(3)} == {RIGHT}
+    assert refused_versions(buffer.list_decisions(engine=ex.state.db, agent="guide", limit=100)) == {2, 3, 4}
+
+    # the Trainer goes on from v1: the next block, measured against v1 again
+    for v in (5, 6):
+        _candidate(adapters, root, "good", v, parent=1 if v == 5 else v - 1)
+        assert _decision(ex, v)["figures"]["anchor"] == 1
+    _candidate(adapters, root, "good", 7, parent=6)
+    promoted = _decision(ex, 7)
+    assert (promoted["decision"], promoted["serving"], promoted["figures"]["anchor"]) == ("promoted", 7, 1)
+    assert promoted["figures"]["served_since"] == [6, 5]
+    v1_scored = {e.task_id for e in buffer.list_experiences(engine=ex.state.db, agent="guide", limit=100_000)
+                 if "/serving-v1" in (e.task_id or "")}
+    assert len(v1_scored) == 4, v1_scored  # v1 scored once (4 tasks), for both measurements against it
+    _candidate(adapters, root, "good", 8, parent=7)  # the measured v7 anchors the next block
+    assert _decision(ex, 8)["figures"] == {"between_gates": True, "anchor": 7, "position": 1, "every": 3}
+
+    # a candidate of `kaizen publish` is measured against the one serving at once, whatever its place
+    from services.common.publish import publish_adapter as publish_checked
+
+    _serving(ex, 8)
+    adapters["bad"].save_pretrained(tmp_path / "outside")
+    v = publish_checked(tmp_path / "outside", agent="guide", checkpoints_root=root, base_model=str(tiny_model),
+                        candidate=True).version
+    outside = _decision(ex, v)
+    assert (outside["decision"], outside["serving"]) == ("rejected", 8) and "anchor" not in outside["figures"]

@@ -130,3 +130,49 @@ def test_refused_versions_follow_the_decisions_in_order():
     # v3 promoted again by hand: its experiences are trainable again
     assert refused_versions([*history, d(7, "promoted", 3)]) == {2, 4}
     assert refused_versions([d(1, "alarm", 5), d(2, "canary_started", 6)]) == set()
+
+
+def _version(root, v: int, parent: int, *decisions: dict) -> None:
+    from services.common import checkpoints as ck
+
+    ck.publish_version(root, "a", v, lambda d: ((d / "adapter_config.json").write_text("{}"),
+                                                 (d / "adapter_model.safetensors").write_bytes(b"x")),
+                       {"parent_version": parent})
+    for e in decisions:
+        ck.record_release(root, "a", v, e)
+
+
+BETWEEN = {"decision": "promoted", "by": "gate", "figures": {"between_gates": True}}
+MEASURED = {"decision": "promoted", "by": "gate", "figures": {"diff": 0.1}}
+
+
+def test_gate_block_walks_back_through_the_versions_promoted_between_gates(tmp_path):
+    from services.common.release import gate_block, promoted_between_gates
+
+    _version(tmp_path, 1, 0, MEASURED)  # the anchor: measured by the gate
+    _version(tmp_path, 2, 1, BETWEEN)
+    _version(tmp_path, 3, 2, BETWEEN)
+    _version(tmp_path, 4, 3, {"decision": "rejected", "by": "gate"})
+    _version(tmp_path, 5, 1, BETWEEN)  # trained on from v1 after the rollback below
+    _version(tmp_path, 6, 0, BETWEEN)  # a lineage from the base model
+    assert gate_block(tmp_path, "a", 3) == (1, [3, 2])
+    assert gate_block(tmp_path, "a", 3, limit=1) == (2, [3])  # at most `limit` walked
+    assert gate_block(tmp_path, "a", 1) == (1, [])  # the anchor serves itself
+    assert gate_block(tmp_path, "a", 5) == (1, [5])
+    assert gate_block(tmp_path, "a", 6) == (0, [6])
+    assert gate_block(tmp_path, "a", 9) == (9, [])  # not on disk: the caller finds it gone
+    # a version promoted between gates and later rolled back is no longer between gates: the walk stops there
+    from services.common import checkpoints as ck
+
+    ck.record_release(tmp_path, "a", 3, {"decision": "rolled_back", "by": "gate", "figures": {"refused": [3, 2]}})
+    assert gate_block(tmp_path, "a", 3) == (3, [])
+    assert not promoted_between_gates({"release": [BETWEEN, {"decision": "rolled_back"}]})
+    assert promoted_between_gates({"release": [{"decision": "candidate"}, BETWEEN]})
+    assert not promoted_between_gates({}) and not promoted_between_gates({"release": [MEASURED]})
+
+
+def test_gate_every_is_one_or_more():
+    assert ReleaseSection().gate.every == 1
+    assert ReleaseSection.model_validate({"gate": {"every": 4}}).policy("x").gate.every == 4
+    with pytest.raises(ValidationError, match="every"):
+        ReleaseSection.model_validate({"gate": {"every": 0}})

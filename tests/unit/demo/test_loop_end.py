@@ -149,27 +149,30 @@ class _ArmDemo(_Demo):
         self.checked.set()
 
 
-@pytest.mark.parametrize("final_version", [4, 16])
-def test_the_release_check_runs_beside_the_arm_once_its_model_is_built(final_version):
+@pytest.mark.parametrize("final_version,loop_steps", [(4, 0), (16, 12), (12, 16)])
+def test_the_release_check_runs_beside_the_arm_once_its_model_is_built(final_version, loop_steps):
     """beside (the release check) imports transformers on its own thread: never while the arm's thread
     builds its model, even when the loop published nothing and there is no measurement to wait for
-    first; then while the arm trains (its training waits for it here, so a check after it fails)."""
+    first; then while the arm trains (its training waits for it here, so a check after it fails). The
+    arm trains as many steps as the loop's Trainer took, also when a gate rolled the loop back to an
+    older version (12 of 16 steps, v12 serving at the end)."""
     from services.demo.tools_demo import _final_and_arms
 
     demo = _ArmDemo()
-    out = asyncio.run(_final_and_arms(demo, {}, COLD, final_version, beside=demo.beside))
+    out = asyncio.run(_final_and_arms(demo, {}, COLD, final_version, loop_steps, beside=demo.beside))
     events = demo.events
     assert events.index("arm built") < events.index("release check") < events.index("arm trained")
     assert events.index("arm trained") < events.index("measured control: demonstrations only")
     assert ("measured after online loop" in events) == (final_version > COLD.version)
-    assert f"calculator-sft-only serves v{final_version}" in events and out.control.label == "control: demonstrations only"
+    assert f"calculator-sft-only serves v{COLD.version + loop_steps}" in events
+    assert out.control.label == "control: demonstrations only"
 
 
 def test_without_a_control_arm_the_release_check_follows_the_last_measurement():
     from services.demo.tools_demo import _final_and_arms
 
     demo = _ArmDemo(control=False)
-    out = asyncio.run(_final_and_arms(demo, {}, COLD, 16, beside=demo.beside))
+    out = asyncio.run(_final_and_arms(demo, {}, COLD, 16, 12, beside=demo.beside))
     assert demo.events == ["measured after online loop", "release check"] and out.control is None
 
 
@@ -178,5 +181,5 @@ def test_an_arm_that_fails_raises_its_own_error_with_no_release_check_first():
 
     demo = _ArmDemo(broken=True)
     with pytest.raises(RuntimeError, match="no model here"):
-        asyncio.run(_final_and_arms(demo, {}, COLD, 16, beside=demo.beside))
+        asyncio.run(_final_and_arms(demo, {}, COLD, 16, 12, beside=demo.beside))
     assert "release check" not in demo.events
