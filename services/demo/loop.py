@@ -162,6 +162,13 @@ def settle_candidate(stack: Stack, timeout_s: float = 600) -> dict | None:
         return None
     decision = _wait_for_decision(stack, candidate, timeout_s)
     say(f"  the Trainer's last candidate, v{candidate}: {decision['decision']} by the gate")
+    # a rejection may have rolled the loop back to an older version: the Explorer serves it before anything reads
+    # what serves (the release check copies it); the decision is recorded before this replica loads it again
+    latest, deadline = checkpoints.read_latest(stack.root, stack.agent) or 0, time.monotonic() + timeout_s
+    while stack.serving()["version"] != latest:
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"the Explorer did not serve v{latest} (LATEST) within {timeout_s:.0f} s")
+        time.sleep(0.2)
     return decision
 
 

@@ -498,7 +498,7 @@ def run_tools(cfg: DemoConfig) -> int:
         loop = asyncio.run(demo.online_loop(cold_steps))
         stack.stop("trainer")  # the loop is over: its last version is measured, and the control arm needs the core
         settle_candidate(stack)  # tools.gate_every: the Trainer's last candidate decided, so what serves is the loop's last
-        final_version = stack.serving()["version"]
+        final_version = checkpoints.read_latest(stack.root, stack.agent) or 0  # what serves (the gate may have rolled back)
         # the Trainer's steps since the cold start (a gate's rejection rolls back to an older version: the steps stay taken)
         loop_steps = max(final_version, *checkpoints.list_versions(stack.root, stack.agent)) - cold_steps
         if final_version != cold_steps + loop_steps:

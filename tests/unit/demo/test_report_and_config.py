@@ -184,3 +184,27 @@ def test_keep_best_draws_the_validation_problems_last_and_every_version_stays(tm
     assert plain.split.validation == [] and len(kept.split.validation) == 12
     assert kept.split.heldout == plain.split.heldout and kept.split.traffic == plain.split.traffic  # drawn last
     assert kept.trainer_config()["checkpoints"]["keep_versions"] >= 1000  # the demo's Stack keeps every version to choose from
+
+
+def test_gate_every_makes_the_trainer_publish_candidates_that_the_explorer_gates_every_nth(tmp_path):
+    from services.common.config import ConfigError
+    from services.common.launch import Stack
+    from services.demo.tools_demo import ToolsDemo
+    from services.explorer.config import ExplorerConfig
+    from services.trainer.config import TrainerConfig
+
+    def demo(*overrides):
+        cfg = load_config(DemoConfig, None, ["task=tools", *overrides], env={})
+        return ToolsDemo(cfg, Stack(tmp_path, cfg.agent, config_models={"trainer": TrainerConfig, "explorer": ExplorerConfig}))
+
+    plain, gated = demo("tools.gate_every=null"), demo("tools.gate_every=4")
+    assert "release" not in plain.trainer_config()  # immediate: the loop's versions serve at once
+    assert plain.explorer_config()["release"]["gate"]["every"] == 1  # the release check's candidates, each measured
+    for cfg in (gated.trainer_config(), gated.explorer_config()):  # the same section in both, validated by each
+        assert (cfg["release"]["mode"], cfg["release"]["gate"]["every"]) == ("gated", 4)
+        assert cfg["release"]["gate"]["suite"]["dataset"] == "services.demo.agent_app:gate_problems"
+    # without the release check the Explorer still gates the loop's versions
+    assert demo("tools.gate_every=2", "release_check=false").explorer_config()["release"]["gate"]["every"] == 2
+    assert "release" not in demo("tools.gate_every=null", "release_check=false").explorer_config()
+    with pytest.raises(ConfigError, match="gate_every"):
+        load_config(DemoConfig, None, ["tools.gate_every=0"], env={})
