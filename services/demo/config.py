@@ -231,7 +231,7 @@ class DemoConfig(ConfigModel):
         default=True,
         description="At the end, publish a deliberately broken copy and an exact copy of the serving adapter as "
         "candidates and show the Explorer's release gate deciding each (the online loop itself runs in release.mode "
-        "immediate).")
+        "immediate, unless tools.gate_every).")
     tools: ToolsSection = Field(default_factory=ToolsSection)
     parity: ParitySection = Field(default_factory=ParitySection)
     explorer: dict[str, Any] = Field(default_factory=dict, description="Extra Explorer config (merged over the demo's).")

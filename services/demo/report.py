@@ -43,6 +43,25 @@ def _traffic_rows(stack) -> tuple[list[dict], dict, object]:
     return rows, counts, last
 
 
+def loop_gate(stack, release: list[dict]) -> dict:
+    """What the release gate decided about the loop's own versions (tools.gate_every), the release check's
+    candidates left out: each measured version (decision, anchor, difference and its lower bound), how many
+    served unmeasured between gates, and how many that served were rolled back."""
+    db = buffer.create_buffer_engine(stack.db_url, create_tables=False)
+    try:
+        decisions = buffer.list_decisions(engine=db, agent=stack.agent, limit=100_000)
+    finally:
+        db.dispose()
+    checked = {d["version"] for d in release}
+    mine = [d for d in decisions if d.actor == "gate" and d.version not in checked]
+    measured = [{"version": d.version, "decision": d.decision, "anchor": (d.figures or {}).get("anchor"),
+                 "diff": (d.figures or {}).get("diff"), "lower": (d.figures or {}).get("lower")}
+                for d in mine if d.decision in ("promoted", "rejected") and not (d.figures or {}).get("between_gates")]
+    return {"measured": measured,
+            "between_gates": sum(1 for d in mine if (d.figures or {}).get("between_gates")),
+            "rolled_back": sum(len((d.figures or {}).get("refused") or []) for d in mine if d.decision == "rolled_back")}
+
+
 def guard_counts(run: Path) -> dict[str, int]:
     """What the Trainer's guard did (TrainerConfig.guard), from its metrics log: steps it checked,
     redid at a lower learning rate, and refused (weights kept), and those it checked by their KL (max_kl)."""
@@ -150,6 +169,13 @@ def report(cfg, stack, loop, stages: list[Stage], *, serving: dict, explorer_req
         what = "makes the demonstrations' NLL jump" + (", or moves the policy past guard.max_kl," if guard["kl"] else "")
         lines.insert(-2, f"  guard (an update that {what} is undone): {guard['checked']} steps "
                          f"checked, {guard['redone']} redone at half the learning rate, {guard['refused']} refused")
+    gate = loop_gate(stack, release) if cfg.task == "tools" and cfg.tools.gate_every else None
+    if gate is not None:
+        rejected = sum(1 for m in gate["measured"] if m["decision"] == "rejected")
+        lines.insert(-2, f"  the loop's release gate (every {cfg.tools.gate_every}th version measured against the last one it "
+                         f"measured): {len(gate['measured'])} measured, {len(gate['measured']) - rejected} promoted, "
+                         f"{rejected} rejected ({gate['rolled_back']} versions that had served rolled back), "
+                         f"{gate['between_gates']} served unmeasured")
     if release:
         lines.insert(-2, "  release check (the gate on hand-published candidates): " + ", ".join(
             f"v{d['version']} {d['candidate']} {d['decision']}" for d in release))
@@ -164,6 +190,7 @@ def report(cfg, stack, loop, stages: list[Stage], *, serving: dict, explorer_req
         "versions_published": len(versions) - len(release), "reloads": serving["reloads"], "failed_requests": loop.failed_requests,
         "guard": guard,
         "release_check": release,
+        "loop_gate": gate,
         "explorer_requests": explorer_requests,
         "wall_seconds": seconds, "rounds": [asdict(r) for r in loop.rounds], "curves": curves or {},
         "loop_rates": loop.rates(),

@@ -208,3 +208,29 @@ def test_gate_every_makes_the_trainer_publish_candidates_that_the_explorer_gates
     assert "release" not in demo("tools.gate_every=null", "release_check=false").explorer_config()
     with pytest.raises(ConfigError, match="gate_every"):
         load_config(DemoConfig, None, ["tools.gate_every=0"], env={})
+
+
+def test_loop_gate_counts_the_loops_own_gate_decisions(tmp_path):
+    """The report's line on tools.gate_every: measured versions, the ones that served unmeasured, those rolled
+    back, from the release decisions in the buffer (the release check's candidates are not the loop's)."""
+    from types import SimpleNamespace
+
+    from services.common import buffer
+    from services.demo.report import loop_gate
+
+    url = f"sqlite:///{tmp_path}/b.db"
+    db = buffer.create_buffer_engine(url)
+    between = {"between_gates": True, "anchor": 4}
+    for v, decision, actor, figures in (
+            (5, "candidate", "trainer", None), (5, "promoted", "gate", between), (6, "promoted", "gate", between),
+            (7, "promoted", "gate", {"anchor": 4, "diff": 0.1, "lower": -0.02}),
+            (8, "promoted", "gate", {**between, "anchor": 7}), (8, "rolled_back", "gate", {"refused": [8]}),
+            (9, "rejected", "gate", {"anchor": 7, "diff": -0.2, "lower": -0.3}),
+            (10, "rejected", "gate", {"diff": -0.8}), (11, "promoted", "gate", {"diff": 0.0})):  # 10, 11: the release check's
+        buffer.record_decision(engine=db, agent="calculator", version=v, decision=decision, serving=None, actor=actor,
+                               figures=figures)
+    db.dispose()
+    got = loop_gate(SimpleNamespace(db_url=url, agent="calculator"), [{"version": 10}, {"version": 11}])
+    assert got == {"measured": [{"version": 7, "decision": "promoted", "anchor": 4, "diff": 0.1, "lower": -0.02},
+                                {"version": 9, "decision": "rejected", "anchor": 7, "diff": -0.2, "lower": -0.3}],
+                   "between_gates": 3, "rolled_back": 1}
