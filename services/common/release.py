@@ -5,7 +5,9 @@
     gated      a new version is a candidate; an evaluation through the Explorer, pinned to it
                (``agent@vN``), compares it with the serving version on the same tasks, and it is
                promoted only if it is not worse by more than ``gate.tolerance`` (a one-sided paired
-               t-test at ``gate.confidence``); otherwise it is rejected and never serves
+               t-test at ``gate.confidence``); otherwise it is rejected and never serves. With
+               ``gate.rule: no_harm`` the burden turns: it is rejected only when it is worse by more
+               than the tolerance with confidence
     canary     a candidate takes ``canary.share`` of the agent's live traffic (sticky per task_id);
                the online rewards of both versions are compared with an always-valid confidence
                sequence, and it is promoted when it is better or equal within ``canary.tolerance``
@@ -75,6 +77,13 @@ class GateSection(ConfigModel):
     replay: ReplaySection = Field(default_factory=ReplaySection)
     tolerance: float = Field(default=0.05, ge=0, description="A candidate may score at most this much below the serving version.")
     confidence: float = Field(default=0.95, gt=0.5, lt=1, description="Confidence of the one-sided bound the gate tests.")
+    rule: Literal["non_inferiority", "no_harm"] = Field(
+        default="non_inferiority",
+        description="Who carries the burden of proof. non_inferiority: the candidate is promoted only if it is shown "
+        "not worse than tolerance below the version it is measured against (lower confidence bound above -tolerance); "
+        "a small suite then refuses a version that differs without being worse. no_harm: it is rejected only if it "
+        "is shown worse by more than tolerance (upper bound below -tolerance); a version that is worse by less than "
+        "the suite can see is promoted, and becomes the next one measured against.")
     timeout_s: float = Field(default=1800.0, gt=0, description="An evaluation that takes longer rejects the candidate.")
     every: int = Field(
         default=1, ge=1,
@@ -254,6 +263,19 @@ def confidence_sequence(serving: list[float], candidate: list[float], *, confide
     return Comparison(test=f"normal-mixture confidence sequence {confidence:.0%}, scale {scale:g}",
                       n_serving=len(serving), n_candidate=len(candidate), mean_serving=ms, mean_candidate=mc,
                       diff=diff, lower=diff - radius, upper=diff + radius)
+
+
+def gate_verdict(c: Comparison, *, rule: str, tolerance: float) -> tuple[bool, str]:
+    """The gate's one decision on a finished evaluation (release.gate.rule): (promote, the bound that
+    decided, as words). non_inferiority promotes when the lower bound is above -tolerance; no_harm
+    rejects only when the upper bound is below it."""
+    if rule == "non_inferiority":
+        promote = c.lower > -tolerance
+        return promote, f"lower bound {c.lower:+.3f} {'>' if promote else '<='} -{tolerance:g}"
+    if rule == "no_harm":
+        promote = c.upper >= -tolerance
+        return promote, f"upper bound {c.upper:+.3f} {'>=' if promote else '<'} -{tolerance:g} (rule no_harm)"
+    raise ValueError(f"unknown release.gate.rule {rule!r}")
 
 
 Verdict = Literal["promote", "reject", "continue"]

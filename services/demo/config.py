@@ -164,6 +164,12 @@ class ToolsSection(ConfigModel):
         "the loop back to that version (the Trainer continues from its state); the versions between serve unmeasured. "
         "The cold start's last version is the first measured, against the base model. None: every version serves at "
         "once (release.mode immediate).")
+    gate_rule: Literal["non_inferiority", "no_harm"] = Field(
+        default="non_inferiority",
+        description="The demo gate's release.gate.rule (the loop's versions with tools.gate_every, and the release "
+        "check's candidates): non_inferiority (tolerance 0.1): a version is promoted only if shown not worse than "
+        "0.1 below the one it is measured against; no_harm (tolerance 0): it is rejected only if shown worse. On 32 "
+        "problems the first refused versions that differed without being worse (docs/DEMO.md).")
     plateau: PlateauSection = Field(default_factory=PlateauSection)
     traffic: TrafficSection = Field(default_factory=lambda: TrafficSection(**_TOOLS_TRAFFIC))
 

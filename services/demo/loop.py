@@ -144,14 +144,16 @@ class OnlineLoop:
             f" | serving v{m['version']} (reloads {m['reloads']}) | failed {self.failed_requests}")
 
 
-def gate_section(env: str, dataset: str, agent: str, every: int = 1) -> dict:
+def gate_section(env: str, dataset: str, agent: str, every: int = 1, rule: str = "non_inferiority") -> dict:
     """The demo Explorer's release policy: candidates published by hand (``kaizen publish --candidate``,
     the release check below) go through a gate on this suite; so do the Trainer's when it publishes
     candidates too (tools.gate_every: the same section in its config, ``every`` of them measured), while
-    by default it publishes straight to LATEST (release.mode immediate, the online loop as it always ran)."""
+    by default it publishes straight to LATEST (release.mode immediate, the online loop as it always ran).
+    ``rule`` (tools.gate_rule): non_inferiority with tolerance 0.1, or no_harm with tolerance 0 (rejected only
+    when shown worse)."""
     return {"mode": "gated", "poll_interval_s": 0.5,
-            "gate": {"suite": {"env": env, "dataset": dataset, "agent": agent, "concurrency": 16}, "tolerance": 0.1,
-                     "every": every}}
+            "gate": {"suite": {"env": env, "dataset": dataset, "agent": agent, "concurrency": 16}, "rule": rule,
+                     "tolerance": 0.1 if rule == "non_inferiority" else 0.0, "every": every}}
 
 
 def settle_candidate(stack: Stack, timeout_s: float = 600) -> dict | None:
@@ -186,7 +188,7 @@ def release_check(stack: Stack, model_path: str, timeout_s: float = 600) -> list
     if serving == 0:
         say("- release check skipped: the base model serves (no adapter to copy)")
         return []
-    say(f"- release check: two candidates beside v{serving}, decided by the Explorer's gate (paired t-test, tolerance 0.1)")
+    say(f"- release check: two candidates beside v{serving}, decided by the Explorer's gate (a paired t-test on its problems)")
     src = checkpoints.version_dir(stack.root, stack.agent, serving)
     decisions = []
     for name, label, scale in (("broken", "a deliberately broken copy", -4.0), ("copy", "an exact copy", 1.0)):

@@ -173,7 +173,7 @@ def report(cfg, stack, loop, stages: list[Stage], *, serving: dict, explorer_req
     if gate is not None:
         rejected = sum(1 for m in gate["measured"] if m["decision"] == "rejected")
         lines.insert(-2, f"  the loop's release gate (every {cfg.tools.gate_every}th version measured against the last one it "
-                         f"measured): {len(gate['measured'])} measured, {len(gate['measured']) - rejected} promoted, "
+                         f"measured, rule {cfg.tools.gate_rule}): {len(gate['measured'])} measured, {len(gate['measured']) - rejected} promoted, "
                          f"{rejected} rejected ({gate['rolled_back']} versions that had served rolled back), "
                          f"{gate['between_gates']} served unmeasured")
     if release:

@@ -143,7 +143,8 @@ class ToolsDemo:
         """The release gate's section: the Explorer's, and the Trainer's with tools.gate_every."""
         problems = "units_gate_problems" if self.t.task == "units" else "gate_problems"
         return gate_section("services.demo.agent_app:GateEnv", f"services.demo.agent_app:{problems}",
-                            "services.demo.agent_app:gate_agent", every=self.t.gate_every or 1)
+                            "services.demo.agent_app:gate_agent", every=self.t.gate_every or 1,
+                            rule=self.t.gate_rule)
 
     def trainer_config(self) -> dict:
         tr = self.t.traffic

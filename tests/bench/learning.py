@@ -171,6 +171,8 @@ SETTINGS: dict[str, list[str]] = {
     # version is measured greedily on the gate's 32 problems against the one the gate last measured, and a worse one rolls
     # the loop back to it (the Trainer continues from its state): against the late versions' drift (seeds 16 and 18)
     "explore-gated": [*EXPLORE, DISCARD, "trainer.algorithm.grpo.flat_max_set_aside=16", "tools.gate_every=4"],
+    "explore-gated-no-harm": [*EXPLORE, DISCARD, "trainer.algorithm.grpo.flat_max_set_aside=16", "tools.gate_every=4",
+                              "tools.gate_rule=no_harm"],
     # no online loop to speak of (one round of traffic at most): the demonstrations-only arm from the cold start to its plateau
     "demonstrations": ["tools.levers=false", KEEP_FLAT, "tools.control=false", "duration_s=1", "min_new_versions=0"],
 }

@@ -41,6 +41,7 @@ from services.common.release import (
     ReleasePolicy,
     ReleaseSection,
     confidence_sequence,
+    gate_verdict,
     decide,
     gate_block,
     paired_lower_bound,
@@ -273,13 +274,13 @@ class ReleaseController:
                 await self._refuse(agent, candidate, serving, anchor, served, actor="gate",
                                    reason=f"the evaluation failed: {type(e).__name__}: {e}")
                 return
-            figures = {**c.figures(), **extra, "tolerance": gate.tolerance, "seconds": round(time.monotonic() - t0, 1)}
+            figures = {**c.figures(), **extra, "tolerance": gate.tolerance, "rule": gate.rule, "seconds": round(time.monotonic() - t0, 1)}
             if served:  # a block of release.gate.every measured against its anchor
                 figures.update(anchor=anchor, served_since=served, every=gate.every)
             self.status[agent].comparison = figures
-            promote = c.lower > -gate.tolerance
+            promote, bound = gate_verdict(c, rule=gate.rule, tolerance=gate.tolerance)
             why = (f"mean {c.mean_candidate:.3f} vs v{anchor} {c.mean_serving:.3f} over {c.n_candidate} tasks: difference "
-                   f"{c.diff:+.3f}, lower bound {c.lower:+.3f} {'>' if promote else '<='} -{gate.tolerance:g} ({c.test})")
+                   f"{c.diff:+.3f}, {bound} ({c.test})")
             if promote:
                 key, scores = remember  # the candidate serves: its scores are the next comparison's baseline
                 self._baseline = {k: v for k, v in self._baseline.items() if k[0] != agent}

@@ -12,6 +12,7 @@ from services.common.release import (
     ReleaseSection,
     confidence_sequence,
     held_out,
+    gate_verdict,
     paired_lower_bound,
     refused_versions,
     routed_to_candidate,
@@ -45,6 +46,28 @@ def test_paired_test_of_equal_and_of_broken_versions():
     broken = paired_lower_bound([1, 1, 1, 1], [0, 0, 0, 0], confidence=0.95)
     assert broken.upper == -1
     assert verdict(broken, tolerance=0.05) == "reject"
+
+
+def test_gate_rule_turns_the_burden_of_proof():
+    # Per task the candidate answers where the serving version failed and fails where it answered:
+    # d = [1, -1, 1, -1], mean 0, sample std sqrt(4 / 3) = 1.155, half-width 2.353 * 1.155 / 2 = 1.359.
+    swapped = paired_lower_bound([0, 1, 0, 1], [1, 0, 1, 0], confidence=0.95)
+    assert swapped.lower == pytest.approx(-1.359, abs=0.01) and swapped.upper == pytest.approx(1.359, abs=0.01)
+    # not shown within 0.1 below: refused; not shown worse: promoted
+    assert gate_verdict(swapped, rule="non_inferiority", tolerance=0.1) == (False, f"lower bound {swapped.lower:+.3f} <= -0.1")
+    assert gate_verdict(swapped, rule="no_harm", tolerance=0.0) == (True, f"upper bound {swapped.upper:+.3f} >= -0 (rule no_harm)")
+    # d = [0, -1, 0, -1]: mean -0.5, std 0.5774, half 0.679: upper +0.179, so no_harm still promotes it
+    half_worse = paired_lower_bound([1, 1, 1, 1], [1, 0, 1, 0], confidence=0.95)
+    assert gate_verdict(half_worse, rule="no_harm", tolerance=0.0)[0]
+    # the same spread over 16 tasks: half-width t(0.95, 15) 1.753 * 0.5164 / 4 = 0.226, upper -0.274: shown worse
+    worse16 = paired_lower_bound([1] * 16, [1, 0] * 8, confidence=0.95)
+    assert worse16.upper == pytest.approx(-0.274, abs=0.005)
+    assert gate_verdict(worse16, rule="no_harm", tolerance=0.0) == (False, f"upper bound {worse16.upper:+.3f} < -0 (rule no_harm)")
+    assert gate_verdict(worse16, rule="no_harm", tolerance=0.3)[0]  # but not by more than 0.3
+    same = paired_lower_bound([1, 0, 1, 1], [1, 0, 1, 1], confidence=0.95)  # no spread: both promote an equal one
+    assert gate_verdict(same, rule="no_harm", tolerance=0.0)[0] and gate_verdict(same, rule="non_inferiority", tolerance=0.0) == (False, "lower bound +0.000 <= -0")
+    with pytest.raises(ValueError, match="release.gate.rule"):
+        gate_verdict(same, rule="maybe", tolerance=0.0)
 
 
 def test_paired_test_needs_two_matched_tasks():

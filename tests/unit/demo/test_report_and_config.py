@@ -208,6 +208,14 @@ def test_gate_every_makes_the_trainer_publish_candidates_that_the_explorer_gates
     assert "release" not in demo("tools.gate_every=null", "release_check=false").explorer_config()
     with pytest.raises(ConfigError, match="gate_every"):
         load_config(DemoConfig, None, ["tools.gate_every=0"], env={})
+    # tools.gate_rule: the same rule in both services' sections, with its tolerance
+    assert (gated.trainer_config()["release"]["gate"]["rule"], gated.trainer_config()["release"]["gate"]["tolerance"]) == (
+        "non_inferiority", 0.1)
+    no_harm = demo("tools.gate_every=4", "tools.gate_rule=no_harm")
+    for cfg in (no_harm.trainer_config(), no_harm.explorer_config()):
+        assert (cfg["release"]["gate"]["rule"], cfg["release"]["gate"]["tolerance"]) == ("no_harm", 0.0)
+    with pytest.raises(ConfigError, match="gate_rule"):
+        load_config(DemoConfig, None, ["tools.gate_rule=lenient"], env={})
 
 
 def test_loop_gate_counts_the_loops_own_gate_decisions(tmp_path):
