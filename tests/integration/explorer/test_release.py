@@ -48,6 +48,17 @@ def tasks() -> list[int]:
     return list(range(4))
 
 
+class SplitEnv(AnswerEnv):
+    """Even tasks expect the right answer, odd ones the wrong one: "good" and "bad" score alike on it."""
+
+    def step(self, action: str) -> tuple[str, float, bool, dict]:
+        return "", float((action or "").strip() == (RIGHT if self.task % 2 == 0 else WRONG)), True, {}
+
+
+def split_tasks() -> list[int]:
+    return list(range(8))
+
+
 SUITE = [
     f"release.gate.suite.env={__name__}:AnswerEnv",
     f"release.gate.suite.dataset={__name__}:tasks",
@@ -423,3 +434,35 @@ def test_gate_every_third_version_rolls_back_to_the_last_one_it_measured(make_ex
                         candidate=True).version
     outside = _decision(ex, v)
     assert (outside["decision"], outside["serving"]) == ("rejected", 8) and "anchor" not in outside["figures"]
+
+
+def test_gate_rule_no_harm_promotes_a_different_version_and_rejects_one_shown_worse(make_explorer, tmp_path, adapters,
+                                                                                   tiny_model):
+    """release.gate.rule=no_harm turns the burden of proof: on a suite where "good" and "bad" each answer
+    half the tasks, "bad" differs from the serving "good" on every task without being worse, which the
+    default rule (non-inferiority) refuses and no_harm promotes; a version that answers nothing is shown
+    worse than "bad" (it fails the 4 tasks "bad" answers) and is rejected."""
+    root = tmp_path / "explorer0" / "checkpoints"
+    publish_adapter(adapters["good"], root, "guide", 1)
+    split = [f"release.gate.suite.env={__name__}:SplitEnv", f"release.gate.suite.dataset={__name__}:split_tasks",
+             *SUITE[2:], "release.gate.tolerance=0"]
+    ex = make_explorer("release.mode=gated", "release.gate.rule=no_harm", *split)
+    assert _ask(ex)[1] == RIGHT
+
+    _candidate(adapters, root, "bad", 2, parent=1)
+    promoted = _decision(ex, 2)
+    figures = promoted["figures"]
+    assert (promoted["decision"], promoted["serving"], figures["rule"]) == ("promoted", 2, "no_harm")
+    assert (figures["mean_serving"], figures["mean_candidate"], figures["diff"]) == (0.5, 0.5, 0.0)
+    assert figures["lower"] < -0.5 < 0.5 < figures["upper"]  # non-inferiority's bound: it would have refused it
+    assert "upper bound" in promoted["reason"] and "rule no_harm" in promoted["reason"]
+
+    mute = train_reply_adapter(tiny_model, ASK, "")
+    checkpoints.write_version(root, "guide", 3, lambda d: mute.save_pretrained(d),
+                              {"step": 3, "algorithm": "test", "parent_version": 2})
+    checkpoints.set_candidate(root, "guide", 3)
+    rejected = _decision(ex, 3)
+    figures = rejected["figures"]
+    assert (rejected["decision"], rejected["serving"]) == ("rejected", 2)
+    assert (figures["mean_serving"], figures["mean_candidate"]) == (0.5, 0.0) and figures["upper"] < 0
+    assert checkpoints.read_latest(root, "guide") == 2 and _served_by(ex, 3) == []
