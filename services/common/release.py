@@ -84,6 +84,14 @@ class GateSection(ConfigModel):
         "a small suite then refuses a version that differs without being worse. no_harm: it is rejected only if it "
         "is shown worse by more than tolerance (upper bound below -tolerance); a version that is worse by less than "
         "the suite can see is promoted, and becomes the next one measured against.")
+    against: Literal["last", "best"] = Field(
+        default="last",
+        description="What a Trainer's candidate is measured against. last: the version the gate last measured (the "
+        "serving one with every=1); a rejection rolls back to it. best: the best version the gate has measured in the "
+        "serving lineage (the highest mean on the gate's tasks among those it promoted); a rejection rolls back to it, "
+        "refusing every version since. Under no_harm this stops a walk down in steps each too small to show, since "
+        "each is measured against the same best rather than against the one before it. A candidate of `kaizen "
+        "publish`, or a version chosen by hand since, starts the measure again from the one serving.")
     timeout_s: float = Field(default=1800.0, gt=0, description="An evaluation that takes longer rejects the candidate.")
     every: int = Field(
         default=1, ge=1,
@@ -355,6 +363,53 @@ def gate_block(root: str | Path, agent: str, serving: int, limit: int | None = N
         served.append(v)
         v = parent
     return v, served
+
+
+def gate_best(root: str | Path, agent: str, anchor: int) -> tuple[int, int | None]:
+    """release.gate.against=best: the best version the gate has measured in ``anchor``'s lineage, as the
+    anchor's own gate promotion recorded it (``figures.best``), with that decision's id; ``(anchor, None)``
+    when the anchor's last decision recorded none (another rule, the base model, a decision by hand) or
+    that version is gone from disk."""
+    from services.common import checkpoints
+    from services.common.checkpoints import CheckpointError
+
+    if anchor <= 0:
+        return anchor, None
+    try:
+        manifest = checkpoints.validate_version(root, agent, anchor).manifest()
+    except CheckpointError:
+        return anchor, None
+    final = [e for e in manifest.get("release") or [] if e.get("decision") in TERMINAL_DECISIONS]
+    if not final or final[-1]["decision"] != "promoted" or final[-1].get("by") != "gate":
+        return anchor, None
+    best = (final[-1].get("figures") or {}).get("best")
+    if not isinstance(best, int) or best == anchor:
+        return anchor, final[-1].get("id")
+    if best > 0 and best not in checkpoints.list_versions(root, agent):
+        return anchor, None
+    return best, final[-1].get("id")
+
+
+def lineage_since(root: str | Path, agent: str, version: int, ancestor: int) -> list[int] | None:
+    """The versions from ``version`` back to ``ancestor`` (excluded) through ``parent_version``, newest
+    first; None when the walk does not reach ``ancestor``."""
+    from services.common import checkpoints
+    from services.common.checkpoints import CheckpointError
+
+    out: list[int] = []
+    v = version
+    while v != ancestor:
+        if v <= ancestor:
+            return None
+        try:
+            parent = checkpoints.validate_version(root, agent, v).manifest().get("parent_version")
+        except CheckpointError:
+            return None
+        if not isinstance(parent, int) or parent >= v:
+            return None
+        out.append(v)
+        v = parent
+    return out
 
 
 def carry_out(root: str | Path, agent: str, d: "ReleaseDecision") -> None:

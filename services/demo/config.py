@@ -170,6 +170,11 @@ class ToolsSection(ConfigModel):
         "check's candidates): non_inferiority (tolerance 0.1): a version is promoted only if shown not worse than "
         "0.1 below the one it is measured against; no_harm (tolerance 0): it is rejected only if shown worse. On 32 "
         "problems the first refused versions that differed without being worse (docs/DEMO.md).")
+    gate_against: Literal["last", "best"] = Field(
+        default="last",
+        description="The demo gate's release.gate.against (with tools.gate_every): each measured version against the "
+        "one the gate last measured (last), or against the best it has measured, a rejection rolling the loop back "
+        "to that one (best: a walk down in steps too small to show each is still caught).")
     plateau: PlateauSection = Field(default_factory=PlateauSection)
     traffic: TrafficSection = Field(default_factory=lambda: TrafficSection(**_TOOLS_TRAFFIC))
 

@@ -144,16 +144,17 @@ class OnlineLoop:
             f" | serving v{m['version']} (reloads {m['reloads']}) | failed {self.failed_requests}")
 
 
-def gate_section(env: str, dataset: str, agent: str, every: int = 1, rule: str = "non_inferiority") -> dict:
+def gate_section(env: str, dataset: str, agent: str, every: int = 1, rule: str = "non_inferiority",
+                 against: str = "last") -> dict:
     """The demo Explorer's release policy: candidates published by hand (``kaizen publish --candidate``,
     the release check below) go through a gate on this suite; so do the Trainer's when it publishes
     candidates too (tools.gate_every: the same section in its config, ``every`` of them measured), while
     by default it publishes straight to LATEST (release.mode immediate, the online loop as it always ran).
     ``rule`` (tools.gate_rule): non_inferiority with tolerance 0.1, or no_harm with tolerance 0 (rejected only
-    when shown worse)."""
+    when shown worse); ``against`` (tools.gate_against): the version measured against."""
     return {"mode": "gated", "poll_interval_s": 0.5,
             "gate": {"suite": {"env": env, "dataset": dataset, "agent": agent, "concurrency": 16}, "rule": rule,
-                     "tolerance": 0.1 if rule == "non_inferiority" else 0.0, "every": every}}
+                     "tolerance": 0.1 if rule == "non_inferiority" else 0.0, "every": every, "against": against}}
 
 
 def settle_candidate(stack: Stack, timeout_s: float = 600) -> dict | None:

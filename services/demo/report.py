@@ -45,8 +45,8 @@ def _traffic_rows(stack) -> tuple[list[dict], dict, object]:
 
 def loop_gate(stack, release: list[dict]) -> dict:
     """What the release gate decided about the loop's own versions (tools.gate_every), the release check's
-    candidates left out: each measured version (decision, anchor, difference and its lower bound), how many
-    served unmeasured between gates, and how many that served were rolled back."""
+    candidates left out: each measured version (decision, the version it was measured against, difference and
+    its bounds, the rule), how many served unmeasured between gates, and how many that served were rolled back."""
     db = buffer.create_buffer_engine(stack.db_url, create_tables=False)
     try:
         decisions = buffer.list_decisions(engine=db, agent=stack.agent, limit=100_000)
@@ -55,7 +55,7 @@ def loop_gate(stack, release: list[dict]) -> dict:
     checked = {d["version"] for d in release}
     mine = [d for d in decisions if d.actor == "gate" and d.version not in checked]
     measured = [{"version": d.version, "decision": d.decision, "anchor": (d.figures or {}).get("anchor"),
-                 "diff": (d.figures or {}).get("diff"), "lower": (d.figures or {}).get("lower")}
+                 **{k: (d.figures or {}).get(k) for k in ("diff", "lower", "upper", "rule", "best")}}
                 for d in mine if d.decision in ("promoted", "rejected") and not (d.figures or {}).get("between_gates")]
     return {"measured": measured,
             "between_gates": sum(1 for d in mine if (d.figures or {}).get("between_gates")),
@@ -172,8 +172,8 @@ def report(cfg, stack, loop, stages: list[Stage], *, serving: dict, explorer_req
     gate = loop_gate(stack, release) if cfg.task == "tools" and cfg.tools.gate_every else None
     if gate is not None:
         rejected = sum(1 for m in gate["measured"] if m["decision"] == "rejected")
-        lines.insert(-2, f"  the loop's release gate (every {cfg.tools.gate_every}th version measured against the last one it "
-                         f"measured, rule {cfg.tools.gate_rule}): {len(gate['measured'])} measured, {len(gate['measured']) - rejected} promoted, "
+        lines.insert(-2, f"  the loop's release gate (every {cfg.tools.gate_every}th version measured against the "
+                         f"{cfg.tools.gate_against} one it measured, rule {cfg.tools.gate_rule}): {len(gate['measured'])} measured, {len(gate['measured']) - rejected} promoted, "
                          f"{rejected} rejected ({gate['rolled_back']} versions that had served rolled back), "
                          f"{gate['between_gates']} served unmeasured")
     if release:

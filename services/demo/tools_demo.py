@@ -144,7 +144,7 @@ class ToolsDemo:
         problems = "units_gate_problems" if self.t.task == "units" else "gate_problems"
         return gate_section("services.demo.agent_app:GateEnv", f"services.demo.agent_app:{problems}",
                             "services.demo.agent_app:gate_agent", every=self.t.gate_every or 1,
-                            rule=self.t.gate_rule)
+                            rule=self.t.gate_rule, against=self.t.gate_against)
 
     def trainer_config(self) -> dict:
         tr = self.t.traffic

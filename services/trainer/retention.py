@@ -1,6 +1,7 @@
 """Which old adapter versions may be deleted: never the newest ``keep``, never one an Explorer
 replica reports in use, never the serving version's block (release.gate.every: the version the gate
-last measured, which a rejection rolls back to, and those that served since), and never before
+last measured, which a rejection rolls back to, and those that served since), never the best version
+the gate has measured (release.gate.against=best: a rejection rolls back to it), and never before
 ``grace_s`` has passed since its successor appeared."""
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ import time
 from pathlib import Path
 
 from services.common import checkpoints
-from services.common.release import gate_block
+from services.common.release import gate_best, gate_block
 
 log = logging.getLogger(__name__)
 
@@ -22,7 +23,7 @@ def versions_to_delete(root: str | Path, agent: str, *, keep: int, grace_s: floa
     in_use = checkpoints.versions_in_use(root, agent, now=now)
     if latest:
         anchor, served = gate_block(root, agent, latest)
-        in_use |= {anchor, *served}
+        in_use |= {anchor, *served, gate_best(root, agent, anchor)[0]}
     doomed = []
     for i, v in enumerate(versions[:-keep] if keep else versions):
         if v == latest or v in in_use:

@@ -173,6 +173,9 @@ SETTINGS: dict[str, list[str]] = {
     "explore-gated": [*EXPLORE, DISCARD, "trainer.algorithm.grpo.flat_max_set_aside=16", "tools.gate_every=4"],
     "explore-gated-no-harm": [*EXPLORE, DISCARD, "trainer.algorithm.grpo.flat_max_set_aside=16", "tools.gate_every=4",
                               "tools.gate_rule=no_harm"],
+    # the same, each measured version against the best the gate has measured, a rejection rolling back to it
+    "explore-gated-best": [*EXPLORE, DISCARD, "trainer.algorithm.grpo.flat_max_set_aside=16", "tools.gate_every=4",
+                           "tools.gate_rule=no_harm", "tools.gate_against=best"],
     # no online loop to speak of (one round of traffic at most): the demonstrations-only arm from the cold start to its plateau
     "demonstrations": ["tools.levers=false", KEEP_FLAT, "tools.control=false", "duration_s=1", "min_new_versions=0"],
 }

@@ -43,7 +43,9 @@ from services.common.release import (
     confidence_sequence,
     gate_verdict,
     decide,
+    gate_best,
     gate_block,
+    lineage_since,
     paired_lower_bound,
     verdict,
 )
@@ -255,6 +257,7 @@ class ReleaseController:
                              f"it serves unmeasured (release.gate.every={gate.every})",
                              figures={"between_gates": True, "anchor": anchor, "position": at, "every": gate.every})
                 return
+            anchor, served, against = self._reference(agent, candidate, serving, anchor, served, gate)
             url = self.base_url()
             if url is None:
                 log.warning("agent %s: v%d waits for its gate until this Explorer knows its own address (set "
@@ -277,18 +280,47 @@ class ReleaseController:
             figures = {**c.figures(), **extra, "tolerance": gate.tolerance, "rule": gate.rule, "seconds": round(time.monotonic() - t0, 1)}
             if served:  # a block of release.gate.every measured against its anchor
                 figures.update(anchor=anchor, served_since=served, every=gate.every)
-            self.status[agent].comparison = figures
             promote, bound = gate_verdict(c, rule=gate.rule, tolerance=gate.tolerance)
-            why = (f"mean {c.mean_candidate:.3f} vs v{anchor} {c.mean_serving:.3f} over {c.n_candidate} tasks: difference "
-                   f"{c.diff:+.3f}, {bound} ({c.test})")
+            if against:  # release.gate.against=best: the best measured so far, which a promotion may replace
+                figures.update(against="best", best=candidate if promote and c.mean_candidate >= c.mean_serving else anchor)
+            self.status[agent].comparison = figures
+            why = (f"mean {c.mean_candidate:.3f} vs v{anchor}{' (the best measured)' if against else ''} "
+                   f"{c.mean_serving:.3f} over {c.n_candidate} tasks: difference {c.diff:+.3f}, {bound} ({c.test})")
             if promote:
-                key, scores = remember  # the candidate serves: its scores are the next comparison's baseline
-                self._baseline = {k: v for k, v in self._baseline.items() if k[0] != agent}
-                self._baseline[key] = scores
+                key, scores = remember  # the best measured (against=best), else the candidate: the next comparison's baseline
+                if not against or figures["best"] == candidate:
+                    self._baseline = {k: v for k, v in self._baseline.items() if k[0] != agent}
+                    self._baseline[key] = scores
                 self._decide(agent, candidate, "promoted", serving=candidate, actor="gate", reason=why, figures=figures,
                              locked=True)
             else:
                 await self._refuse(agent, candidate, serving, anchor, served, actor="gate", reason=why, figures=figures)
+
+    def _reference(self, agent: str, candidate: int, serving: int, anchor: int, served: list[int],
+                   gate: GateSection) -> tuple[int, list[int], bool]:
+        """release.gate.against=best: (the version ``candidate`` is measured against and a rejection rolls back
+        to, the versions that served since it, newest first, whether the decision records the best measured).
+        For a Trainer's candidate that descends from what serves, the best is what the anchor's own gate
+        promotion recorded, unless a decision by hand came since (then the anchor starts the measure again);
+        otherwise (against=last, ``kaizen publish``) the anchor and its block."""
+        if gate.against != "best":
+            return anchor, served, False
+        try:
+            manifest = checkpoints.validate_version(self.root, agent, candidate).manifest()
+        except CheckpointError:
+            return anchor, served, False
+        if manifest.get("source") == "publish" or manifest.get("parent_version") != serving:
+            return anchor, served, False
+        best, decided_by = gate_best(self.root, agent, anchor)
+        if decided_by is None:
+            return anchor, served, True  # none recorded yet: the anchor is the best measured
+        since = [d for d in buffer.list_decisions(engine=self.db, agent=agent, limit=1000) if d.id > decided_by]
+        if any(d.actor not in ("gate", "trainer") for d in since):
+            return anchor, served, True  # a version chosen by hand since: the measure starts again from the anchor
+        chain = lineage_since(self.root, agent, serving, best)
+        if chain is None:
+            return anchor, served, True
+        return best, chain, True
 
     async def _refuse(self, agent: str, candidate: int, serving: int, anchor: int, served: list[int], *, actor: str,
                       reason: str, figures: dict[str, Any] | None = None) -> None:

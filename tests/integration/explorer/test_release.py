@@ -59,6 +59,19 @@ def split_tasks() -> list[int]:
     return list(range(8))
 
 
+class TieredEnv(AnswerEnv):
+    """The right answer scores on all 16 tasks, the wrong one on 14, any other on 12: each a little worse
+    than the one before (not shown worse on 16 tasks), the last shown worse than the first."""
+
+    def step(self, action: str) -> tuple[str, float, bool, dict]:
+        a = (action or "").strip()
+        return "", float(a == RIGHT or (a == WRONG and self.task >= 2) or (a not in (RIGHT, WRONG) and self.task >= 4)), True, {}
+
+
+def tiered_tasks() -> list[int]:
+    return list(range(16))
+
+
 SUITE = [
     f"release.gate.suite.env={__name__}:AnswerEnv",
     f"release.gate.suite.dataset={__name__}:tasks",
@@ -73,6 +86,12 @@ SUITE = [
 @pytest.fixture(scope="module")
 def adapters(tiny_model):
     return {"good": train_reply_adapter(tiny_model, ASK, RIGHT), "bad": train_reply_adapter(tiny_model, ASK, WRONG)}
+
+
+@pytest.fixture(scope="module")
+def mute(tiny_model):
+    """A version that answers neither (an empty reply)."""
+    return train_reply_adapter(tiny_model, ASK, "")
 
 
 def _candidate(adapters, root, kind: str, version: int, parent: int) -> None:
@@ -437,7 +456,7 @@ def test_gate_every_third_version_rolls_back_to_the_last_one_it_measured(make_ex
 
 
 def test_gate_rule_no_harm_promotes_a_different_version_and_rejects_one_shown_worse(make_explorer, tmp_path, adapters,
-                                                                                   tiny_model):
+                                                                                   mute):
     """release.gate.rule=no_harm turns the burden of proof: on a suite where "good" and "bad" each answer
     half the tasks, "bad" differs from the serving "good" on every task without being worse, which the
     default rule (non-inferiority) refuses and no_harm promotes; a version that answers nothing is shown
@@ -457,7 +476,6 @@ def test_gate_rule_no_harm_promotes_a_different_version_and_rejects_one_shown_wo
     assert figures["lower"] < -0.5 < 0.5 < figures["upper"]  # non-inferiority's bound: it would have refused it
     assert "upper bound" in promoted["reason"] and "rule no_harm" in promoted["reason"]
 
-    mute = train_reply_adapter(tiny_model, ASK, "")
     checkpoints.write_version(root, "guide", 3, lambda d: mute.save_pretrained(d),
                               {"step": 3, "algorithm": "test", "parent_version": 2})
     checkpoints.set_candidate(root, "guide", 3)
@@ -466,3 +484,49 @@ def test_gate_rule_no_harm_promotes_a_different_version_and_rejects_one_shown_wo
     assert (rejected["decision"], rejected["serving"]) == ("rejected", 2)
     assert (figures["mean_serving"], figures["mean_candidate"]) == (0.5, 0.0) and figures["upper"] < 0
     assert checkpoints.read_latest(root, "guide") == 2 and _served_by(ex, 3) == []
+
+
+def test_gate_against_best_stops_a_walk_down_in_steps_too_small_to_show(make_explorer, tmp_path, adapters, mute):
+    """release.gate.against=best under no_harm: "bad" is a little worse than the serving "good" (14 of 16 tasks
+    against 16, not shown worse) and is promoted, "good" staying the best measured; the mute version is as
+    little worse than "bad" (12 against 14), which against=last would promote, but it is measured against
+    "good" and shown worse: rejected, and "bad", which served since, rolled back to "good"."""
+    from services.common.release import gate_verdict, paired_lower_bound
+
+    root = tmp_path / "explorer0" / "checkpoints"
+    publish_adapter(adapters["good"], root, "guide", 1)
+    tiered = [f"release.gate.suite.env={__name__}:TieredEnv", f"release.gate.suite.dataset={__name__}:tiered_tasks",
+              *SUITE[2:], "release.gate.tolerance=0", "release.gate.rule=no_harm", "release.gate.against=best"]
+    ex = make_explorer("release.mode=gated", *tiered)
+    assert _ask(ex)[1] == RIGHT
+
+    _candidate(adapters, root, "bad", 2, parent=1)
+    promoted = _decision(ex, 2)
+    figures = promoted["figures"]
+    assert (promoted["decision"], promoted["serving"]) == ("promoted", 2)
+    assert (figures["mean_serving"], figures["mean_candidate"], figures["against"], figures["best"]) == (1.0, 0.875, "best", 1)
+    assert figures["upper"] >= 0 and "(the best measured)" in promoted["reason"]
+    _serving(ex, 2)
+
+    bad, silent = [0.0] * 2 + [1.0] * 14, [0.0] * 4 + [1.0] * 12
+    assert gate_verdict(paired_lower_bound(bad, silent, confidence=0.95), rule="no_harm", tolerance=0)[0]  # last: promoted
+    checkpoints.write_version(root, "guide", 3, lambda d: mute.save_pretrained(d),
+                              {"step": 3, "algorithm": "test", "parent_version": 2})
+    checkpoints.set_candidate(root, "guide", 3)
+    rejected = _decision(ex, 3)
+    figures = rejected["figures"]
+    assert (rejected["decision"], rejected["serving"]) == ("rejected", 1)
+    assert (figures["mean_serving"], figures["mean_candidate"], figures["best"]) == (1.0, 0.75, 1) and figures["upper"] < 0
+    assert "vs v1 (the best measured)" in rejected["reason"]
+    back = [d for d in buffer.list_decisions(engine=ex.state.db, agent="guide") if d.decision == "rolled_back"]
+    assert len(back) == 1 and (back[0].version, back[0].serving, back[0].figures["refused"]) == (2, 1, [2])
+    assert checkpoints.read_latest(root, "guide") == 1 and _served_by(ex, 3) == []
+    _serving(ex, 1)
+    assert refused_versions(buffer.list_decisions(engine=ex.state.db, agent="guide", limit=100)) == {2, 3}
+
+    _candidate(adapters, root, "good", 4, parent=1)  # trained on from v1: as good, so the newer becomes the best
+    again = _decision(ex, 4)
+    assert (again["decision"], again["figures"]["mean_serving"], again["figures"]["best"]) == ("promoted", 1.0, 4)
+    v1_scored = {e.task_id for e in buffer.list_experiences(engine=ex.state.db, agent="guide", limit=100_000)
+                 if "/serving-v1" in (e.task_id or "")}
+    assert len(v1_scored) == 16, len(v1_scored)  # v1 scored once, for all three measurements against it

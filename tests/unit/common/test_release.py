@@ -194,6 +194,46 @@ def test_gate_block_walks_back_through_the_versions_promoted_between_gates(tmp_p
     assert not promoted_between_gates({}) and not promoted_between_gates({"release": [MEASURED]})
 
 
+def test_gate_best_reads_the_anchors_own_promotion_and_the_lineage_back_to_it(tmp_path):
+    """release.gate.against=best: the anchor's gate promotion names the best measured so far."""
+    from services.common.release import gate_best, lineage_since
+
+    best = lambda v, b: {"id": 10 + v, "decision": "promoted", "by": "gate", "figures": {"diff": 0.0, "best": b}}  # noqa: E731
+    _version(tmp_path, 1, 0, best(1, 1))
+    _version(tmp_path, 2, 1, BETWEEN)
+    _version(tmp_path, 3, 2, best(3, 1))  # promoted below v1's mean: v1 stays the best
+    _version(tmp_path, 4, 3, BETWEEN)
+    _version(tmp_path, 5, 4, best(5, 5))  # promoted above it: the best itself
+    _version(tmp_path, 6, 5, MEASURED)  # promoted under against=last: records none
+    _version(tmp_path, 7, 6, {"id": 30, "decision": "promoted", "by": "cli", "figures": {"best": 1}})
+    _version(tmp_path, 8, 7, {"id": 31, "decision": "promoted", "by": "gate", "figures": {"best": 99}})
+    assert gate_best(tmp_path, "a", 3) == (1, 13)
+    assert gate_best(tmp_path, "a", 5) == (5, 15)
+    assert gate_best(tmp_path, "a", 1) == (1, 11)
+    assert gate_best(tmp_path, "a", 6) == (6, None)  # it names none
+    assert gate_best(tmp_path, "a", 7) == (7, None)  # promoted by hand
+    assert gate_best(tmp_path, "a", 8) == (8, None)  # the version it names is gone from disk
+    assert gate_best(tmp_path, "a", 0) == (0, None) and gate_best(tmp_path, "a", 42) == (42, None)
+    assert lineage_since(tmp_path, "a", 4, 1) == [4, 3, 2]
+    assert lineage_since(tmp_path, "a", 4, 4) == []
+    assert lineage_since(tmp_path, "a", 4, 0) == [4, 3, 2, 1]
+    assert lineage_since(tmp_path, "a", 4, 5) is None  # not an ancestor
+    from services.common import checkpoints as ck
+
+    ck.delete_version(tmp_path, "a", 2)
+    assert lineage_since(tmp_path, "a", 4, 1) is None  # the walk breaks where a version is gone
+    # a rollback after the promotion leaves it the anchor's last terminal decision only if it came before
+    ck.record_release(tmp_path, "a", 5, {"id": 40, "decision": "rolled_back", "by": "gate", "figures": {}})
+    assert gate_best(tmp_path, "a", 5) == (5, None)
+
+
+def test_gate_against_is_last_or_best():
+    assert ReleaseSection().gate.against == "last"
+    assert ReleaseSection.model_validate({"gate": {"against": "best"}}).policy("x").gate.against == "best"
+    with pytest.raises(ValidationError, match="against"):
+        ReleaseSection.model_validate({"gate": {"against": "first"}})
+
+
 def test_gate_every_is_one_or_more():
     assert ReleaseSection().gate.every == 1
     assert ReleaseSection.model_validate({"gate": {"every": 4}}).policy("x").gate.every == 4

@@ -216,6 +216,13 @@ def test_gate_every_makes_the_trainer_publish_candidates_that_the_explorer_gates
         assert (cfg["release"]["gate"]["rule"], cfg["release"]["gate"]["tolerance"]) == ("no_harm", 0.0)
     with pytest.raises(ConfigError, match="gate_rule"):
         load_config(DemoConfig, None, ["tools.gate_rule=lenient"], env={})
+    # tools.gate_against: the same in both services' sections
+    assert gated.explorer_config()["release"]["gate"]["against"] == "last"
+    best = demo("tools.gate_every=4", "tools.gate_rule=no_harm", "tools.gate_against=best")
+    for cfg in (best.trainer_config(), best.explorer_config()):
+        assert (cfg["release"]["gate"]["rule"], cfg["release"]["gate"]["against"]) == ("no_harm", "best")
+    with pytest.raises(ConfigError, match="gate_against"):
+        load_config(DemoConfig, None, ["tools.gate_against=first"], env={})
 
 
 def test_loop_gate_counts_the_loops_own_gate_decisions(tmp_path):
@@ -231,14 +238,17 @@ def test_loop_gate_counts_the_loops_own_gate_decisions(tmp_path):
     between = {"between_gates": True, "anchor": 4}
     for v, decision, actor, figures in (
             (5, "candidate", "trainer", None), (5, "promoted", "gate", between), (6, "promoted", "gate", between),
-            (7, "promoted", "gate", {"anchor": 4, "diff": 0.1, "lower": -0.02}),
+            (7, "promoted", "gate", {"anchor": 4, "diff": 0.1, "lower": -0.02, "upper": 0.2, "rule": "non_inferiority"}),
             (8, "promoted", "gate", {**between, "anchor": 7}), (8, "rolled_back", "gate", {"refused": [8]}),
-            (9, "rejected", "gate", {"anchor": 7, "diff": -0.2, "lower": -0.3}),
+            (9, "rejected", "gate", {"anchor": 7, "diff": -0.2, "lower": -0.3, "upper": -0.1, "rule": "no_harm",
+                                     "best": 7}),
             (10, "rejected", "gate", {"diff": -0.8}), (11, "promoted", "gate", {"diff": 0.0})):  # 10, 11: the release check's
         buffer.record_decision(engine=db, agent="calculator", version=v, decision=decision, serving=None, actor=actor,
                                figures=figures)
     db.dispose()
     got = loop_gate(SimpleNamespace(db_url=url, agent="calculator"), [{"version": 10}, {"version": 11}])
-    assert got == {"measured": [{"version": 7, "decision": "promoted", "anchor": 4, "diff": 0.1, "lower": -0.02},
-                                {"version": 9, "decision": "rejected", "anchor": 7, "diff": -0.2, "lower": -0.3}],
+    assert got == {"measured": [{"version": 7, "decision": "promoted", "anchor": 4, "diff": 0.1, "lower": -0.02,
+                                 "upper": 0.2, "rule": "non_inferiority", "best": None},
+                                {"version": 9, "decision": "rejected", "anchor": 7, "diff": -0.2, "lower": -0.3,
+                                 "upper": -0.1, "rule": "no_harm", "best": 7}],
                    "between_gates": 3, "rolled_back": 1}

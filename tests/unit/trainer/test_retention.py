@@ -38,3 +38,18 @@ def test_the_gates_anchor_and_the_versions_served_since_are_kept(tmp_path):
         ck.record_release(root, "a", v, promoted(between))
     ck.set_latest(tmp_path, "a", 9)  # v9 and v8 served since v3, the anchor (v4-v7 a block rolled back)
     assert versions_to_delete(tmp_path, "a", keep=1, grace_s=0, now=time.time() + 1) == [1, 2, 4, 5, 6, 7]
+
+
+def test_the_best_version_the_gate_measured_is_kept(tmp_path):
+    """release.gate.against=best: a rejection rolls back to the best measured version, older than the anchor."""
+    entries = {1: {"decision": "promoted", "by": "gate", "figures": {"best": 1}},
+               2: {"decision": "promoted", "by": "gate", "figures": {"between_gates": True}},
+               3: {"decision": "promoted", "by": "gate", "figures": {"best": 1}},
+               4: {"decision": "promoted", "by": "gate", "figures": {"between_gates": True}}}
+    for v, entry in entries.items():
+        ck.publish_version(tmp_path, "a", v, lambda d: ((d / "adapter_config.json").write_text("{}"),
+                                                         (d / "adapter_model.safetensors").write_bytes(b"x")),
+                           {"parent_version": v - 1})
+        ck.record_release(tmp_path, "a", v, {"id": v, **entry})
+    ck.set_latest(tmp_path, "a", 4)
+    assert versions_to_delete(tmp_path, "a", keep=1, grace_s=0, now=time.time() + 1) == [2]
