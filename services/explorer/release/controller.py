@@ -136,7 +136,7 @@ class ReleaseController:
             self._decide(agent, candidate, "promoted", serving=candidate, actor="immediate",
                          reason="release.mode is immediate: a candidate serves at once")
         elif policy.mode == "gated":
-            self._start_gate(agent, candidate, serving, policy, st)
+            self._start_gate(agent, candidate, policy, st)
         else:
             await self._canary(agent, candidate, serving, policy, st)
 
@@ -212,22 +212,22 @@ class ReleaseController:
 
     # ------------------------------------------------------------------ gated
 
-    def _start_gate(self, agent: str, candidate: int, serving: int, policy: ReleasePolicy, st: AgentRelease) -> None:
+    def _start_gate(self, agent: str, candidate: int, policy: ReleasePolicy, st: AgentRelease) -> None:
         run = self._gates.get(agent)
         if run is not None and not run.task.done():
             return
         st.phase = "evaluating"
-        task = asyncio.create_task(self._gate(agent, candidate, serving, policy), name=f"release-gate-{agent}")
+        task = asyncio.create_task(self._gate(agent, candidate, policy), name=f"release-gate-{agent}")
         self._gates[agent] = _GateRun(task=task, candidate=candidate)
 
-    def _block(self, agent: str, candidate: int, serving: int, every: int) -> tuple[int, list[int], bool]:
+    def _block(self, agent: str, candidate: int, every: int) -> tuple[int, list[int], bool]:
         """release.gate.every: (the version ``candidate`` is measured against, the versions that served since
         that one, newest first, whether to measure it now). A Trainer's candidate trained from the serving
         version is measured every ``every`` versions, against the anchor (the version the gate last measured);
-        anything else (``kaizen publish``, another lineage, every=1) against the serving version, at once."""
+        anything else (``kaizen publish``, another lineage, every=1) against the serving version (LATEST), at once."""
+        serving = checkpoints.read_latest(self.root, agent) or 0  # not this replica's: it may not have loaded it yet
         if every <= 1:
             return serving, [], True
-        serving = checkpoints.read_latest(self.root, agent) or 0  # not this replica's: it may not have loaded it yet
         try:
             manifest = checkpoints.validate_version(self.root, agent, candidate).manifest()
         except CheckpointError:
@@ -243,13 +243,13 @@ class ReleaseController:
             return serving, [], True
         return anchor, served, True
 
-    async def _gate(self, agent: str, candidate: int, serving: int, policy: ReleasePolicy) -> None:
+    async def _gate(self, agent: str, candidate: int, policy: ReleasePolicy) -> None:
         with self._leader(agent) as leader:
             if not leader or self._terminal(agent, candidate) is not None:
                 return  # another replica evaluates it (or has decided)
             gate = policy.gate
-            anchor, served, measure = self._block(agent, candidate, serving, gate.every)
-            serving = served[0] if served else serving
+            anchor, served, measure = self._block(agent, candidate, gate.every)
+            serving = served[0] if served else anchor
             if not measure:
                 at = len(served) + 1
                 self._decide(agent, candidate, "promoted", serving=candidate, actor="gate", locked=True,
