@@ -476,9 +476,7 @@ def test_gate_rule_no_harm_promotes_a_different_version_and_rejects_one_shown_wo
     assert figures["lower"] < -0.5 < 0.5 < figures["upper"]  # non-inferiority's bound: it would have refused it
     assert "upper bound" in promoted["reason"] and "rule no_harm" in promoted["reason"]
 
-    checkpoints.write_version(root, "guide", 3, lambda d: mute.save_pretrained(d),
-                              {"step": 3, "algorithm": "test", "parent_version": 2})
-    checkpoints.set_candidate(root, "guide", 3)
+    _candidate({"mute": mute}, root, "mute", 3, parent=2)
     rejected = _decision(ex, 3)
     figures = rejected["figures"]
     assert (rejected["decision"], rejected["serving"]) == ("rejected", 2)
@@ -510,9 +508,7 @@ def test_gate_against_best_stops_a_walk_down_in_steps_too_small_to_show(make_exp
 
     bad, silent = [0.0] * 2 + [1.0] * 14, [0.0] * 4 + [1.0] * 12
     assert gate_verdict(paired_lower_bound(bad, silent, confidence=0.95), rule="no_harm", tolerance=0)[0]  # last: promoted
-    checkpoints.write_version(root, "guide", 3, lambda d: mute.save_pretrained(d),
-                              {"step": 3, "algorithm": "test", "parent_version": 2})
-    checkpoints.set_candidate(root, "guide", 3)
+    _candidate({"mute": mute}, root, "mute", 3, parent=2)
     rejected = _decision(ex, 3)
     figures = rejected["figures"]
     assert (rejected["decision"], rejected["serving"]) == ("rejected", 1)
