@@ -46,7 +46,8 @@ def _traffic_rows(stack) -> tuple[list[dict], dict, object]:
 def loop_gate(stack, release: list[dict]) -> dict:
     """What the release gate decided about the loop's own versions (tools.gate_every), the release check's
     candidates left out: each measured version (decision, the version it was measured against, difference and
-    its bounds, the rule), how many served unmeasured between gates, and how many that served were rolled back."""
+    its bounds, the rule, both versions' scores per gate problem), how many served unmeasured between gates, and
+    how many that served were rolled back."""
     db = buffer.create_buffer_engine(stack.db_url, create_tables=False)
     try:
         decisions = buffer.list_decisions(engine=db, agent=stack.agent, limit=100_000)
@@ -55,7 +56,7 @@ def loop_gate(stack, release: list[dict]) -> dict:
     checked = {d["version"] for d in release}
     mine = [d for d in decisions if d.actor == "gate" and d.version not in checked]
     measured = [{"version": d.version, "decision": d.decision, "anchor": (d.figures or {}).get("anchor"),
-                 **{k: (d.figures or {}).get(k) for k in ("diff", "lower", "upper", "rule", "best")}}
+                 **{k: (d.figures or {}).get(k) for k in ("diff", "lower", "upper", "rule", "best", "scores")}}
                 for d in mine if d.decision in ("promoted", "rejected") and not (d.figures or {}).get("between_gates")]
     return {"measured": measured,
             "between_gates": sum(1 for d in mine if (d.figures or {}).get("between_gates")),

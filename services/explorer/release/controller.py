@@ -220,19 +220,22 @@ class ReleaseController:
         task = asyncio.create_task(self._gate(agent, candidate, policy), name=f"release-gate-{agent}")
         self._gates[agent] = _GateRun(task=task, candidate=candidate)
 
+    def _trained_from(self, agent: str, candidate: int, serving: int) -> bool:
+        """Whether ``candidate`` is a Trainer's version trained from ``serving`` (not ``kaizen publish``'s, not
+        another lineage's; an unreadable one is not: its evaluation says what is wrong with it)."""
+        try:
+            manifest = checkpoints.validate_version(self.root, agent, candidate).manifest()
+        except CheckpointError:
+            return False
+        return manifest.get("source") != "publish" and manifest.get("parent_version") == serving
+
     def _block(self, agent: str, candidate: int, every: int) -> tuple[int, list[int], bool]:
         """release.gate.every: (the version ``candidate`` is measured against, the versions that served since
         that one, newest first, whether to measure it now). A Trainer's candidate trained from the serving
         version is measured every ``every`` versions, against the anchor (the version the gate last measured);
         anything else (``kaizen publish``, another lineage, every=1) against the serving version (LATEST), at once."""
         serving = checkpoints.read_latest(self.root, agent) or 0  # not this replica's: it may not have loaded it yet
-        if every <= 1:
-            return serving, [], True
-        try:
-            manifest = checkpoints.validate_version(self.root, agent, candidate).manifest()
-        except CheckpointError:
-            return serving, [], True  # the evaluation says what is wrong with it
-        if manifest.get("source") == "publish" or manifest.get("parent_version") != serving:
+        if every <= 1 or not self._trained_from(agent, candidate, serving):
             return serving, [], True
         anchor, served = gate_block(self.root, agent, serving, limit=every - 1)
         if len(served) + 1 < every:
@@ -303,13 +306,7 @@ class ReleaseController:
         For a Trainer's candidate that descends from what serves, the best is what the anchor's own gate
         promotion recorded, unless a decision by hand came since (then the anchor starts the measure again);
         otherwise (against=last, ``kaizen publish``) the anchor and its block."""
-        if gate.against != "best":
-            return anchor, served, False
-        try:
-            manifest = checkpoints.validate_version(self.root, agent, candidate).manifest()
-        except CheckpointError:
-            return anchor, served, False
-        if manifest.get("source") == "publish" or manifest.get("parent_version") != serving:
+        if gate.against != "best" or not self._trained_from(agent, candidate, serving):
             return anchor, served, False
         best, decided_by = gate_best(self.root, agent, anchor)
         if decided_by is None:
@@ -340,8 +337,8 @@ class ReleaseController:
     async def _evaluate(self, agent: str, serving: int, candidate: int, gate: GateSection,
                         url: str) -> tuple[Comparison, dict[str, Any], tuple[tuple, list[float]]]:
         """Score both versions on the same tasks (the scores of the version compared against are kept while
-        it is the one compared against). Returns the comparison, its figures, and the candidate's scores
-        with their key (kept if it is promoted)."""
+        it is the one compared against). Returns the comparison, its figures (both versions'
+        scores per task among them), and the candidate's scores with their key (kept if it is promoted)."""
         from services.explorer.release import evaluation
 
         if gate.suite is not None:
@@ -366,6 +363,8 @@ class ReleaseController:
             self._baseline = {k: v for k, v in self._baseline.items() if k[:2] != key[:2]}
             self._baseline[key] = base
         cand = await asyncio.to_thread(score, candidate, "candidate")
+        # per task, in the suite's (or the replay's items') order: a decision can be read again task by task
+        extra["scores"] = {"against": [round(x, 4) for x in base], "candidate": [round(x, 4) for x in cand]}
         return paired_lower_bound(base, cand, confidence=gate.confidence), extra, ((agent, candidate, *key[2:]), cand)
 
     # ------------------------------------------------------------------ canary

@@ -474,6 +474,10 @@ def test_gate_rule_no_harm_promotes_a_different_version_and_rejects_one_shown_wo
     assert (promoted["decision"], promoted["serving"], figures["rule"]) == ("promoted", 2, "no_harm")
     assert (figures["mean_serving"], figures["mean_candidate"], figures["diff"]) == (0.5, 0.5, 0.0)
     assert figures["lower"] < -0.5 < 0.5 < figures["upper"]  # non-inferiority's bound: it would have refused it
+    scores = figures["scores"]  # per gate task, in the suite's order: equal means, different tasks solved
+    assert len(scores["against"]) == len(scores["candidate"]) == figures["n_candidate"]
+    assert (sum(scores["against"]), sum(scores["candidate"])) == (0.5 * figures["n_candidate"],) * 2
+    assert scores["against"] != scores["candidate"]
     assert "upper bound" in promoted["reason"] and "rule no_harm" in promoted["reason"]
 
     _candidate({"mute": mute}, root, "mute", 3, parent=2)

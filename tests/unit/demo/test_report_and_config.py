@@ -241,14 +241,15 @@ def test_loop_gate_counts_the_loops_own_gate_decisions(tmp_path):
             (7, "promoted", "gate", {"anchor": 4, "diff": 0.1, "lower": -0.02, "upper": 0.2, "rule": "non_inferiority"}),
             (8, "promoted", "gate", {**between, "anchor": 7}), (8, "rolled_back", "gate", {"refused": [8]}),
             (9, "rejected", "gate", {"anchor": 7, "diff": -0.2, "lower": -0.3, "upper": -0.1, "rule": "no_harm",
-                                     "best": 7}),
+                                     "best": 7, "scores": {"against": [1.0, 1.0], "candidate": [1.0, 0.0]}}),
             (10, "rejected", "gate", {"diff": -0.8}), (11, "promoted", "gate", {"diff": 0.0})):  # 10, 11: the release check's
         buffer.record_decision(engine=db, agent="calculator", version=v, decision=decision, serving=None, actor=actor,
                                figures=figures)
     db.dispose()
     got = loop_gate(SimpleNamespace(db_url=url, agent="calculator"), [{"version": 10}, {"version": 11}])
     assert got == {"measured": [{"version": 7, "decision": "promoted", "anchor": 4, "diff": 0.1, "lower": -0.02,
-                                 "upper": 0.2, "rule": "non_inferiority", "best": None},
+                                 "upper": 0.2, "rule": "non_inferiority", "best": None, "scores": None},
                                 {"version": 9, "decision": "rejected", "anchor": 7, "diff": -0.2, "lower": -0.3,
-                                 "upper": -0.1, "rule": "no_harm", "best": 7}],
+                                 "upper": -0.1, "rule": "no_harm", "best": 7,
+                                 "scores": {"against": [1.0, 1.0], "candidate": [1.0, 0.0]}}],
                    "between_gates": 3, "rolled_back": 1}
