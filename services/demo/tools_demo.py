@@ -42,6 +42,7 @@ from services.demo.report import Stage, report
 from services.demo.task import Problem, Task
 
 MODEL_NAME = "smollm2-135m-instruct"
+ENGINE_REPLICAS = 4  # the most engine replicas the demo's Explorer runs (one a core, each a copy of the model)
 KEPT = "online loop, best on validation"  # the label of the loop's kept version (tools.keep_best), before its steps
 
 # tools.levers: the Trainer's levers for learning from the traffic (docs/TRAINER.md), over the plain settings
@@ -128,9 +129,12 @@ class ToolsDemo:
     # ------------------------------------------------------------------ configs
 
     def explorer_config(self) -> dict:
-        # the same dtype as the Trainer; the shared system prompt is prefilled once
+        # the same dtype as the Trainer; the shared system prompt is prefilled once. One engine replica a core (at most
+        # ENGINE_REPLICAS), each on one thread: one engine on two threads ran no faster beside the server's own thread,
+        # two replicas side by side run the evaluations and the gate's measurements about 1.7x faster (docs/ENGINES.md)
         base = {"model": {"path": self.cfg.model_path, "dtype": _dtype()},
-                "engine": {"kind": "hf", "max_batch_size": 32, "torch_threads": 1}}
+                "engine": {"kind": "hf", "max_batch_size": 32, "torch_threads": 1,
+                           "replicas": max(1, min(usable_cpus(), ENGINE_REPLICAS))}}
         if self.t.control or self.t.plateau.max_steps:  # the arm is served beside the agent, from the same checkpoint root
             base["agents"] = {"names": [self.cfg.agent, self.control_agent], "default": self.cfg.agent}
         if self.t.explore_temperature is not None:  # the traffic's calls are exploration runs, sampled hotter
@@ -173,8 +177,8 @@ class ToolsDemo:
                           "catch_up_max_rows": 0},
             # 8 sequences per forward/backward; their shared system prompt (about 170 tokens) is computed once.
             # Every core: the loop takes turns (the traffic waits while a step trains, the Trainer while a round
-            # runs), so a step has the machine to itself (2 cores: a loop step 14-20 s against 24-28 on one). The
-            # engine keeps its one thread: on two, its OpenMP threads and the server's took turns (cpu_paths.py).
+            # runs), so a step has the machine to itself (2 cores: a loop step 14-20 s against 24-28 on one), and a
+            # round has it too (the engine's replicas, explorer_config).
             "trainer": {"micro_batch_size": 8, "torch_threads": usable_cpus(), "poll_interval_s": 0.2},
         }
         if self.t.gate_every:  # the loop's versions are candidates, measured every gate_every by the Explorer

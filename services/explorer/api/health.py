@@ -25,6 +25,8 @@ async def health(k: StateDep):
     body = {"status": "error" if stats.error is not None else "degraded" if problems else "ok",
             "engine": {"running": stats.running, "waiting": stats.waiting}, "recorder_pending": rec.pending,
             "recorder": asdict(rec)}
+    if "routed_by_affinity" in stats.extra:  # engine.replicas: calls sent to the replica that served their conversation
+        body["engine"]["routed_by_affinity"] = int(stats.extra["routed_by_affinity"])
     if problems:
         body["problems"] = problems
     if stats.error is not None:

@@ -47,7 +47,7 @@ def demo_run(smollm2_model, ray_address, tmp_path_factory) -> Path:
         "tools.heldout=4", "tools.traffic.tasks_per_batch=2", "tools.traffic.repeat=2", "tools.traffic.concurrency=4",
         f"trainer.algorithm.cold_start_steps={COLD_START_STEPS}", f"trainer.ray.address={ray_address}",
         # one thread, as the demo had before it gave a step every core: here another test worker has the other core
-        "trainer.trainer.poll_interval_s=0.2", "trainer.trainer.torch_threads=1",
+        "trainer.trainer.poll_interval_s=0.2", "trainer.trainer.torch_threads=1", "explorer.engine.replicas=1",
         f"explorer.release.gate.suite.max_tasks={GATE_TASKS}",
         # the guard scores 4 of the 16 demonstrations around every step (the demo: all 16, half of a cold-start step)
         f"trainer.guard.demonstrations={GUARD_DEMONSTRATIONS}",

@@ -52,3 +52,29 @@ def test_two_replicas_share_requests_and_reload_together(make_explorer, tmp_path
     while any("guide-v1" in e.adapters for e in engine.engines) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert [sorted(e.adapters) for e in engine.engines] == [["guide-v2"], ["guide-v2"]]  # v1 released on both
+
+
+def test_the_next_call_of_a_conversation_goes_to_the_replica_that_served_the_call_before_it(make_explorer, tiny_model):
+    ex = make_explorer("engine.replicas=2", "engine.torch_threads=1")
+    engine = ex.state.engine
+    long_ask = [{"role": "system", "content": "You answer travel questions in one short sentence. " * 6}, *ASK]
+
+    def ask(messages):
+        r = ex.client.chat.completions.create(model="default", messages=messages, temperature=0, max_tokens=6)
+        return r.choices[0].message.content
+
+    served = [e.tokens_generated for e in engine.engines]
+    engine._load[0] += 5  # replica 0 counted busy: the first call goes to replica 1, which by load alone the next would not
+    try:
+        reply = ask(long_ask)
+    finally:
+        engine._load[0] -= 5
+    first = next(i for i, e in enumerate(engine.engines) if e.tokens_generated > served[i])
+    assert first == 1
+    assert ex.http.get("/health").json()["engine"]["routed_by_affinity"] == 0
+    for turn in range(3):  # each next turn continues the conversation so far, so it stays where it began
+        long_ask = [*long_ask, {"role": "assistant", "content": reply}, {"role": "user", "content": f"And then, {turn}?"}]
+        before = [e.tokens_generated for e in engine.engines]
+        reply = ask(long_ask)
+        assert [e.tokens_generated > before[i] for i, e in enumerate(engine.engines)] == [i == first for i in range(2)]
+    assert ex.http.get("/health").json()["engine"]["routed_by_affinity"] == 3

@@ -86,7 +86,7 @@ def test_unknown_keys_are_refused():
 
 def test_words_hints_give_the_trainer_its_hint_term_and_are_refused_when_unknown(tmp_path):
     from services.common.launch import Stack
-    from services.demo.tools_demo import ToolsDemo
+    from services.demo.tools_demo import ENGINE_REPLICAS, ToolsDemo
     from services.trainer.config import TrainerConfig
 
     def trainer(*overrides):
@@ -97,6 +97,14 @@ def test_words_hints_give_the_trainer_its_hint_term_and_are_refused_when_unknown
     # the loop takes turns, so a Trainer step gets every core this process may use; a user's setting wins
     assert trainer()["trainer"]["torch_threads"] == usable_cpus()
     assert trainer("trainer.trainer.torch_threads=1")["trainer"]["torch_threads"] == 1
+
+    def engine(*overrides):
+        cfg = load_config(DemoConfig, None, ["task=tools", *overrides], env={})
+        return ToolsDemo(cfg, Stack(tmp_path, cfg.agent, config_models={"trainer": TrainerConfig})).explorer_config()["engine"]
+
+    # and a round of traffic too: an engine replica of one thread a core (at most ENGINE_REPLICAS); a user's setting wins
+    assert (engine()["replicas"], engine()["torch_threads"]) == (max(1, min(usable_cpus(), ENGINE_REPLICAS)), 1)
+    assert engine("explorer.engine.replicas=1")["replicas"] == 1
     hinted = trainer("tools.words=hints", "tools.hint_coef=0.5")["algorithm"]
     assert hinted["grpo"]["hint_coef"] == 0.5 and hinted["level"] == "token"
     assert trainer("tools.words=corrections")["algorithm"]["grpo"].get("hint_coef") is None
