@@ -39,12 +39,11 @@ class ReplicatedEngine:
         self._load = [0] * len(self.engines)
         self._owner: dict[str, int] = {}
         self._recent: OrderedDict[bytes, int] = OrderedDict()  # a recent prompt -> the replica that served it
-        self.affinity_slack = affinity_slack if affinity_slack is not None else \
-            max(1, min(getattr(e, "max_batch_size", 8) for e in self.engines) // 4)
         self.routed_by_affinity = 0
         self.tokenizer: Any = None
         self.max_model_len = 0
         self.max_batch_size = min(e.max_batch_size for e in self.engines)
+        self.affinity_slack = affinity_slack if affinity_slack is not None else max(1, self.max_batch_size // 4)
 
     async def start(self) -> None:
         # One after another: engines that spawn processes (vLLM) must not race on the environment,
