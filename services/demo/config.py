@@ -157,21 +157,22 @@ class ToolsSection(ConfigModel):
         "problems (the report's \"online loop, best on validation\"). The demonstrations-only arm's best is chosen by "
         "the same rule, on its own curve (which stops at its plateau).")
     gate_every: int | None = Field(
-        default=None, ge=1,
+        default=None, ge=0,
         description="The online loop's versions go through the Explorer's release gate (release.mode gated, "
         "release.gate.every): every this many versions the Trainer publishes, the Nth is measured against the version "
-        "the gate last measured, greedily on the gate's 32 problems (the release check's suite), and a rejection rolls "
-        "the loop back to that version (the Trainer continues from its state); the versions between serve unmeasured. "
-        "The cold start's last version is the first measured, against the base model. None: every version serves at "
-        "once (release.mode immediate).")
+        "the gate last measured (or the best it measured: gate_against), greedily on the gate's 32 problems (the release "
+        "check's suite), and a rejection rolls the loop back to that version (the Trainer continues from its state); the "
+        "versions between serve unmeasured. The cold start's versions are measured the same way, the first against the "
+        "base model. 0: every version serves at once (release.mode immediate). Default: the task's (calculator 4, "
+        "units 0: docs/DEMO.md).")
     gate_rule: Literal["non_inferiority", "no_harm"] = Field(
-        default="non_inferiority",
+        default="no_harm",
         description="The demo gate's release.gate.rule (the loop's versions with tools.gate_every, and the release "
         "check's candidates): non_inferiority (tolerance 0.1): a version is promoted only if shown not worse than "
         "0.1 below the one it is measured against; no_harm (tolerance 0): it is rejected only if shown worse. On 32 "
         "problems the first refused versions that differed without being worse (docs/DEMO.md).")
     gate_against: Literal["last", "best"] = Field(
-        default="last",
+        default="best",
         description="The demo gate's release.gate.against (with tools.gate_every): each measured version against the "
         "one the gate last measured (last), or against the best it has measured, a rejection rolling the loop back "
         "to that one (best: a walk down in steps too small to show each is still caught).")
@@ -191,6 +192,7 @@ class ToolsSection(ConfigModel):
             raise ValueError(f"demonstrated_operations must be some of {kinds!r} for task {self.task}, "
                              f"got {self.demonstrated_operations!r}")
         self.max_tokens = self.max_tokens or job.max_tokens
+        self.gate_every = job.gate_every if self.gate_every is None else self.gate_every  # 0: immediate
         return self
 
     @model_validator(mode="after")

@@ -56,6 +56,11 @@ class Task:
     # whole `kaizen demo` stays within 15 minutes on 2 cores: the units task's longer calls make its loop and its
     # measurements slower (docs/DEMO.md)
     loop_cap_s: float = 690.0
+    # the demo's defaults for the Trainer's cold start (supervised steps on the demonstrations) and for the loop's
+    # release gate (tools.gate_every: every Nth version measured; 0: every version serves at once), each the setting
+    # measured best for the task (docs/DEMO.md)
+    cold_start_steps: int = 4
+    gate_every: int = 0
 
     @property
     def tools(self) -> list[dict[str, Any]]:

@@ -163,10 +163,12 @@ class ToolsDemo:
                           "grpo": {"group_size": tr.repeat, "min_group_size": 2, "group_wait_s": 30.0, "small_groups": "batch",
                                    **({"flat_groups": "keep"} if self.t.words == "hints" else
                                       {"flat_groups": "discard", "flat_max_set_aside": 16})},
-                          # the cold start: 4 steps on 4 demonstrations each (about 3 s a step); every later step
-                          # replays 4 too (the mixed objective). A longer cold start (16 steps: the demonstrations'
-                          # NLL near 0) scored higher at first but left no entropy to explore, and GRPO then gained nothing.
-                          "sft_coef": 1.0, "demo_batch_size": 4, "cold_start_steps": 4},
+                          # the cold start: the task's steps (calculator 8, units 4) on 4 demonstrations each (about
+                          # 3 s a step); every later step replays 4 too (the mixed objective). With 4 the calculator's
+                          # traffic scored all wrong for the loop's first 100-150 s; a longer cold start (16 steps: the
+                          # demonstrations' NLL near 0) scored higher at first but left no entropy to explore, and GRPO
+                          # then gained nothing.
+                          "sft_coef": 1.0, "demo_batch_size": 4, "cold_start_steps": self.task.cold_start_steps},
             "lora": {"r": 16, "alpha": 32},
             "optim": {"lr": 1e-3},
             # calls per step: about two per episode (the tool call, then the answer)
@@ -265,17 +267,25 @@ class ToolsDemo:
                 raise TimeoutError(f"{agent} v{version} not served after {timeout_s:.0f} s")
             time.sleep(0.5)
 
-    def wait_for_version(self, version: int, timeout_s: float = 1800) -> None:
-        """Until the Trainer has published ``version`` and the Explorer serves it."""
+    def wait_for_version(self, version: int, timeout_s: float = 1800, poll_s: float = 1.0) -> int:
+        """Until the Trainer has published ``version`` and the Explorer serves it, or, with the loop behind its
+        release gate (tools.gate_every), the gate rejected it and the Explorer serves the version it rolled back to
+        (the cold start's last version may be measured worse than an earlier one: the demo goes on from what serves,
+        not on waiting for a version that will never serve). Returns the version serving."""
         db = buffer.create_buffer_engine(self.stack.db_url, create_tables=False)
         deadline = time.monotonic() + timeout_s
         try:
-            while self.stack.serving()["version"] < version:
+            while (serving := self.stack.serving()["version"]) < version:
+                if any(d.decision == "rejected" for d in buffer.list_decisions(engine=db, agent=self.cfg.agent, version=version)) \
+                        and serving == (checkpoints.read_latest(self.stack.root, self.cfg.agent) or 0):
+                    say(f"  v{version} was rejected by the release gate: v{serving} serves, and the demo goes on from it")
+                    return serving
                 self.stack.check_alive()
                 if time.monotonic() > deadline:
                     last = buffer.last_trainer_step(engine=db, agent=self.cfg.agent)
                     raise TimeoutError(f"v{version} not served after {timeout_s:.0f} s (trainer at step {last.step if last else 0})")
-                time.sleep(1.0)
+                time.sleep(poll_s)
+            return serving
         finally:
             db.dispose()
 
@@ -492,15 +502,15 @@ def run_tools(cfg: DemoConfig) -> int:
         say(f"- cold start: {len(demo.demos)} hand-written demonstrations ({len(demo.demos) // 2} episodes: the {demo.task.tool_name} call, "
             f"then the answer) posted to /demonstrations; the Trainer trains {cold_steps} supervised steps on them -> v{cold_steps}")
         asyncio.run(demo.post_demonstrations())
-        demo.wait_for_version(cold_steps)
+        cold_version = demo.wait_for_version(cold_steps)  # the cold start's last version, unless its gate refused it
         say(f"  [{time.monotonic() - t_start:5.0f}s] cold start done")
-        evals.append(asyncio.run(demo.evaluate("after cold start", cold_steps)))
+        evals.append(asyncio.run(demo.evaluate("after cold start", cold_version)))
         tr = cfg.tools.traffic
         until = f", then until traffic was served by {cfg.min_new_versions} new versions (at most {cfg.max_duration_s:.0f}s)" \
             if cfg.min_new_versions else ""
         say(f"- online loop for {cfg.duration_s:.0f}s{until}: the agent app answers traffic problems ({tr.tasks_per_batch} per round, "
             f"{tr.repeat} runs each), rewards each episode and commits; the Trainer trains GRPO on episodes, the Explorer hot-loads")
-        loop = asyncio.run(demo.online_loop(cold_steps))
+        loop = asyncio.run(demo.online_loop(cold_version))
         stack.stop("trainer")  # the loop is over: its last version is measured, and the control arm needs the core
         settle_candidate(stack)  # tools.gate_every: the Trainer's last candidate decided, so what serves is the loop's last
         final_version = checkpoints.read_latest(stack.root, stack.agent) or 0  # what serves (the gate may have rolled back)
@@ -510,7 +520,7 @@ def run_tools(cfg: DemoConfig) -> int:
             say(f"  the loop ends on v{final_version}, the version its gate last promoted; its Trainer took {loop_steps} steps")
         if cfg.tools.control:
             say(f"- control arm, beside the last version's measurement{' and the release check' if cfg.release_check else ''}: "
-                f"v{cold_steps} trained {loop_steps} more steps on the replayed demonstrations alone (no traffic), "
+                f"v{cold_version} trained {loop_steps} more steps on the replayed demonstrations alone (no traffic), "
                 f"in this process -> {demo.control_agent}")
         after_loop: dict = {}
 
@@ -528,7 +538,7 @@ def run_tools(cfg: DemoConfig) -> int:
     stages = [
         Stage(evals[0], None),
         Stage(evals[1], "cold start", f"{cold_steps} supervised steps on {len(demo.demos)} demonstrations"),
-        Stage(evals[2], "online loop", f"v{cold_steps} -> v{final_version}: GRPO on its own traffic"
+        Stage(evals[2], "online loop", f"v{cold_version} -> v{final_version}: GRPO on its own traffic"
               + (f" (sampled at temperature {cfg.tools.explore_temperature:g})" if cfg.tools.explore_temperature else "")
               + " plus "
               + ("the levers (its successes replayed, the demonstrations where groups failed; docs/TRAINER.md)"

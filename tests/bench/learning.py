@@ -78,6 +78,12 @@ REPO = Path(__file__).resolve().parents[2]
 KEEP_FLAT = "trainer.algorithm.grpo.flat_groups=keep"
 EXPLORE = ["tools.levers=false", "tools.explore_temperature=1.3", KEEP_FLAT]
 DISCARD = "trainer.algorithm.grpo.flat_groups=discard"
+# the demo's defaults before 2026-12-01 (the calculator's loop served every version at once, from a cold start of 4
+# steps; its gate's rule non_inferiority, against the version last measured), pinned under every setting so that each
+# means what it meant when it ran (a setting's own overrides come after them and win); stripped by _plain when
+# comparing with the records made before the pin. `explore-gated-best-cold8` is `make demo`'s default since then.
+PINNED = ["tools.gate_every=0", "trainer.algorithm.cold_start_steps=4", "tools.gate_rule=non_inferiority",
+          "tools.gate_against=last"]
 HINTS_AT_A_FIFTH = ["tools.words=hints", "tools.hint_coef=0.2", "trainer.algorithm.grpo.hint_baseline=call"]
 # demo overrides of each setting (dotted keys of configs/demo.yaml; trainer.* reach the Trainer's config)
 SETTINGS: dict[str, list[str]] = {
@@ -205,14 +211,14 @@ def _plain(overrides: list[str]) -> list[str]:
     default) and set aside unbounded (before flat_max_set_aside), and so is a loop of the demo's 7 minutes alone
     (before its loop went on to 24 versions)."""
     drop = {"tools.explore_temperature=null", "tools.correct_runs=all", "trainer.algorithm.grpo.flat_max_set_aside=0",
-            "min_new_versions=0"}
+            "min_new_versions=0", *PINNED}
     if "tools.levers=true" not in overrides:  # the levers' flat groups were never the demo's to keep
         drop.add(KEEP_FLAT)
     return [o for o in overrides if o not in drop]
 
 
 def _overrides(seed: int, setting: str, extra: list[str]) -> list[str]:
-    return [f"seed={seed}", *SETTINGS[setting], *extra]
+    return [f"seed={seed}", *PINNED, *SETTINGS[setting], *extra]
 
 
 def _run_dir(out: Path, seed: int, setting: str, task: str) -> Path:

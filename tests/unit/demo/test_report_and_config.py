@@ -205,30 +205,33 @@ def test_gate_every_makes_the_trainer_publish_candidates_that_the_explorer_gates
         cfg = load_config(DemoConfig, None, ["task=tools", *overrides], env={})
         return ToolsDemo(cfg, Stack(tmp_path, cfg.agent, config_models={"trainer": TrainerConfig, "explorer": ExplorerConfig}))
 
-    plain, gated = demo("tools.gate_every=null"), demo("tools.gate_every=4")
-    assert "release" not in plain.trainer_config()  # immediate: the loop's versions serve at once
-    assert plain.explorer_config()["release"]["gate"]["every"] == 1  # the release check's candidates, each measured
-    for cfg in (gated.trainer_config(), gated.explorer_config()):  # the same section in both, validated by each
-        assert (cfg["release"]["mode"], cfg["release"]["gate"]["every"]) == ("gated", 4)
-        assert cfg["release"]["gate"]["suite"]["dataset"] == "services.demo.agent_app:gate_problems"
+    # the calculator's loop is gated by default (every 4th version, no_harm, against the best), from a cold start of 8
+    # steps; the units task's is not (0: immediate), from 4; tools.gate_every=0 turns the calculator's off
+    default, units, plain = demo(), demo("tools.task=units"), demo("tools.gate_every=0")
+    for cfg in (default.trainer_config(), default.explorer_config()):  # the same section in both, validated by each
+        gate = cfg["release"]["gate"]
+        assert (cfg["release"]["mode"], gate["every"], gate["rule"], gate["tolerance"], gate["against"]) == (
+            "gated", 4, "no_harm", 0.0, "best")
+        assert gate["suite"]["dataset"] == "services.demo.agent_app:gate_problems"
+    assert default.trainer_config()["algorithm"]["cold_start_steps"] == 8
+    assert (units.t.gate_every, units.trainer_config()["algorithm"]["cold_start_steps"]) == (0, 4)
+    assert units.explorer_config()["release"]["gate"]["suite"]["dataset"] == "services.demo.agent_app:units_gate_problems"
+    for off in (plain, units):
+        assert "release" not in off.trainer_config()  # immediate: the loop's versions serve at once
+        assert off.explorer_config()["release"]["gate"]["every"] == 1  # the release check's candidates, each measured
+    assert demo("tools.task=units", "tools.gate_every=4").trainer_config()["release"]["gate"]["every"] == 4
     # without the release check the Explorer still gates the loop's versions
     assert demo("tools.gate_every=2", "release_check=false").explorer_config()["release"]["gate"]["every"] == 2
-    assert "release" not in demo("tools.gate_every=null", "release_check=false").explorer_config()
+    assert "release" not in demo("tools.gate_every=0", "release_check=false").explorer_config()
     with pytest.raises(ConfigError, match="gate_every"):
-        load_config(DemoConfig, None, ["tools.gate_every=0"], env={})
+        load_config(DemoConfig, None, ["tools.gate_every=-1"], env={})
     # tools.gate_rule: the same rule in both services' sections, with its tolerance
-    assert (gated.trainer_config()["release"]["gate"]["rule"], gated.trainer_config()["release"]["gate"]["tolerance"]) == (
-        "non_inferiority", 0.1)
-    no_harm = demo("tools.gate_every=4", "tools.gate_rule=no_harm")
-    for cfg in (no_harm.trainer_config(), no_harm.explorer_config()):
-        assert (cfg["release"]["gate"]["rule"], cfg["release"]["gate"]["tolerance"]) == ("no_harm", 0.0)
+    first = demo("tools.gate_rule=non_inferiority", "tools.gate_against=last")
+    for cfg in (first.trainer_config(), first.explorer_config()):
+        assert (cfg["release"]["gate"]["rule"], cfg["release"]["gate"]["tolerance"], cfg["release"]["gate"]["against"]) == (
+            "non_inferiority", 0.1, "last")
     with pytest.raises(ConfigError, match="gate_rule"):
         load_config(DemoConfig, None, ["tools.gate_rule=lenient"], env={})
-    # tools.gate_against: the same in both services' sections
-    assert gated.explorer_config()["release"]["gate"]["against"] == "last"
-    best = demo("tools.gate_every=4", "tools.gate_rule=no_harm", "tools.gate_against=best")
-    for cfg in (best.trainer_config(), best.explorer_config()):
-        assert (cfg["release"]["gate"]["rule"], cfg["release"]["gate"]["against"]) == ("no_harm", "best")
     with pytest.raises(ConfigError, match="gate_against"):
         load_config(DemoConfig, None, ["tools.gate_against=first"], env={})
 
@@ -261,3 +264,33 @@ def test_loop_gate_counts_the_loops_own_gate_decisions(tmp_path):
                                  "upper": -0.1, "rule": "no_harm", "best": 7,
                                  "scores": {"against": [1.0, 1.0], "candidate": [1.0, 0.0]}}],
                    "between_gates": 3, "rolled_back": 1}
+
+
+def test_the_cold_start_wait_goes_on_from_what_serves_when_the_gate_rejected_its_last_version(tmp_path):
+    """tools.gate_every: the cold start's last version is measured like any other; rejected, it never serves,
+    and the demo goes on from the version the gate rolled back to instead of waiting for it (real SQLite buffer
+    and checkpoint pointers; the Explorer's answer to "what serves" is the one thing stood in for)."""
+    from services.common import buffer, checkpoints
+    from services.common.launch import Stack
+    from services.demo.tools_demo import ToolsDemo
+
+    cfg = load_config(DemoConfig, None, ["task=tools"], env={})
+    stack = Stack(tmp_path, cfg.agent)
+    buffer.create_buffer_engine(stack.db_url, create_tables=True).dispose()
+    demo = ToolsDemo(cfg, stack)
+    serving = {"version": 4}
+    stack.serving = lambda agent=None: dict(serving)
+    stack.check_alive = lambda: None
+    checkpoints.set_latest(stack.root, cfg.agent, 4)
+
+    with pytest.raises(TimeoutError, match="v8 not served"):  # v8 undecided: it is waited for
+        demo.wait_for_version(8, timeout_s=0.05, poll_s=0.01)
+    db = buffer.create_buffer_engine(stack.db_url, create_tables=False)
+    buffer.record_decision(engine=db, agent=cfg.agent, version=8, decision="rejected", serving=4, actor="gate", reason="worse")
+    db.dispose()
+    assert demo.wait_for_version(8, timeout_s=5, poll_s=0.01) == 4  # rejected, v4 (LATEST) serving: go on from it
+    checkpoints.set_latest(stack.root, cfg.agent, 6)  # LATEST moved on, the Explorer not yet: still waited for
+    with pytest.raises(TimeoutError):
+        demo.wait_for_version(8, timeout_s=0.05, poll_s=0.01)
+    serving["version"] = 9  # a later version serves: past it
+    assert demo.wait_for_version(8, timeout_s=5, poll_s=0.01) == 9
