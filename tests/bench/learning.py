@@ -185,7 +185,7 @@ SETTINGS: dict[str, list[str]] = {
     # the same from a cold start of 8 supervised steps instead of 4: the first versions' traffic, sampled at 1.3 from a
     # cold start that solves a tenth of the problems, scored all wrong for the loop's first 100-150 s (their groups set
     # aside, a step every 40-90 s); 4 more steps on the demonstrations took the validation problems from 0.05-0.28 to
-    # 0.30-0.60 in every seed's demonstrations-only arm. The plateau arm is unchanged by it (it starts at step 0 and
+    # 0.30-0.53 in every seed's demonstrations-only arm. The plateau arm is unchanged by it (it starts at step 0 and
     # measures every 4), so --arms-from records made with a cold start of 4 stay the fair control
     "explore-gated-best-cold8": [*EXPLORE, DISCARD, "trainer.algorithm.grpo.flat_max_set_aside=16", "tools.gate_every=4",
                                  "tools.gate_rule=no_harm", "tools.gate_against=best", "trainer.algorithm.cold_start_steps=8"],
