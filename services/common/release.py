@@ -98,7 +98,9 @@ class GateSection(ConfigModel):
         description="Measure every this many versions a Trainer publishes: the others, each trained from the version "
         "serving, serve at once (between gates), and every Nth is measured against the version the gate last measured "
         "(the anchor). A rejection rolls back to the anchor, refusing the versions that served since, and the Trainer "
-        "continues from the anchor's state. 1: every version is measured against the one serving. A candidate of "
+        "continues from the anchor's state. Above 1, a Trainer's cold start (algorithm.cold_start_steps, on "
+        "demonstrations) is one block whatever its length: its versions serve unmeasured and its last is measured, the "
+        "next block counting from it. 1: every version is measured against the one serving. A candidate of "
         "`kaizen publish` is always measured against the one serving.")
 
 

@@ -270,7 +270,7 @@ class ToolsDemo:
     def wait_for_version(self, version: int, timeout_s: float = 1800, poll_s: float = 1.0) -> int:
         """Until the Trainer has published ``version`` and the Explorer serves it, or, with the loop behind its
         release gate (tools.gate_every), the gate rejected it and the Explorer serves the version it rolled back to
-        (the cold start's last version may be measured worse than an earlier one: the demo goes on from what serves,
+        (the cold start's last version may be measured worse than the version it began from: the demo goes on from what serves,
         not on waiting for a version that will never serve). Returns the version serving."""
         db = buffer.create_buffer_engine(self.stack.db_url, create_tables=False)
         deadline = time.monotonic() + timeout_s

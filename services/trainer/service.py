@@ -629,6 +629,9 @@ class TrainerService:
             "experience_ids": lineage,
             "experience_count": len(lineage),
         }
+        cold = self.cfg.algorithm.cold_start_steps
+        if progress.step - self.cfg.save_interval < cold:  # a version of the cold start: the gate measures its last
+            manifest["cold_start"] = {"steps": cold, "last": progress.step >= cold}
         if retrained:  # trained again in this version for rewards that came after their first training
             manifest["late_retrained_ids"] = retrained
         if guard:

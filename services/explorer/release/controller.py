@@ -220,45 +220,60 @@ class ReleaseController:
         task = asyncio.create_task(self._gate(agent, candidate, policy), name=f"release-gate-{agent}")
         self._gates[agent] = _GateRun(task=task, candidate=candidate)
 
-    def _trained_from(self, agent: str, candidate: int, serving: int) -> bool:
-        """Whether ``candidate`` is a Trainer's version trained from ``serving`` (not ``kaizen publish``'s, not
-        another lineage's; an unreadable one is not: its evaluation says what is wrong with it)."""
+    def _manifest(self, agent: str, version: int) -> dict | None:
+        """The version's manifest; None for one unreadable (its evaluation says what is wrong with it)."""
         try:
-            manifest = checkpoints.validate_version(self.root, agent, candidate).manifest()
+            return checkpoints.validate_version(self.root, agent, version).manifest()
         except CheckpointError:
-            return False
-        return manifest.get("source") != "publish" and manifest.get("parent_version") == serving
+            return None
 
-    def _block(self, agent: str, candidate: int, every: int) -> tuple[int, list[int], bool]:
+    @staticmethod
+    def _trained_from(manifest: dict | None, serving: int) -> bool:
+        """Whether the manifest is of a Trainer's version trained from ``serving`` (not ``kaizen publish``'s, not
+        another lineage's)."""
+        return manifest is not None and manifest.get("source") != "publish" and manifest.get("parent_version") == serving
+
+    def _block(self, agent: str, candidate: int, every: int) -> tuple[int, list[int], bool, dict | None]:
         """release.gate.every: (the version ``candidate`` is measured against, the versions that served since
-        that one, newest first, whether to measure it now). A Trainer's candidate trained from the serving
-        version is measured every ``every`` versions, against the anchor (the version the gate last measured);
-        anything else (``kaizen publish``, another lineage, every=1) against the serving version (LATEST), at once."""
+        that one, newest first, whether to measure it now, the manifest's ``cold_start`` or None). A Trainer's
+        candidate trained from the serving version is measured every ``every`` versions, against the anchor (the
+        version the gate last measured); the versions of a Trainer's cold start (its first
+        algorithm.cold_start_steps steps, on demonstrations) are one block whatever its length, measured at its
+        last against the version it began from; anything else (``kaizen publish``, another lineage, every=1)
+        against the serving version (LATEST), at once."""
         serving = checkpoints.read_latest(self.root, agent) or 0  # not this replica's: it may not have loaded it yet
-        if every <= 1 or not self._trained_from(agent, candidate, serving):
-            return serving, [], True
-        anchor, served = gate_block(self.root, agent, serving, limit=every - 1)
-        if len(served) + 1 < every:
-            return anchor, served, False
+        manifest = self._manifest(agent, candidate)
+        if every <= 1 or not self._trained_from(manifest, serving):
+            return serving, [], True, None
+        cold = manifest.get("cold_start") if isinstance(manifest.get("cold_start"), dict) else None
+        anchor, served = gate_block(self.root, agent, serving, limit=None if cold else every - 1)
+        if (not cold.get("last")) if cold else len(served) + 1 < every:
+            return anchor, served, False, cold
         if anchor != 0 and anchor not in checkpoints.list_versions(self.root, agent):
             log.warning("agent %s: v%d, the gate's last measured version, is gone from disk: v%d is measured against "
                         "the serving v%d", agent, anchor, candidate, serving)
-            return serving, [], True
-        return anchor, served, True
+            return serving, [], True, cold
+        return anchor, served, True, cold
 
     async def _gate(self, agent: str, candidate: int, policy: ReleasePolicy) -> None:
         with self._leader(agent) as leader:
             if not leader or self._terminal(agent, candidate) is not None:
                 return  # another replica evaluates it (or has decided)
             gate = policy.gate
-            anchor, served, measure = self._block(agent, candidate, gate.every)
+            anchor, served, measure, cold = self._block(agent, candidate, gate.every)
             serving = served[0] if served else anchor
             if not measure:
                 at = len(served) + 1
-                self._decide(agent, candidate, "promoted", serving=candidate, actor="gate", locked=True,
-                             reason=f"{at} of {gate.every} versions after v{anchor}, the version the gate last measured: "
-                             f"it serves unmeasured (release.gate.every={gate.every})",
-                             figures={"between_gates": True, "anchor": anchor, "position": at, "every": gate.every})
+                figures = {"between_gates": True, "anchor": anchor, "position": at, "every": gate.every}
+                if cold:
+                    figures["cold_start"] = cold.get("steps")
+                    why = (f"{at} versions into the Trainer's cold start of {cold.get('steps')} steps, one block measured "
+                           f"at its end against v{anchor}: it serves unmeasured (release.gate.every={gate.every})")
+                else:
+                    why = (f"{at} of {gate.every} versions after v{anchor}, the version the gate last measured: "
+                           f"it serves unmeasured (release.gate.every={gate.every})")
+                self._decide(agent, candidate, "promoted", serving=candidate, actor="gate", locked=True, reason=why,
+                             figures=figures)
                 return
             anchor, served, against = self._reference(agent, candidate, serving, anchor, served, gate)
             url = self.base_url()
@@ -306,7 +321,7 @@ class ReleaseController:
         For a Trainer's candidate that descends from what serves, the best is what the anchor's own gate
         promotion recorded, unless a decision by hand came since (then the anchor starts the measure again);
         otherwise (against=last, ``kaizen publish``) the anchor and its block."""
-        if gate.against != "best" or not self._trained_from(agent, candidate, serving):
+        if gate.against != "best" or not self._trained_from(self._manifest(agent, candidate), serving):
             return anchor, served, False
         best, decided_by = gate_best(self.root, agent, anchor)
         if decided_by is None:

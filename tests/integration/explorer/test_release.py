@@ -94,9 +94,9 @@ def mute(tiny_model):
     return train_reply_adapter(tiny_model, ASK, "")
 
 
-def _candidate(adapters, root, kind: str, version: int, parent: int) -> None:
+def _candidate(adapters, root, kind: str, version: int, parent: int, **manifest) -> None:
     checkpoints.write_version(root, "guide", version, lambda d: adapters[kind].save_pretrained(d),
-                              {"step": version, "algorithm": "test", "parent_version": parent})
+                              {"step": version, "algorithm": "test", "parent_version": parent, **manifest})
     checkpoints.set_candidate(root, "guide", version)
 
 
@@ -453,6 +453,29 @@ def test_gate_every_third_version_rolls_back_to_the_last_one_it_measured(make_ex
                         candidate=True).version
     outside = _decision(ex, v)
     assert (outside["decision"], outside["serving"]) == ("rejected", 8) and "anchor" not in outside["figures"]
+
+
+def test_gate_every_measures_a_trainers_cold_start_once_at_its_end(make_explorer, tmp_path, adapters):
+    """A Trainer's cold start (its manifests' ``cold_start``) is one block whatever release.gate.every: its versions
+    serve unmeasured past every's count, its last is measured against the version it began from, and the next
+    block counts from that one."""
+    root = tmp_path / "explorer0" / "checkpoints"
+    publish_adapter(adapters["good"], root, "guide", 1)
+    ex = make_explorer("release.mode=gated", "release.gate.every=2", *SUITE)
+    assert _ask(ex)[1] == RIGHT
+    for v in (2, 3):  # v3 would be measured at every=2; inside the cold start it serves unmeasured
+        _candidate(adapters, root, "bad", v, parent=v - 1, cold_start={"steps": 3, "last": False})
+        d = _decision(ex, v)
+        assert (d["decision"], d["serving"]) == ("promoted", v) and "cold start of 3 steps" in d["reason"]
+        assert d["figures"] == {"between_gates": True, "anchor": 1, "position": v - 1, "every": 2, "cold_start": 3}
+        _serving(ex, v)
+    _candidate(adapters, root, "good", 4, parent=3, cold_start={"steps": 3, "last": True})
+    measured = _decision(ex, 4)
+    assert (measured["decision"], measured["serving"], measured["by"]) == ("promoted", 4, "gate")
+    assert (measured["figures"]["anchor"], measured["figures"]["served_since"]) == (1, [3, 2])
+    assert "vs v1" in measured["reason"]
+    _candidate(adapters, root, "good", 5, parent=4)  # the loop's first version: 1 of 2 after the measured v4
+    assert _decision(ex, 5)["figures"] == {"between_gates": True, "anchor": 4, "position": 1, "every": 2}
 
 
 def test_gate_rule_no_harm_promotes_a_different_version_and_rejects_one_shown_worse(make_explorer, tmp_path, adapters,

@@ -238,9 +238,10 @@ def _steps_in_db(url: str) -> list[int]:
 
 
 def test_killed_trainer_resumes_exactly(tiny_model, sampled_db, ray_address, tmp_path):
-    """kill -9 mid-run, restart: same adapter as an uninterrupted run, nothing trained twice."""
+    """kill -9 mid-run, restart: same adapter as an uninterrupted run, nothing trained twice. A cold start of 3 steps
+    (no demonstrations here: the label alone) marks the versions that hold its steps, the same in both runs."""
     total, interval = 8, 2
-    common = ("algorithm.name=ppo", f"save_interval={interval}")
+    common = ("algorithm.name=ppo", f"save_interval={interval}", "algorithm.cold_start_steps=3")
     straight, killed = tmp_path / "straight", tmp_path / "killed"
     _copy_db(sampled_db, straight)
     _train(tiny_model, straight, ray_address, *common, "--max-steps", str(total))
@@ -270,6 +271,9 @@ def test_killed_trainer_resumes_exactly(tiny_model, sampled_db, ray_address, tmp
     # versions hold exactly save_interval steps' worth of experiences each
     assert sorted({v for _, v in consumed}) == list(range(1, total // interval + 1))
     assert all(sum(1 for _, v in consumed if v == ver) == 16 * interval for ver in range(1, total // interval + 1))
+    for run in (straight, killed):  # v2 holds steps 3-4: the cold start's last; the gate measures it (release.gate.every)
+        marks = [checkpoints.validate_version(run / "ck", "default", v).manifest().get("cold_start") for v in (1, 2, 3, 4)]
+        assert marks == [{"steps": 3, "last": False}, {"steps": 3, "last": True}, None, None], (run, marks)
     # and the final adapter is the one an uninterrupted run produces: the state really was resumed
     a, b = _adapter(straight, total // interval), _adapter(killed, total // interval)
     assert a.keys() == b.keys()
