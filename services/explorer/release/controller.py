@@ -267,8 +267,8 @@ class ReleaseController:
                 figures = {"between_gates": True, "anchor": anchor, "position": at, "every": gate.every}
                 if cold:
                     figures["cold_start"] = cold.get("steps")
-                    why = (f"{at} versions into the Trainer's cold start of {cold.get('steps')} steps, one block measured "
-                           f"at its end against v{anchor}: it serves unmeasured (release.gate.every={gate.every})")
+                    why = (f"version {at} of the Trainer's cold start ({cold.get('steps')} steps, one block whose last "
+                           f"version is measured against v{anchor}): it serves unmeasured (release.gate.every={gate.every})")
                 else:
                     why = (f"{at} of {gate.every} versions after v{anchor}, the version the gate last measured: "
                            f"it serves unmeasured (release.gate.every={gate.every})")

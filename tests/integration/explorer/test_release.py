@@ -466,7 +466,7 @@ def test_gate_every_measures_a_trainers_cold_start_once_at_its_end(make_explorer
     for v in (2, 3):  # v3 would be measured at every=2; inside the cold start it serves unmeasured
         _candidate(adapters, root, "bad", v, parent=v - 1, cold_start={"steps": 3, "last": False})
         d = _decision(ex, v)
-        assert (d["decision"], d["serving"]) == ("promoted", v) and "cold start of 3 steps" in d["reason"]
+        assert (d["decision"], d["serving"]) == ("promoted", v) and f"version {v - 1} of the Trainer's cold start (3 steps" in d["reason"]
         assert d["figures"] == {"between_gates": True, "anchor": 1, "position": v - 1, "every": 2, "cold_start": 3}
         _serving(ex, v)
     _candidate(adapters, root, "good", 4, parent=3, cold_start={"steps": 3, "last": True})
