@@ -247,7 +247,8 @@ class ReleaseController:
             return serving, [], True, None
         cold = manifest.get("cold_start") if isinstance(manifest.get("cold_start"), dict) else None
         anchor, served = gate_block(self.root, agent, serving, limit=None if cold else every - 1)
-        if (not cold.get("last")) if cold else len(served) + 1 < every:
+        block_ends = cold.get("last") if cold else len(served) + 1 >= every
+        if not block_ends:
             return anchor, served, False, cold
         if anchor != 0 and anchor not in checkpoints.list_versions(self.root, agent):
             log.warning("agent %s: v%d, the gate's last measured version, is gone from disk: v%d is measured against "
