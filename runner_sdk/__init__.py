@@ -12,6 +12,7 @@ from runner_sdk.client import (
     tracked_async_http_client,
     tracked_http_client,
 )
+from runner_sdk.groups import AdaptiveRepeat
 from runner_sdk.environment import Environment, EnvironmentRunner, EpisodeResult
 from runner_sdk.records import AgentRun, RunnerStats
 from runner_sdk.rewards import ExactMatch, FunctionReward, LLMJudge, RegexMatch, RewardCalculator, Verdict
@@ -20,6 +21,7 @@ from runner_sdk.selection import Decision, ExplicitMarking, RequestInfo, Samplin
 from runner_sdk.threads import ContextThread, ContextThreadPoolExecutor, carry_context
 
 __all__ = [
+    "AdaptiveRepeat",
     "AgentClient",
     "AgentRun",
     "ContextThread",

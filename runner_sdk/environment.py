@@ -10,7 +10,9 @@
     runner = EnvironmentRunner(endpoint=URL, model="solver", make_env=Env, agent=agent, repeat=4)
     results = runner.run_sync(tasks)               # rewards sent, experiences committed
 
-Each task runs ``repeat`` times as run ids 0..repeat-1 under one task_id, so GRPO gets groups. The
+Each task runs ``repeat`` times as run ids 0..repeat-1 under one task_id, so GRPO gets groups; with
+``repeat=AdaptiveRepeat(first=4, full=8, failed=16)`` (runner_sdk/groups.py) a task gets 4 runs first, and more
+only where they disagree or all failed, its run ids still 0..n-1. The
 episode's reward (the sum of the step rewards) goes to every Explorer call the agent made in it, and
 the commit at the end names exactly the calls whose reward went through. In a multi-agent episode
 (``client.as_agent(name)``), an environment whose last ``info`` holds ``agent_rewards`` ({agent:
@@ -28,6 +30,7 @@ from typing import Any, Callable, Iterable, Protocol, runtime_checkable
 from runner_sdk.client import AgentClient, ExplorerClient
 from runner_sdk.context import running
 from runner_sdk.feedback import chunks
+from runner_sdk.groups import AdaptiveRepeat, run_group
 from runner_sdk.records import AgentRun
 from runner_sdk.runner import maybe_await
 
@@ -61,7 +64,7 @@ class EnvironmentRunner:
         model: str,
         make_env: Callable[[Any], Environment],
         agent: Callable[[AgentClient, Any], Any],
-        repeat: int = 1,
+        repeat: int | AdaptiveRepeat = 1,
         concurrency: int = 8,
         max_steps: int = 16,
         api_key: str | None = None,
@@ -74,7 +77,7 @@ class EnvironmentRunner:
         self.model = model
         self.make_env = make_env
         self.agent = agent
-        self.repeat = repeat
+        self.repeat = repeat if isinstance(repeat, AdaptiveRepeat) else AdaptiveRepeat.fixed(repeat)
         self.concurrency = concurrency
         self.max_steps = max_steps
         self.api_key = api_key
@@ -124,11 +127,11 @@ class EnvironmentRunner:
         client = ExplorerClient(self.endpoint, api_key=self.api_key, timeout=self.timeout)
         sem = asyncio.Semaphore(self.concurrency)
         try:
-            jobs = []
-            for k, task in enumerate(tasks):
-                tid = self.task_id(task, k)
-                jobs += [self._episode(client, task, tid, str(i), sem) for i in range(self.repeat)]
-            results = await asyncio.gather(*jobs)
+            per_task = await asyncio.gather(*(
+                run_group(self.repeat, lambda i, task=task, tid=self.task_id(task, k): self._episode(client, task, tid, str(i), sem),
+                          reward=lambda r: r.reward, failed=lambda r: r.error is not None)
+                for k, task in enumerate(tasks)))
+            results = [r for runs in per_task for r in runs]
             if self.commit:
                 # The episodes without an error are those whose feedback went through: commit those
                 # calls, not every rewarded row in the buffer (other runners' and agents' included).

@@ -46,7 +46,7 @@ class ParityDemo:
             "algorithm": {"name": "grpo", "kl_metric": False},
             "lora": {"r": 16, "alpha": 32},
             "optim": {"lr": 1e-3},
-            "train_batch_size": tr.tasks_per_batch * tr.repeat,
+            "train_batch_size": tr.tasks_per_batch * tr.adaptive().first,
             "staleness": {"max_staleness": 4, "policy": "discard",
                           # steps of one size: its figures were measured so, and on 2 cores a catch-up step several
                           # batches long would let more traffic pile up meanwhile
@@ -107,7 +107,7 @@ class ParityDemo:
             return await client.complete(observation, max_tokens=self.p.max_tokens, temperature=1.0)
 
         return EnvironmentRunner(endpoint=self.stack.url, model=self.cfg.agent, make_env=parity_task.ParityEnv, agent=agent,
-                                 repeat=tr.repeat, concurrency=tr.concurrency, task_id=lambda n, i: f"n{n}-{time.time_ns()}")
+                                 repeat=tr.adaptive(), concurrency=tr.concurrency, task_id=lambda n, i: f"n{n}-{time.time_ns()}")
 
     async def one_round(self, runner: EnvironmentRunner) -> Round:
         numbers = [self.rng.choice(self.split.train) for _ in range(self.p.traffic.tasks_per_batch)]

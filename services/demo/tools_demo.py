@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Awaitable, Callable, Literal
 
 from runner_sdk import ExplorerClient
+from runner_sdk.groups import run_group
 from services.common import buffer, checkpoints
 from services.common.config import deep_merge
 from services.common.cpus import usable_cpus
@@ -160,7 +161,7 @@ class ToolsDemo:
                           # traffic rarely succeeds still steps: it pays per version, so the loop runs until 24 of them
                           # (config.py; docs/DEMO.md). With hints the flat groups are kept: a hinted call teaches
                           # whatever its group scored (docs/TRAINER.md).
-                          "grpo": {"group_size": tr.repeat, "min_group_size": 2, "group_wait_s": 30.0, "small_groups": "batch",
+                          "grpo": {"group_size": tr.group_size, "min_group_size": 2, "group_wait_s": 30.0, "small_groups": "batch",
                                    **({"flat_groups": "keep"} if self.t.words == "hints" else
                                       {"flat_groups": "discard", "flat_max_set_aside": 16})},
                           # the cold start: the task's steps (calculator 8, units 4) on 4 demonstrations each (about
@@ -171,8 +172,8 @@ class ToolsDemo:
                           "sft_coef": 1.0, "demo_batch_size": 4, "cold_start_steps": self.task.cold_start_steps},
             "lora": {"r": 16, "alpha": 32},
             "optim": {"lr": 1e-3},
-            # calls per step: about two per episode (the tool call, then the answer)
-            "train_batch_size": tr.tasks_per_batch * tr.repeat * 2,
+            # calls per step: about two per episode (the tool call, then the answer), of a round's first runs
+            "train_batch_size": tr.tasks_per_batch * tr.adaptive().first * 2,
             "staleness": {"max_staleness": 2, "policy": "discard",
                           # steps of one size: its figures were measured so, and on 2 cores a catch-up step several
                           # batches long would let more traffic pile up meanwhile
@@ -290,8 +291,9 @@ class ToolsDemo:
             db.dispose()
 
     async def one_round(self, client, explorer: ExplorerClient) -> Round:
-        """``tasks_per_batch`` traffic problems, ``repeat`` episodes each (one task_id, run ids 0..repeat-1);
-        each episode's reward is sent for all its calls, then the round's calls are committed."""
+        """``tasks_per_batch`` traffic problems, ``repeat`` episodes each (one task_id, run ids 0..repeat-1; with
+        traffic.first_runs, first_runs each and more where they disagree or all failed); each episode's reward is
+        sent for all its calls, then the round's calls are committed, each problem's group whole."""
         tr = self.t.traffic
         self.rounds += 1
         problems = [self.rng.choice(self.split.traffic) for _ in range(tr.tasks_per_batch)]
@@ -313,7 +315,10 @@ class ToolsDemo:
                         ep.error = f"feedback failed: {e}"
                 return ep
 
-        episodes = await asyncio.gather(*(episode(k, p, i) for k, p in enumerate(problems) for i in range(tr.repeat)))
+        repeat = tr.adaptive()  # with traffic.first_runs, a problem's runs come in stages (runner_sdk/groups.py)
+        groups = await asyncio.gather(*(run_group(repeat, lambda i, k=k, p=p: episode(k, p, i), reward=lambda e: e.reward,
+                                                  failed=lambda e: e.error is not None) for k, p in enumerate(problems)))
+        episodes = [e for group in groups for e in group]
         ok = [e for e in episodes if e.error is None]
         ids = [i for e in ok for i in e.msg_ids]
         if ids:

@@ -196,6 +196,14 @@ SETTINGS: dict[str, list[str]] = {
     "explore-gated-best-cold8-decay": [*EXPLORE, DISCARD, "trainer.algorithm.grpo.flat_max_set_aside=16", "tools.gate_every=4",
                                        "tools.gate_rule=no_harm", "tools.gate_against=best",
                                        "trainer.algorithm.cold_start_steps=8", "trainer.optim.decay_steps=32"],
+    # the default whose traffic runs a problem in stages (traffic.first_runs, runner_sdk/groups.py): 4 runs first, 8 where
+    # they disagree or all failed, 16 where all 8 failed; 4 problems a round so that the first stage keeps the engine's
+    # batch of 16 (the Trainer's step stays 32 calls: a round's first runs). Against the late loop's rounds that mostly
+    # buy flat groups, and the phrasings whose right call sampling finds once in 8-40 tries (docs/DEMO.md)
+    "explore-gated-best-cold8-adaptive": [*EXPLORE, DISCARD, "trainer.algorithm.grpo.flat_max_set_aside=16", "tools.gate_every=4",
+                                          "tools.gate_rule=no_harm", "tools.gate_against=best", "trainer.algorithm.cold_start_steps=8",
+                                          "tools.traffic.tasks_per_batch=4", "tools.traffic.first_runs=4",
+                                          "tools.traffic.failed_runs=16"],
     # no online loop to speak of (one round of traffic at most): the demonstrations-only arm from the cold start to its plateau
     "demonstrations": ["tools.levers=false", KEEP_FLAT, "tools.control=false", "duration_s=1", "min_new_versions=0"],
 }

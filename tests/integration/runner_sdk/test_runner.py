@@ -198,6 +198,42 @@ def test_environment_runner_sends_rewards_and_commits(explorer):
     assert len({r.task_id for r in results}) == 4
 
 
+
+def test_environment_runner_with_adaptive_groups_runs_more_only_where_the_first_runs_disagree_or_failed(explorer):
+    """AdaptiveRepeat(first=2, full=4, failed=6): a task every run solves stops at 2, one whose runs disagree is
+    completed to 4, one every run fails goes on to 6; each group's run ids are 0..n-1 and all are committed."""
+    from runner_sdk import AdaptiveRepeat
+
+    resets: dict[str, int] = {}
+
+    class KindEnv:
+        def __init__(self, task):
+            self.task = task
+
+        def reset(self):
+            resets[self.task] = resets.get(self.task, 0) + 1
+            self.n = resets[self.task]
+            return "reply."
+
+        def step(self, action):
+            reward = {"solved": 1.0, "failed": 0.0, "mixed": float(self.n % 2)}[self.task]
+            return None, reward, True, {}
+
+    async def agent(client, observation):
+        return await client.complete(observation, max_tokens=1)
+
+    runner = EnvironmentRunner(endpoint=explorer.url, model="default", make_env=KindEnv, agent=agent,
+                               repeat=AdaptiveRepeat(first=2, full=4, failed=6), concurrency=8,
+                               task_id=lambda task, k: f"adaptive-{task}")
+    results = runner.run_sync(["solved", "mixed", "failed"])
+    runs = {kind: sorted(int(r.run_id) for r in results if r.task == kind) for kind in ("solved", "mixed", "failed")}
+    assert runs == {"solved": [0, 1], "mixed": [0, 1, 2, 3], "failed": [0, 1, 2, 3, 4, 5]}
+    assert all(r.error is None for r in results)
+    rows = {r["completion_id"]: r for r in _experiences(explorer)}
+    for res in results:
+        row = rows[res.msg_ids[0]]
+        assert row["status"] == "committed" and (row["task_id"], row["run_id"], row["reward"]) == (res.task_id, res.run_id, res.reward)
+
 def test_runners_commit_only_what_they_rewarded(explorer):
     # Another application's rewarded experience, waiting for its own commit.
     other = explorer.client.chat.completions.create(model="default", messages=Q, max_tokens=1)

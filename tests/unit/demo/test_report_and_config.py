@@ -294,3 +294,28 @@ def test_the_cold_start_wait_goes_on_from_what_serves_when_the_gate_rejected_its
         demo.wait_for_version(8, timeout_s=0.05, poll_s=0.01)
     serving["version"] = 9  # a later version serves: past it
     assert demo.wait_for_version(8, timeout_s=5, poll_s=0.01) == 9
+
+
+def test_adaptive_groups_size_the_trainer_by_a_rounds_first_runs_and_refuse_inconsistent_sizes(tmp_path):
+    from services.common.config import ConfigError
+    from services.common.launch import Stack
+    from services.demo.tools_demo import ToolsDemo
+    from services.trainer.config import TrainerConfig
+
+    def trainer(*overrides):
+        cfg = load_config(DemoConfig, None, ["task=tools", *overrides], env={})
+        return ToolsDemo(cfg, Stack(tmp_path, cfg.agent, config_models={"trainer": TrainerConfig})).trainer_config()
+
+    plain = trainer()  # 2 problems a round, 8 runs each, at once: groups of 8, 2 calls an episode
+    assert (plain["algorithm"]["grpo"]["group_size"], plain["train_batch_size"]) == (8, 32)
+    adaptive = trainer("tools.traffic.tasks_per_batch=4", "tools.traffic.first_runs=4", "tools.traffic.failed_runs=16")
+    # groups of 4, 8 or 16, each committed whole: none waits for a size; a step is a round's first runs' calls
+    assert (adaptive["algorithm"]["grpo"]["group_size"], adaptive["train_batch_size"]) == (None, 32)
+    cfg = load_config(DemoConfig, None, ["tools.traffic.first_runs=4", "tools.traffic.failed_runs=16"])
+    assert (cfg.tools.traffic.adaptive().first, cfg.tools.traffic.adaptive().most) == (4, 16)
+    for overrides, message in ((["tools.traffic.first_runs=9"], r"traffic.first_runs \(9\) must be at most traffic.repeat \(8\)"),
+                               (["tools.traffic.first_runs=4", "tools.traffic.failed_runs=6"],
+                                r"traffic.failed_runs \(6\) must be at least traffic.repeat \(8\)"),
+                               (["tools.traffic.failed_runs=16"], "traffic.failed_runs needs traffic.first_runs")):
+        with pytest.raises(ConfigError, match=message):
+            load_config(DemoConfig, None, overrides)
