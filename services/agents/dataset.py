@@ -33,15 +33,17 @@ from typing import Any, Callable
 
 from pydantic import Field
 
-from runner_sdk import EnvironmentRunner, SyncExplorerClient
-from services.common.config import ConfigError, ConfigModel, ModelSection, deep_merge
+from runner_sdk import AdaptiveRepeat, EnvironmentRunner, SyncExplorerClient
+from services.common.config import AdaptiveRunsSection, ConfigError, ConfigModel, ModelSection, deep_merge
 from services.common.launch import Stack, new_run_dir
 from services.common.plugins import load_dataset, load_object
 
 log = logging.getLogger("kaizen.train")
 
 
-class TrainLoopSection(ConfigModel):
+class TrainLoopSection(AdaptiveRunsSection):
+    section = "train"
+
     epochs: int = Field(default=1, ge=1, description="Passes over the training dataset.")
     repeat: int = Field(default=4, ge=1, description="Runs of each training task (a GRPO group).")
     tasks_per_round: int = Field(default=8, ge=1, description="Tasks driven together before the backlog is checked.")
@@ -158,7 +160,7 @@ class AgentTrainer:
 
     # ------------------------------------------------------------------ the loop
 
-    def _runner(self, url: str, *, repeat: int, feedback: bool, prefix: str) -> EnvironmentRunner:
+    def _runner(self, url: str, *, repeat: int | AdaptiveRepeat, feedback: bool, prefix: str) -> EnvironmentRunner:
         t = self.cfg.train
         return EnvironmentRunner(endpoint=url, model=self.cfg.agents[0], make_env=self.make_env, agent=self.agent,
                                  repeat=repeat, concurrency=t.concurrency, max_steps=t.max_steps, feedback=feedback,
@@ -199,7 +201,7 @@ class AgentTrainer:
                 for k in range(0, len(tasks), t.tasks_per_round):
                     round_ += 1
                     self._wait_for_trainer(explorer, stack, until=t.max_backlog)
-                    results = self._runner(url, repeat=t.repeat, feedback=True, prefix=f"train-e{epoch}").run_sync(
+                    results = self._runner(url, repeat=t.adaptive(), feedback=True, prefix=f"train-e{epoch}").run_sync(
                         tasks[k : k + t.tasks_per_round])
                     report.train_rewards.append(statistics.fmean(r.reward for r in results))
                     log.info("epoch %d round %d: train reward %.3f", epoch, round_, report.train_rewards[-1])

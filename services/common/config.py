@@ -16,11 +16,12 @@ import logging
 import os
 import re
 from pathlib import Path
-from typing import Any, Mapping, Sequence, TypeVar
+from typing import Any, ClassVar, Mapping, Sequence, TypeVar
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from runner_sdk.groups import AdaptiveRepeat
 from services.common.chat_templates import resolve_chat_template
 from services.common.config_error import ConfigError
 
@@ -35,6 +36,44 @@ class ConfigModel(BaseModel):
     """Base of every config section: unknown keys are rejected."""
 
     model_config = ConfigDict(extra="forbid", validate_default=True)
+
+
+class AdaptiveRunsSection(ConfigModel):
+    """A section whose ``repeat`` runs per task may come in stages (runner_sdk AdaptiveRepeat): first_runs
+    each, more where they disagree or all failed. ``section`` names it in errors."""
+
+    section: ClassVar[str] = ""
+    repeat: int
+    first_runs: int | None = Field(
+        default=None, ge=1, description="Adaptive groups (runner_sdk AdaptiveRepeat): each task gets this many runs "
+        "first; one whose runs disagree or all failed is completed to `repeat`, one every run solved stops there. "
+        "None: `repeat` runs each, at once.")
+    failed_runs: int | None = Field(
+        default=None, ge=1, description="With first_runs: a task every one of whose `repeat` runs failed goes on to "
+        "this many (more tries where the agent rarely succeeds). None: `repeat`.")
+
+    @model_validator(mode="after")
+    def _adaptive(self):
+        s = self.section
+        if self.first_runs is None and self.failed_runs is not None:
+            raise ValueError(f"{s}.failed_runs needs {s}.first_runs (adaptive groups)")
+        if self.first_runs is not None and self.first_runs > self.repeat:
+            raise ValueError(f"{s}.first_runs ({self.first_runs}) must be at most {s}.repeat ({self.repeat})")
+        if self.failed_runs is not None and self.failed_runs < self.repeat:
+            raise ValueError(f"{s}.failed_runs ({self.failed_runs}) must be at least {s}.repeat ({self.repeat})")
+        return self
+
+    @property
+    def group_size(self) -> int | None:
+        """The Trainer's algorithm.grpo.group_size: ``repeat``, or none with adaptive groups (sizes vary; each
+        round commits its groups whole)."""
+        return self.repeat if self.first_runs is None else None
+
+    def adaptive(self) -> AdaptiveRepeat:
+        """The runs each task gets: ``repeat`` each, at once, without first_runs."""
+        if self.first_runs is None:
+            return AdaptiveRepeat.fixed(self.repeat)
+        return AdaptiveRepeat(first=self.first_runs, full=self.repeat, failed=self.failed_runs)
 
 
 class ModelSection(ConfigModel):

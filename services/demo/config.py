@@ -13,46 +13,18 @@ from typing import Any, Literal
 
 from pydantic import Field, field_validator, model_validator
 
-from runner_sdk.groups import AdaptiveRepeat
-from services.common.config import ConfigModel
+from services.common.config import AdaptiveRunsSection, ConfigModel
 
 
-class TrafficSection(ConfigModel):
+class TrafficSection(AdaptiveRunsSection):
     """Each task has its own defaults (``_PARITY_TRAFFIC``, ``_TOOLS_TRAFFIC``); keys given fill in over them."""
+
+    section = "traffic"
 
     tasks_per_batch: int = Field(default=16, ge=1, description="Questions per round of simulated traffic.")
     repeat: int = Field(default=4, ge=1, description="Runs (episodes) per question: a GRPO group.")
     concurrency: int = Field(default=16, ge=1, description="Episodes in flight at once.")
     max_backlog: int = Field(default=128, ge=1, description="Pause traffic while this many committed experiences wait for the trainer.")
-    first_runs: int | None = Field(
-        default=None, ge=1, description="Adaptive groups (runner_sdk AdaptiveRepeat): each question gets this many runs "
-        "first; one whose runs disagree or all failed is completed to `repeat`, one every run solved stops there. "
-        "None: `repeat` runs each, at once.")
-    failed_runs: int | None = Field(
-        default=None, ge=1, description="With first_runs: a question every one of whose `repeat` runs failed goes on to "
-        "this many (more tries where the agent rarely succeeds). None: `repeat`.")
-
-    @model_validator(mode="after")
-    def _adaptive(self) -> TrafficSection:
-        if self.first_runs is None and self.failed_runs is not None:
-            raise ValueError("traffic.failed_runs needs traffic.first_runs (adaptive groups)")
-        if self.first_runs is not None and self.first_runs > self.repeat:
-            raise ValueError(f"traffic.first_runs ({self.first_runs}) must be at most traffic.repeat ({self.repeat})")
-        if self.failed_runs is not None and self.failed_runs < self.repeat:
-            raise ValueError(f"traffic.failed_runs ({self.failed_runs}) must be at least traffic.repeat ({self.repeat})")
-        return self
-
-    @property
-    def group_size(self) -> int | None:
-        """The Trainer's algorithm.grpo.group_size: ``repeat``, or none with adaptive groups (sizes vary; each round
-        commits its groups whole)."""
-        return self.repeat if self.first_runs is None else None
-
-    def adaptive(self) -> AdaptiveRepeat:
-        """The runs each question gets: ``repeat`` each, at once, without first_runs."""
-        if self.first_runs is None:
-            return AdaptiveRepeat.fixed(self.repeat)
-        return AdaptiveRepeat(first=self.first_runs, full=self.repeat, failed=self.failed_runs)
 
 
 _PARITY_TRAFFIC = {"tasks_per_batch": 16, "repeat": 4, "concurrency": 16, "max_backlog": 128}

@@ -54,6 +54,7 @@ class Round:
     reward: float
     episodes: int
     failed: int = 0
+    groups: int = 0  # the problems asked (episodes / groups: the runs each got)
 
 
 class OnlineLoop:
@@ -97,16 +98,18 @@ class OnlineLoop:
             last = buffer.last_trainer_step(engine=db, agent=self.stack.agent)
             self.trainer_steps = (last.step if last else 0) - (first.step if first else 0)
             rates = self.rates()
-            say(f"  the loop: {rates['episodes']} episodes in {self.seconds:.0f}s ({rates['episodes_per_s']:.2f} episodes/s), "
+            say(f"  the loop: {rates['episodes']} episodes of {rates['groups']} problems ({rates['runs_per_group']:.1f} runs each) "
+                f"in {self.seconds:.0f}s ({rates['episodes_per_s']:.2f} episodes/s), "
                 f"{self.trainer_steps} Trainer steps ({rates['trainer_steps_per_min']:.1f} per minute)")
         finally:
             db.dispose()
 
     def rates(self) -> dict[str, float]:
-        episodes = sum(r.episodes for r in self.rounds)
+        episodes, groups = sum(r.episodes for r in self.rounds), sum(r.groups for r in self.rounds)
         minutes = max(self.seconds, 1e-9) / 60
         return {"episodes": episodes, "seconds": self.seconds, "episodes_per_s": episodes / max(self.seconds, 1e-9),
-                "trainer_steps": self.trainer_steps, "trainer_steps_per_min": self.trainer_steps / minutes}
+                "trainer_steps": self.trainer_steps, "trainer_steps_per_min": self.trainer_steps / minutes,
+                "groups": groups, "runs_per_group": episodes / groups if groups else 0.0}
 
     def backlog_full(self, db) -> bool:
         """``max_backlog`` rollouts wait for the Trainer. Demonstrations, a correction's included, stay

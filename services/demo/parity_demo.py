@@ -114,7 +114,7 @@ class ParityDemo:
         results = await runner.run(numbers)
         ok = [r.reward for r in results if r.error is None]
         return Round(t=0.0, reward=statistics.fmean(ok) if ok else 0.0, episodes=len(results),
-                     failed=sum(1 for r in results if r.error))
+                     failed=sum(1 for r in results if r.error), groups=len(numbers))
 
 
 def run_parity(cfg: DemoConfig) -> int:

@@ -324,7 +324,7 @@ class ToolsDemo:
         if ids:
             await explorer.commit(msg_ids=ids)
         return Round(t=0.0, reward=statistics.fmean(e.reward for e in ok) if ok else 0.0, episodes=len(episodes),
-                     failed=len(episodes) - len(ok))
+                     failed=len(episodes) - len(ok), groups=len(problems))
 
     async def online_loop(self, start_version: int) -> OnlineLoop:
         client = self.openai_client()

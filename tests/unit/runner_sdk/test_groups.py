@@ -72,3 +72,14 @@ def test_run_group_runs_stage_by_stage_with_consecutive_run_ids():
     assert ids == [0, 1, 2, 3]  # a run that failed with an error ends the group: nothing retried
     ids, _ = _group(AdaptiveRepeat.fixed(3), [0, 1, 0])
     assert ids == [0, 1, 2]
+
+
+def test_kaizen_trains_loop_section_takes_adaptive_groups_and_names_its_own_keys_in_errors():
+    from services.agents.dataset import TrainLoopSection
+
+    assert TrainLoopSection().adaptive() == AdaptiveRepeat.fixed(4)  # train.repeat's default, at once
+    assert TrainLoopSection(repeat=8, first_runs=4, failed_runs=16).adaptive() == AdaptiveRepeat(first=4, full=8, failed=16)
+    with pytest.raises(ValueError, match=r"train.first_runs \(5\) must be at most train.repeat \(4\)"):
+        TrainLoopSection(first_runs=5)
+    with pytest.raises(ValueError, match="train.failed_runs needs train.first_runs"):
+        TrainLoopSection(failed_runs=8)
