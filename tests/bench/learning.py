@@ -210,6 +210,13 @@ SETTINGS: dict[str, list[str]] = {
     "explore-gated-best-cold8-adaptive8": [*EXPLORE, DISCARD, "trainer.algorithm.grpo.flat_max_set_aside=16", "tools.gate_every=4",
                                            "tools.gate_rule=no_harm", "tools.gate_against=best", "trainer.algorithm.cold_start_steps=8",
                                            "tools.traffic.tasks_per_batch=4", "tools.traffic.first_runs=4"],
+    # the default with the simulated users' corrections of the answer they were served (tools.words=corrections): under
+    # the ungated loop of 2026-11-28 they solved the phrasings no run solved ("{b} kids split" 0.79) and moved their
+    # neighbours' operators (+0.00 [-0.04, +0.05] over rewards alone, seeds 7-14); a gate measured against its best
+    # version now rolls back a version that lost those
+    "explore-gated-best-cold8-corrections": [*EXPLORE, DISCARD, "trainer.algorithm.grpo.flat_max_set_aside=16",
+                                             "tools.gate_every=4", "tools.gate_rule=no_harm", "tools.gate_against=best",
+                                             "trainer.algorithm.cold_start_steps=8", "tools.words=corrections"],
     # no online loop to speak of (one round of traffic at most): the demonstrations-only arm from the cold start to its plateau
     "demonstrations": ["tools.levers=false", KEEP_FLAT, "tools.control=false", "duration_s=1", "min_new_versions=0"],
 }
