@@ -44,11 +44,6 @@ class AdaptiveRepeat:
             raise ValueError(f"repeat must be at least 1 (got {n})")
         return cls(first=n, full=n)
 
-    @property
-    def most(self) -> int:
-        """The most runs one task can get."""
-        return max(self.full, self.failed or 0)
-
     def more(self, rewards: list[float]) -> int:
         """How many more runs a task needs, given the rewards of the runs it had (its first ``first``, then
         each stage's): 0 once it is done."""

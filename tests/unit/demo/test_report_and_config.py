@@ -297,6 +297,7 @@ def test_the_cold_start_wait_goes_on_from_what_serves_when_the_gate_rejected_its
 
 
 def test_adaptive_groups_size_the_trainer_by_a_rounds_first_runs_and_refuse_inconsistent_sizes(tmp_path):
+    from runner_sdk import AdaptiveRepeat
     from services.common.config import ConfigError
     from services.common.launch import Stack
     from services.demo.tools_demo import ToolsDemo
@@ -312,7 +313,7 @@ def test_adaptive_groups_size_the_trainer_by_a_rounds_first_runs_and_refuse_inco
     # groups of 4, 8 or 16, each committed whole: none waits for a size; a step is a round's first runs' calls
     assert (adaptive["algorithm"]["grpo"]["group_size"], adaptive["train_batch_size"]) == (None, 32)
     cfg = load_config(DemoConfig, None, ["tools.traffic.first_runs=4", "tools.traffic.failed_runs=16"])
-    assert (cfg.tools.traffic.adaptive().first, cfg.tools.traffic.adaptive().most) == (4, 16)
+    assert cfg.tools.traffic.adaptive() == AdaptiveRepeat(first=4, full=8, failed=16)
     for overrides, message in ((["tools.traffic.first_runs=9"], r"traffic.first_runs \(9\) must be at most traffic.repeat \(8\)"),
                                (["tools.traffic.first_runs=4", "tools.traffic.failed_runs=6"],
                                 r"traffic.failed_runs \(6\) must be at least traffic.repeat \(8\)"),
