@@ -134,7 +134,9 @@ class LearnerWorker:
         self.policy: Policy | None = None
         self.optimizers: dict[str, torch.optim.Optimizer] = {}
         self.critic_optimizers: dict[str, torch.optim.Optimizer] = {}
-        self._guard_nll: dict[str, tuple[tuple[str, ...], float]] = {}  # agent -> (guard set, its NLL now)
+        # agent -> the guard's scores on its weights now: (NLL summed, tokens) of each set of demonstrations scored
+        # together, so that a guard set that grows scores only its new members
+        self._guard_nll: dict[str, dict[frozenset[str], tuple[float, int]]] = {}
         self._others: dict[str, Policy] = {}  # path -> another model a recipe scores with (a teacher)
         self._version_states: dict[tuple[str, int], dict[str, torch.Tensor] | None] = {}  # published adapters, read once
         # agent -> the published version its live weights are exactly (None: unpublished steps since, or unknown)
@@ -306,10 +308,10 @@ class LearnerWorker:
         if not guard and not kl_on:
             return self._update(agent, items, norms, current_version, lr, live)
         watched = [i for i in items if not i.demonstration and not i.context]
-        key = tuple(i.experience_id for i in guard or ())
+        t0 = time.perf_counter()
         if guard:
-            cached = self._guard_nll.get(agent)
-            before = cached[1] if cached is not None and cached[0] == key else self._nll(guard)
+            before = self._guard_before(agent, guard)
+        guard_seconds = time.perf_counter() - t0
         logprobs_before = self._sampled_logprobs(watched) if kl_on else []
         saved = self._snapshot(agent)
         for attempt in range(g.retries + 1):
@@ -317,22 +319,38 @@ class LearnerWorker:
             stats.guard_attempts = float(attempt + 1)
             passed = True
             if guard:
-                after = self._nll(guard)
-                stats.guard_before, stats.guard_after = before, after
+                t0 = time.perf_counter()
+                after_sums = self._nll_sums(guard)
+                guard_seconds += time.perf_counter() - t0
+                after = after_sums[0] / max(after_sums[1], 1)
+                stats.guard_before, stats.guard_after, stats.guard_seconds = before, after, guard_seconds
                 passed = after <= g.max_ratio * before + g.slack
             if kl_on:
                 stats.guard_kl = self._kl_since(logprobs_before, watched)  # None: no sampled token in the step
                 passed = passed and (stats.guard_kl is None or stats.guard_kl <= g.max_kl)
             if self._all_agree(passed):
-                if guard:
-                    self._guard_nll[agent] = (key, after)  # the next step's "before", without scoring again
+                if guard:  # the next step's "before", without scoring again
+                    self._guard_nll[agent] = {frozenset(i.experience_id for i in guard): after_sums}
                 return stats
             self._restore(agent, saved)
         stats.guard_refused = 1.0
-        self._live_version[agent] = live  # the weights it started from
-        if guard:
-            self._guard_nll[agent] = (key, before)
+        self._live_version[agent] = live  # the weights it started from: their scores (_guard_before's) stand
         return stats
+
+    def _guard_before(self, agent: str, guard: list[TrainItem]) -> float:
+        """The guard set's NLL per token on ``agent``'s weights now. What was scored on these weights
+        (the last step's "after", or a refused step's "before") is kept by the sets of demonstrations
+        scored together: a set wholly in ``guard`` counts as it was, and only the members no kept set
+        holds are scored (a guard set grows as corrections become demonstrations: without this every
+        step that added one would score the whole set twice)."""
+        ids = {i.experience_id for i in guard}
+        kept = {part: sums for part, sums in self._guard_nll.get(agent, {}).items() if part <= ids}
+        known = set().union(*kept)
+        new = [i for i in guard if i.experience_id not in known]
+        if new:
+            kept[frozenset(i.experience_id for i in new)] = self._nll_sums(new)
+        self._guard_nll[agent] = kept
+        return sum(t for t, _ in kept.values()) / max(sum(n for _, n in kept.values()), 1)
 
     def _keep_reference(self, agent: str, step: int) -> None:
         """With ``kl_reference: cold_start``, the adapter before ``agent``'s first step past its cold start
@@ -466,14 +484,14 @@ class LearnerWorker:
         return stats
 
     @torch.no_grad()
-    def _nll(self, demos: list[TrainItem]) -> float:
-        """Per-token NLL of ``demos`` under the active adapter (no gradients)."""
+    def _nll_sums(self, demos: list[TrainItem]) -> tuple[float, int]:
+        """NLL of ``demos``' response tokens under the active adapter, summed, and their count (no gradients)."""
         total, tokens = 0.0, 0
         for micro in self._length_chunks(demos):
             logprobs, mask = self._demonstration_logprobs(micro)
             total -= float(masked_sum(logprobs, mask))
             tokens += int(mask.sum())
-        return total / max(tokens, 1)
+        return total, tokens
 
     def _snapshot(self, agent: str) -> dict[str, Any]:
         """Copies of what an update changes: the adapter, the value head and their optimizers' state."""

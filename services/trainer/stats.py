@@ -41,6 +41,7 @@ class StepStats:
     guard_attempts: float | None = None  # updates tried (1: the first passed)
     guard_refused: float | None = None  # 1: every attempt was refused; the weights are those before the step
     guard_kl: float | None = None  # guard.max_kl: the policy's move on the step's own samples (all-reduced)
+    guard_seconds: float | None = None  # scoring the guard set, before and after each attempt (summed over learners)
 
     def add(self, values: dict[str, float], scale: float = 1.0) -> None:
         """Add ``values`` (StepStats field names; an unknown name is a bug) times ``scale``."""
@@ -107,6 +108,8 @@ def step_record(*, agent: str, step: int, version: int, algorithm: str, recipe: 
         rec["guard_kl"] = total.guard_kl
     if total.guard_attempts is not None:
         rec["guard_attempts"], rec["guard_refused"] = int(total.guard_attempts), bool(total.guard_refused)
+    if total.guard_seconds is not None:
+        rec["guard_seconds"] = total.guard_seconds
     if total.kl_loss is not None:
         rec["kl_loss"] = total.kl_loss
     if total.kl_sum is not None:

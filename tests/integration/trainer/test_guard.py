@@ -30,6 +30,11 @@ def _demos(tok, answer) -> list[TrainItem]:
     return out
 
 
+def _nll(worker: LearnerWorker, demos: list[TrainItem]) -> float:
+    total, tokens = worker._nll_sums(demos)
+    return total / tokens
+
+
 def _state(worker: LearnerWorker) -> tuple[dict[str, torch.Tensor], int]:
     adapter = {k: v.clone() for k, v in worker.policy.adapter_state(AGENT).items()}
     steps = [int(s["step"]) for s in worker.optimizers[AGENT].state_dict()["state"].values()]
@@ -52,7 +57,7 @@ def worker(tiny_model):
 def test_an_update_that_wrecks_the_demonstrations_is_refused_and_undone(worker):
     w, good, bad = worker
     before, opt_steps = _state(w)
-    nll = w._nll(good)
+    nll = _nll(w, good)
     assert nll < 0.05, f"the demonstrations were not learnt (nll {nll:.3f}): the test needs them learnt"
     for g in w.optimizers[AGENT].param_groups:
         g["lr"] = 0.5
@@ -68,13 +73,13 @@ def test_an_update_that_wrecks_the_demonstrations_is_refused_and_undone(worker):
     after, opt_steps_after = _state(w)
     assert all(torch.equal(before[k], after[k]) for k in before), "a refused step changed the adapter"
     assert opt_steps_after == opt_steps, "a refused step advanced the optimizer state"
-    assert w._nll(good) == pytest.approx(nll, rel=1e-5)
+    assert _nll(w, good) == pytest.approx(nll, rel=1e-5)
 
 
 def test_an_ordinary_update_passes_the_guard_and_moves_the_weights(worker):
     w, good, _ = worker
     before, opt_steps = _state(w)
-    nll = w._nll(good)
+    nll = _nll(w, good)
     st = w.train_step(AGENT, good, Norms.of(good), 101, 0, guard=good)
     assert st.guard_attempts == 1.0 and st.guard_refused is None
     assert st.guard_before == pytest.approx(nll, rel=1e-4)
@@ -83,7 +88,31 @@ def test_an_ordinary_update_passes_the_guard_and_moves_the_weights(worker):
     assert any(not torch.equal(before[k], after[k]) for k in before)
     assert opt_steps_after == opt_steps + 1
     # the next step starts from the NLL this one measured (no second scoring of the same weights)
-    assert w._guard_nll[AGENT][1] == st.guard_after
+    [(part, (total, tokens))] = w._guard_nll[AGENT].items()
+    assert part == {d.experience_id for d in good} and total / tokens == st.guard_after
+
+
+def test_a_guard_set_that_grows_scores_only_its_new_members(worker):
+    w, good, _ = worker
+    first, grown = good[:2], good
+    w.train_step(AGENT, good, Norms.of(good), 103, 0, guard=first)  # its "after": the first two on these weights
+    whole = _nll(w, grown)  # the grown set scored at once, by hand, on the same weights
+    real, scored = w._nll_sums, []
+    w._nll_sums = lambda demos: scored.append([d.experience_id for d in demos]) or real(demos)
+    try:
+        st = w.train_step(AGENT, good, Norms.of(good), 104, 0, guard=grown)
+        assert scored == [[d.experience_id for d in good[2:]], [d.experience_id for d in grown]]  # before, after
+        assert st.guard_before == pytest.approx(whole, rel=1e-5)
+        # a member gone (a demonstration deleted): what is left is scored afresh, as one set
+        scored.clear()
+        shrunk = grown[1:]
+        whole = _nll(w, shrunk)
+        st = w.train_step(AGENT, good, Norms.of(good), 105, 0, guard=shrunk)
+        assert scored[0] == [d.experience_id for d in shrunk]
+        assert st.guard_before == pytest.approx(whole, rel=1e-5)
+        assert st.guard_seconds > 0
+    finally:
+        del w._nll_sums
 
 
 def test_without_demonstrations_there_is_no_guard(worker):
