@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from typing import Protocol, Sequence, TypeVar
 
-from services.common.records import CommittedExperience, TeamEpisode
+from services.common.records import CORRECTION_LABEL, CommittedExperience, TeamEpisode
 from services.trainer.sections import BatchRules, ObjectiveSection
 
 T = TypeVar("T")
@@ -265,7 +265,7 @@ def select_batch(
     ``algorithm.cold_start_steps`` steps train on them alone (a new agent starting from a handful of
     examples). ``successes``: the agent's consumed successes (``buffer.fetch_successes``), replayed
     in the supervised term at ``imitation_weight`` (``algorithm.self_imitation``). The first ``guard.demonstrations``
-    of them are the step's guard set (always the same ones). ``team``: the team's episode rewards of
+    of them (users' corrections left out unless ``guard.corrections``) are the step's guard set (always the same ones). ``team``: the team's episode rewards of
     the rows' tasks, for recipes whose group statistics count the team's episodes (GRPO). ``set_aside``: the
     flat groups the agent's polls since its last step set aside (GRPO's ``flat_max_set_aside`` bounds them).
     """
@@ -302,7 +302,8 @@ def select_batch(
         if a.demo_replay == "failed_groups" and sel.items:  # guidance where the traffic found nothing
             size = -(-a.demo_batch_size * sel.failed_groups // max(sel.groups, 1))
         sel.demonstrations = [demonstration_item(d, demo_weight) for d in in_turn(demonstrations, size, step)] if size else []
-        sel.guard = [demonstration_item(d) for d in demonstrations[: cfg.guard.demonstrations]]
+        guarded = demonstrations if cfg.guard.corrections else [d for d in demonstrations if CORRECTION_LABEL not in d.labels]
+        sel.guard = [demonstration_item(d) for d in guarded[: cfg.guard.demonstrations]]
     sil_weight = imitation_weight(a, step)
     if successes and sil_weight > 0 and sel.items:
         pool = imitation_pool(successes, per_task=a.self_imitation.per_task)

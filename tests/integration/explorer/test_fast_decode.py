@@ -12,6 +12,7 @@ import pytest
 import torch
 from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
+from services.common.models import cpu_flags
 from services.explorer.serving.engines import decode_kernels
 from services.explorer.serving.engines.base import AdapterRef, EngineError
 from services.explorer.serving.engines.fast_decode import FastDecoder
@@ -308,34 +309,57 @@ def kernels():
     return mod
 
 
+def _products_match(packed, w, bias, rows: range) -> None:
+    for m in rows:
+        x = torch.randn(m, w.shape[1], dtype=torch.bfloat16)
+        got, want = packed(x), torch.nn.functional.linear(x, w, bias)
+        assert got.dtype == torch.bfloat16 and got.shape == (m, w.shape[0])
+        exact = x.double() @ w.double().T + (bias.double() if bias is not None else 0)
+        step = want.float().abs().clamp(min=1e-3) * 2**-7  # one bfloat16 step at that magnitude
+        assert ((got.float() - want.float()).abs() <= step).all(), m
+        assert (got == want).float().mean() > 0.99, m
+        assert ((got.double() - exact).abs() <= step * 1.01).all(), m  # both are the exact sum, rounded once
+
+
 @needs_kernel
-@pytest.mark.parametrize("n, k", [(960, 576), (50, 101), (17, 32)])
+@pytest.mark.parametrize("n, k", [(960, 576), (50, 101), (17, 32), (50, 64)])
 def test_the_kernels_products_are_onednns(kernels, n, k):
-    """1 to 8 rows, outputs not a multiple of 16, an odd number of inputs, with and without a bias:
-    float32 sums rounded once to bfloat16, as oneDNN's products give them (they may differ by the order
-    of the sums: one bfloat16 step at most, and rarely)."""
+    """1 to 8 rows (to 32 on AMX where the inputs are a multiple of 32), outputs not a multiple of 16,
+    an odd number of inputs, with and without a bias: float32 sums rounded once to bfloat16, as oneDNN's
+    products give them (they may differ by the order of the sums: one bfloat16 step at most, and rarely)."""
     mod = kernels
     torch.manual_seed(0)
     w = torch.randn(n, k, dtype=torch.bfloat16)
     b = torch.randn(n, dtype=torch.bfloat16)
     for bias in (None, b):
         packed = decode_kernels.Packed(mod, w, bias)
-        for rows in range(1, decode_kernels.MAX_ROWS + 1):
-            x = torch.randn(rows, k, dtype=torch.bfloat16)
-            got, want = packed(x), torch.nn.functional.linear(x, w, bias)
-            assert got.dtype == torch.bfloat16 and got.shape == (rows, n)
-            exact = x.double() @ w.double().T + (bias.double() if bias is not None else 0)
-            step = want.float().abs().clamp(min=1e-3) * 2**-7  # one bfloat16 step at that magnitude
-            assert ((got.float() - want.float()).abs() <= step).all()
-            assert (got == want).float().mean() > 0.99
-            assert ((got.double() - exact).abs() <= step * 1.01).all()  # both are the exact sum, rounded once
+        assert packed.rows == (32 if decode_kernels.amx() and k % 32 == 0 else 8)
+        _products_match(packed, w, bias, range(1, packed.rows + 1))
     with pytest.raises(RuntimeError, match="1 to 8 rows"):
-        packed(torch.randn(9, k, dtype=torch.bfloat16))
+        packed(torch.randn(packed.rows + 1, k, dtype=torch.bfloat16))
     with pytest.raises(RuntimeError, match="bfloat16"):
         packed(torch.randn(1, k))
     for wrong in (k - 1, k + 1, k + 2):  # one input more or fewer: refused, not padded or dropped
         with pytest.raises(RuntimeError, match="does not match"):
             packed(torch.randn(1, wrong, dtype=torch.bfloat16))
+
+
+@needs_kernel
+@pytest.mark.skipif("amx_tile" not in cpu_flags(), reason="this CPU has no AMX")
+def test_on_amx_every_row_count_runs_on_its_tiles_and_matches_onednn(kernels):
+    """AMX's products from one row on (the default leaves 1-2 rows to AVX-512 BF16): one tile of rows
+    and two, a last group of fewer than four blocks of outputs, outputs not a multiple of 16."""
+    assert decode_kernels.amx(), "this CPU has AMX but the kernels did not get its tiles"
+    torch.manual_seed(1)
+    w, b = torch.randn(6 * 16 + 5, 96, dtype=torch.bfloat16), torch.randn(6 * 16 + 5, dtype=torch.bfloat16)
+    kernels.set_amx_min_rows(1)
+    try:
+        for bias in (None, b):
+            _products_match(decode_kernels.Packed(kernels, w, bias), w, bias, range(1, 33))
+    finally:
+        kernels.set_amx_min_rows(decode_kernels.AMX_MIN_ROWS)
+    with pytest.raises(RuntimeError, match="1 to 33"):
+        kernels.set_amx_min_rows(34)
 
 
 @needs_kernel
@@ -351,7 +375,8 @@ def test_a_bfloat16_step_on_the_kernels_gives_the_models_logits(kernels, kind):
     off, _ = FastDecoder.build(model, CPU, packed=True, fuse_budget=1 << 30, kernels=False)
     assert on.kernel == "" and off.kernel == "engine.decode_kernels is false", why
     assert on._kattention and on._krope and on._krms and on._ksilu
-    assert on.kernels_note() == "products at 1-8 rows, attention, norms, rotary embedding, SiLU"
+    products = "products at 1-32 rows (3-32 on AMX)" if decode_kernels.amx() else "products at 1-8 rows"
+    assert on.kernels_note() == products + ", attention, norms, rotary embedding, SiLU"
     assert on.extra_bytes > off.extra_bytes  # the products' copy of the weights
     got, got_cache = on.step(new, attn, pos, [(k.clone(), v.clone()) for k, v in cache], [None] * 4)
     assert on.kernel_steps == 1 and off.kernel_steps == 0

@@ -177,6 +177,20 @@ def test_the_guard_set_is_the_same_first_demonstrations_every_step():
     assert select([], cfg=c, current_version=0, now=NOW, step=0).guard == []  # no demonstrations, no guard
 
 
+def test_the_guard_leaves_users_corrections_out_unless_asked():
+    hand = ["demonstration"]
+    corrected = ["demonstration", "correction"]
+    demos = [row(100, labels=hand), row(101, labels=corrected), row(102, labels=hand), row(103, labels=corrected)]
+    c = cfg("algorithm.name=grpo", "algorithm.cold_start_steps=2", "guard.demonstrations=3")
+    assert [d.experience_id for d in select([], cfg=c, current_version=0, now=NOW, demonstrations=demos, step=0).guard] \
+        == ["e100", "e102"]
+    both = cfg("algorithm.name=grpo", "algorithm.cold_start_steps=2", "guard.demonstrations=3", "guard.corrections=true")
+    assert [d.experience_id for d in select([], cfg=both, current_version=0, now=NOW, demonstrations=demos, step=0).guard] \
+        == ["e100", "e101", "e102"]
+    # corrections alone: no guard set (nothing hand-written to keep)
+    assert select([], cfg=c, current_version=0, now=NOW, demonstrations=demos[1::2], step=0).guard == []
+
+
 def test_catch_up_sizes_steps_so_a_backlog_is_trained_before_it_goes_stale():
     from services.trainer.batches import catch_up_size
 

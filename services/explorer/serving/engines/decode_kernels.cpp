@@ -10,17 +10,23 @@
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 
+#include <sys/syscall.h>
+#include <unistd.h>
+
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstring>
 #include <vector>
 #include <cstdint>
 
 #define KAIZEN_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16")))
+#define KAIZEN_AMX __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16,amx-tile,amx-bf16")))
 
 namespace {
 
 constexpr int kMaxRows = 8;
+constexpr int kMaxAmxRows = 32;  // AMX: two tiles of 16 rows of x
 // How far ahead of its reads a product asks for each block's lines, into L2: at 8 rows a line feeds 8
 // VDPBF16PS, and without it the core waited on memory between them (SmolLM2's products at 8 rows, one
 // thread: 25.3 -> 21.2 ms a step; 32 and 96 lines measured within 4 % of 64)
@@ -88,6 +94,138 @@ const RunFn kRuns[kMaxRows + 1] = {nullptr, run<1>, run<2>, run<3>, run<4>, run<
 
 bool supported() { return __builtin_cpu_supports("avx512bf16"); }
 
+// ---------------------------------------------------------------------------------------------- AMX products
+//
+// On a CPU with AMX the same packed weight feeds TDPBF16PS: a block's lines k/2 .. k/2 + 15 are one
+// 16 x 64-byte tile (32 inputs x 16 outputs, in pairs: the layout AMX's B operand wants), x's rows
+// and 32 inputs another, and the sums of up to 16 rows x 16 outputs a third. The tile's product does
+// 16 x 16 x 32 multiply-adds where VDPBF16PS does 16 x 2, so at 8 to 32 rows the product reads the
+// weight at the memory's pace instead of waiting on the multiply-adds.
+
+std::atomic<bool> g_amx{false};        // amx_enable: the kernel asked for the tiles and got them
+std::atomic<int> g_amx_min_rows{3};    // from this many rows on, products of inputs a multiple of 32 run on AMX
+
+struct TileConfig {
+  uint8_t palette_id;
+  uint8_t start_row;
+  uint8_t reserved[14];
+  uint16_t colsb[16];
+  uint8_t rows[16];
+};
+
+// Linux hands out AMX's tile state only to a process that asks (arch_prctl ARCH_REQ_XCOMP_PERM, XTILEDATA)
+bool amx_enable() {
+  if (!g_amx.load()) g_amx = syscall(SYS_arch_prctl, 0x1023, 18) == 0;
+  return g_amx.load();
+}
+
+void set_amx_min_rows(int64_t rows) {
+  TORCH_CHECK(rows >= 1 && rows <= kMaxAmxRows + 1, "decode_kernels.set_amx_min_rows: 1 to ", kMaxAmxRows + 1, ", got ", rows);
+  g_amx_min_rows = static_cast<int>(rows);
+}
+
+// the tile intrinsics name their tiles by literal numbers (GCC pastes them into the assembly): one function each
+template <int T> void tile_zero();
+template <int T> void tile_load(const void* p, int64_t stride);
+template <int T> void tile_store(void* p, int64_t stride);
+template <int C, int A, int B> void tile_dp();
+#define KAIZEN_TILE(T)                                                                                            \
+  template <> KAIZEN_AMX inline void tile_zero<T>() { _tile_zero(T); }                                            \
+  template <> KAIZEN_AMX inline void tile_load<T>(const void* p, int64_t stride) { _tile_loadd(T, p, stride); }  \
+  template <> KAIZEN_AMX inline void tile_store<T>(void* p, int64_t stride) { _tile_stored(T, p, stride); }
+KAIZEN_TILE(0) KAIZEN_TILE(1) KAIZEN_TILE(2) KAIZEN_TILE(3) KAIZEN_TILE(4) KAIZEN_TILE(5) KAIZEN_TILE(6) KAIZEN_TILE(7)
+#define KAIZEN_DP(C, A, B) template <> KAIZEN_AMX inline void tile_dp<C, A, B>() { _tile_dpbf16ps(C, A, B); }
+#define KAIZEN_DP_C(C) KAIZEN_DP(C, 4, 6) KAIZEN_DP(C, 4, 7) KAIZEN_DP(C, 5, 6) KAIZEN_DP(C, 5, 7)
+KAIZEN_DP_C(0) KAIZEN_DP_C(1) KAIZEN_DP_C(2) KAIZEN_DP_C(3)
+#undef KAIZEN_DP_C
+#undef KAIZEN_DP
+#undef KAIZEN_TILE
+
+// Tiles: 0-3 sums, 4 (and 5) x's rows 0-15 (16-31), 6 and 7 the weight. With RC tiles of x's rows, the
+// sums of rows 0-15 of block g are tile g and those of rows 16-31 tile 4 / RC + g, whatever the group's size.
+
+// block g of a group of G: its weight tile (6 or 7, alternating) into its sums
+template <int RC, int G, int g>
+KAIZEN_AMX inline void amx_block(const uint16_t* w, int64_t K2, int64_t nb, int64_t kc) {
+  if constexpr (g < G) {
+    const uint16_t* bp = w + ((nb + g) * K2 + kc * 16) * 32;
+#pragma GCC unroll 16
+    for (int line = 0; line < 16; ++line) prefetch<2>(bp, (kPrefetchLines + line) * 32);
+    tile_load<6 + g % 2>(bp, 64);
+    tile_dp<g, 4, 6 + g % 2>();
+    if constexpr (RC == 2) tile_dp<4 / RC + g, 5, 6 + g % 2>();
+  }
+}
+
+template <int RC, int G, int g>
+KAIZEN_AMX inline void amx_zero() {
+  if constexpr (g < G) {
+    tile_zero<g>();
+    if constexpr (RC == 2) tile_zero<4 / RC + g>();
+  }
+}
+
+template <int T>
+KAIZEN_AMX inline void amx_put(float* buf, int64_t rows, int64_t row0, int64_t n, int64_t N, const float* bias, uint16_t* y) {
+  tile_store<T>(buf, 64);
+  const __mmask16 mask = n + 16 <= N ? (__mmask16)0xFFFF : (__mmask16)((1u << (N - n)) - 1);
+  const __m512 b = bias ? _mm512_maskz_loadu_ps(mask, bias + n) : _mm512_setzero_ps();
+  for (int64_t m = 0; m < rows; ++m) {
+    const __m256bh o = _mm512_cvtneps_pbh(_mm512_add_ps(_mm512_load_ps(buf + m * 16), b));
+    _mm256_mask_storeu_epi16(y + (row0 + m) * N + n, mask, (__m256i)o);
+  }
+}
+
+// G blocks of 16 outputs from block nb on, for x's rows in RC tiles of up to 16
+template <int RC, int G>
+KAIZEN_AMX void amx_blocks(const uint16_t* x, int64_t M, int64_t K, const uint16_t* w, const float* bias, uint16_t* y,
+                           int64_t N, int64_t nb) {
+  const int64_t K2 = K / 2;
+  amx_zero<RC, G, 0>();
+  amx_zero<RC, G, 1>();
+  amx_zero<RC, G, 2>();
+  amx_zero<RC, G, 3>();
+  for (int64_t kc = 0; kc < K / 32; ++kc) {
+    tile_load<4>(x + kc * 32, K * 2);
+    if constexpr (RC == 2) tile_load<5>(x + 16 * K + kc * 32, K * 2);
+    amx_block<RC, G, 0>(w, K2, nb, kc);
+    amx_block<RC, G, 1>(w, K2, nb, kc);
+    amx_block<RC, G, 2>(w, K2, nb, kc);
+    amx_block<RC, G, 3>(w, K2, nb, kc);
+  }
+  alignas(64) float buf[16 * 16];
+  const int64_t m0 = std::min<int64_t>(M, 16), m1 = M - m0;
+  amx_put<0>(buf, m0, 0, nb * 16, N, bias, y);
+  if constexpr (G > 1) amx_put<1>(buf, m0, 0, (nb + 1) * 16, N, bias, y);
+  if constexpr (G > 2) amx_put<2>(buf, m0, 0, (nb + 2) * 16, N, bias, y);
+  if constexpr (G > 3) amx_put<3>(buf, m0, 0, (nb + 3) * 16, N, bias, y);
+  if constexpr (RC == 2) {
+    amx_put<2>(buf, m1, 16, nb * 16, N, bias, y);
+    if constexpr (G > 1) amx_put<3>(buf, m1, 16, (nb + 1) * 16, N, bias, y);
+  }
+}
+
+template <int RC>
+KAIZEN_AMX void amx_run(const uint16_t* x, int64_t M, int64_t K, const uint16_t* w, const float* bias, uint16_t* y,
+                        int64_t N, int64_t b0, int64_t b1) {
+  constexpr int G = 4 / RC;  // four tiles of sums
+  TileConfig cfg{};
+  cfg.palette_id = 1;
+  const int64_t m0 = std::min<int64_t>(M, 16), m1 = M - m0;
+  for (int t = 0; t < 4; ++t) {  // sums: 16 float32 columns a row
+    cfg.rows[t] = static_cast<uint8_t>(t < G ? m0 : m1);
+    cfg.colsb[t] = 64;
+  }
+  cfg.rows[4] = static_cast<uint8_t>(m0), cfg.colsb[4] = 64;  // x: 32 bfloat16 inputs a row
+  if (RC == 2) cfg.rows[5] = static_cast<uint8_t>(m1), cfg.colsb[5] = 64;
+  for (int t = 6; t < 8; ++t) cfg.rows[t] = 16, cfg.colsb[t] = 64;  // the weight: 16 pairs of inputs x 16 outputs
+  _tile_loadconfig(&cfg);
+  int64_t nb = b0;
+  for (; nb + G <= b1; nb += G) amx_blocks<RC, G>(x, M, K, w, bias, y, N, nb);
+  for (; nb < b1; ++nb) amx_blocks<RC, 1>(x, M, K, w, bias, y, N, nb);
+  _tile_release();
+}
+
 torch::Tensor pack(const torch::Tensor& w) {
   TORCH_CHECK(w.is_cpu() && w.scalar_type() == at::kBFloat16 && w.dim() == 2, "decode_kernels.pack: a bfloat16 (N, K) CPU weight, got ",
               w.scalar_type(), " ", w.sizes());
@@ -104,7 +242,9 @@ torch::Tensor linear(const torch::Tensor& x_in, const torch::Tensor& w, int64_t 
   TORCH_CHECK(w.scalar_type() == at::kBFloat16 && w.dim() == 4 && w.size(2) == 16 && w.size(3) == 2 && w.is_contiguous(),
               "decode_kernels.linear: w must come from decode_kernels.pack");
   const int64_t M = x_in.size(0), K = x_in.size(1), K2 = w.size(1), NB = w.size(0);
-  TORCH_CHECK(M >= 1 && M <= kMaxRows, "decode_kernels.linear: 1 to ", kMaxRows, " rows, got ", M);
+  const bool amx = g_amx.load() && K % 32 == 0 && M >= g_amx_min_rows.load() && M <= kMaxAmxRows;
+  TORCH_CHECK(M >= 1 && (M <= kMaxRows || amx), "decode_kernels.linear: 1 to ", kMaxRows, " rows",
+              g_amx.load() ? " (on AMX, inputs a multiple of 32: up to 32)" : "", ", got ", M);
   TORCH_CHECK(K == K_w && (K + 1) / 2 == K2 && N > (NB - 1) * 16 && N <= NB * 16, "decode_kernels.linear: x (", M, ", ", K,
               ") does not match a packed weight of ", N, " outputs and ", K_w, " inputs");
   TORCH_CHECK(!bias.defined() || bias.numel() == 0 || (bias.scalar_type() == at::kFloat && bias.numel() == N &&
@@ -116,6 +256,14 @@ torch::Tensor linear(const torch::Tensor& x_in, const torch::Tensor& w, int64_t 
   const auto* xp = reinterpret_cast<const uint32_t*>(x.data_ptr<at::BFloat16>());
   const auto* wp = reinterpret_cast<const uint16_t*>(w.data_ptr<at::BFloat16>());
   auto* yp = reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>());
+  if (amx) {
+    const auto* xs = reinterpret_cast<const uint16_t*>(xp);
+    at::parallel_for(0, NB, 8, [&](int64_t b0, int64_t b1) {
+      if (M <= 16) amx_run<1>(xs, M, K, wp, b, yp, N, b0, b1);
+      else amx_run<2>(xs, M, K, wp, b, yp, N, b0, b1);
+    });
+    return y;
+  }
   const RunFn fn = kRuns[M];
   at::parallel_for(0, NB, 8, [&](int64_t b0, int64_t b1) { fn(xp, K2, wp, b, yp, N, b0, b1); });
   return y;
@@ -448,7 +596,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("add_rms_norm", &add_rms_norm, "(x + y, rms_norm(x + y)) in bfloat16: x, y (B, N), weight (N,), eps", nogil());
   m.def("silu_mul", &silu_mul, "SiLU(gate) * up on [gate | up] (B, 2I) in bfloat16", nogil());
   m.def("rope_into_cache", &rope_into_cache, "rotary embedding of q and k, k and v into the cache at T; returns q", nogil());
+  m.def("amx_enable", &amx_enable, "ask Linux for AMX's tiles; true when granted (products may then run on AMX)");
+  m.def("set_amx_min_rows", &set_amx_min_rows, "from how many rows on a product runs on AMX (once enabled)");
   m.attr("MAX_ROWS") = kMaxRows;
+  m.attr("MAX_AMX_ROWS") = kMaxAmxRows;
   m.attr("MAX_GROUP") = kMaxGroup;
   m.attr("MAX_HEAD_DIM") = kMaxHeadDim;
 }

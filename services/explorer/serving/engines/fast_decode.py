@@ -55,7 +55,7 @@ def _base(module: nn.Module) -> nn.Module:
 
 class _Linear:
     """One product ``x @ W.T + b`` on a weight packed for oneDNN (when ``packed``) or as it is, and at
-    up to ``decode_kernels.MAX_ROWS`` rows on the kernel's copy (``kern``) when it has one."""
+    up to ``kern.rows`` rows on the kernel's copy (``kern``) when it has one."""
 
     __slots__ = ("weight", "bias", "packed", "out", "kern")
 
@@ -67,7 +67,7 @@ class _Linear:
         self.weight = torch.ops.mkldnn._reorder_linear_weight(weight, None) if packed else weight
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if self.kern is not None and x.shape[0] <= decode_kernels.MAX_ROWS:
+        if self.kern is not None and x.shape[0] <= self.kern.rows:
             return self.kern(x)
         if self.packed:
             return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
@@ -229,7 +229,8 @@ class FastDecoder:
             return "no, " + self.kernel
         parts = [name for name, on in (("attention", self._kattention), ("norms", self._krms), ("rotary embedding", self._krope),
                                        ("SiLU", self._ksilu)) if on]
-        return f"products at 1-{decode_kernels.MAX_ROWS} rows" + "".join(", " + p for p in parts)
+        amx = f" ({decode_kernels.AMX_MIN_ROWS}-{decode_kernels.MAX_AMX_ROWS} on AMX)" if decode_kernels.amx() else ""
+        return f"products at 1-{decode_kernels.max_rows()} rows{amx}" + "".join(", " + p for p in parts)
 
     @staticmethod
     def _kernels(model: nn.Module, kernels: bool | None, budget: int):
@@ -338,7 +339,7 @@ class FastDecoder:
 
     def _step(self, ids, attn, pos, cache, adapters):
         B, T = attn.shape[0], attn.shape[1] - 1
-        if self._kmod is not None and (B <= decode_kernels.MAX_ROWS or self._kattention or self._krms or self._krope or self._ksilu):
+        if self._kmod is not None and (B <= decode_kernels.max_rows() or self._kattention or self._krms or self._krope or self._ksilu):
             self.kernel_steps += 1
         H, KV, D, G, I = self.heads, self.kv_heads, self.head_dim, self.heads // self.kv_heads, self.intermediate
         groups = _groups(adapters)
