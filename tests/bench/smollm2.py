@@ -538,6 +538,12 @@ def run_trainer(cfg: dict, limits: list[Limits]) -> tuple[dict, dict, dict]:
             info["dtypes"][dtype] = (f"base {_dtypes_of(base(ours.worker.policy.model))} / LoRA {_dtypes_of(ours.adapter_state().values())}",
                                      f"base {_dtypes_of(base(trl.trainer.model))} / LoRA {_dtypes_of(trl.params)}")
             sides: dict[str, Callable[[], float]] = {"ours": ours.step, "trl": trl.step}
+            with _weights_dtype(dtype):  # the Trainer's own default attention, where it is not SDPA (bf16 on a CPU)
+                auto = Ours(cfg["model"], batch, threads, attention="auto")
+            if auto.worker.policy.attention != "sdpa":
+                sides["ours-auto"] = auto.step
+            else:
+                del auto
             for side in sides:
                 seconds[(dtype, side)], losses[(dtype, side)], peaks[(dtype, side)] = [], [], []
             torch.set_num_threads(threads)  # after both constructors: neither may leave it different
@@ -560,6 +566,7 @@ def run_trainer(cfg: dict, limits: list[Limits]) -> tuple[dict, dict, dict]:
                 if measuring:
                     info.setdefault("others_rounds", {}).setdefault(dtype, []).append(round_meter.stop())
             del sides, ours, trl
+            auto = None
             _release_memory()
     info["others"] = meter.stop()
     info["measure_s"] = time.monotonic() - t0
@@ -579,7 +586,7 @@ def trainer_report(seconds: dict, losses: dict, info: dict, ml: ModelLimits, cfg
             rows.append([SHORT[dtype], "both", "-", f"did not build: {info['errors'][dtype][:160]}", "", "", "", "", ""])
             continue
         limit = ml.train(dtype)
-        for side in ("ours", "trl"):
+        for side in [x for x in ("ours", "ours-auto", "trl") if (dtype, x) in seconds]:
             s = seconds[(dtype, side)]
             ls = losses[(dtype, side)]
             rows.append([SHORT[dtype], side, spread([x * 1e3 for x in s]), spread([compl / x for x in s]),
@@ -598,6 +605,9 @@ def trainer_report(seconds: dict, losses: dict, info: dict, ml: ModelLimits, cfg
     plens = [len(p) for p in batch.prompts]
     rlens = [len(c) for c in batch.completions]
     out += "\nours/trl tokens/s, paired by round: " + "; ".join(ratios_txt)
+    if any(side == "ours-auto" for _, side in seconds):
+        out += ("\n(ours-auto: ours on the Trainer's default trainer.attention, auto, which takes plain products for "
+                "bfloat16 on a CPU; ours runs SDPA, TRL's own, so that ours and trl run the same kernels)")
     shared = shared_prefix_len(batch.prompts)
     if shared >= TrainerLoopSection().shared_prefix_min_tokens:
         out += (f"\n(ours computes the {shared}-token prompt prefix all {len(batch.prompts)} sequences share once "

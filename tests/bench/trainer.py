@@ -83,7 +83,7 @@ def make_batch(tokenizer, seed: int = 0) -> Batch:
 class Ours:
     """LearnerWorker in-process: items as the Trainer sends them over Ray, one train_step per call."""
 
-    def __init__(self, model: str, batch: Batch, threads: int):
+    def __init__(self, model: str, batch: Batch, threads: int, attention: str = "sdpa"):
         from services.common.config import load_config
         from services.trainer.config import TrainerConfig
         from services.trainer.learner import LearnerWorker
@@ -97,9 +97,10 @@ class Ours:
             f"train_batch_size={len(batch.prompts)}", f"trainer.torch_threads={threads}", f"optim.lr={LR}",
             f"optim.grad_clip={GRAD_CLIP}", f"lora.r={LORA['r']}", f"lora.alpha={LORA['alpha']}",
             f"lora.dropout={LORA['dropout']}", "log_level=warning",
-            # TRL's model attends by SDPA (transformers' default): so does ours here, in every dtype (trainer.attention's
-            # auto would take plain products for bfloat16 on a CPU), so that the two steps run the same kernels
-            "trainer.attention=sdpa",
+            # TRL's model attends by SDPA (transformers' default): so does ours by default here, in every dtype
+            # (trainer.attention's auto would take plain products for bfloat16 on a CPU), so that the two steps run the
+            # same kernels; smollm2's bench adds a side on the Trainer's own default (auto)
+            f"trainer.attention={attention}",
         ]
         cfg = load_config(TrainerConfig, None, overrides, env={})
         self.worker = LearnerWorker(cfg.model_dump(), rank=0, world_size=1)

@@ -19,6 +19,15 @@ a few kilobytes: at any batch the kernels also compute
   (``rope_into_cache``, bit for bit the torch ops'). Bit for bit but for subnormal values: the
   conversion to bfloat16 flushes them to 0, where torch keeps them.
 
+On a CPU with AMX (Intel Xeon from Sapphire Rapids on) the same packed weight is the layout AMX's tiles
+multiply by as it is (a block's 16 pairs of inputs x 16 outputs: one 16 x 64-byte tile), so products of
+``AMX_MIN_ROWS`` to ``MAX_AMX_ROWS`` rows whose inputs are a multiple of 32 run on TDPBF16PS, which does
+256 multiply-adds for VDPBF16PS's 32: at 3 to 32 rows a product reads the weight at about the memory's
+pace instead of waiting on the multiply-adds (SmolLM2's products, one thread: 17.5-18.5 against 22-23 ms
+at 8 rows, against oneDNN's 27-34 ms at 16-32; at one row AVX-512 BF16 stays as fast, at two level). Linux
+gives a process AMX's tile state only when it asks (``amx_enable``); where it refuses, the products stay
+on AVX-512 BF16 and the log says so.
+
 At 8 rows a product is bound by memory and compute together, so it asks for each block's lines 64 ahead
 of its reads; the attention is compiled for the common head shapes (SmolLM2's 3 query heads a key-value
 head of 64) so that its sums stay in registers. Together with the sampling's two-level inverse CDF
