@@ -305,6 +305,8 @@ class LearnerWorker:
         # every learner takes the same branches, whatever its shard holds: the KL and each attempt's verdict
         # are all-reduced
         kl_on = g.max_kl is not None
+        if not guard:  # a step that changes the weights unscored: what the guard scored before no longer holds
+            self._guard_nll.pop(agent, None)
         if not guard and not kl_on:
             return self._update(agent, items, norms, current_version, lr, live)
         watched = [i for i in items if not i.demonstration and not i.context]

@@ -111,6 +111,11 @@ def test_a_guard_set_that_grows_scores_only_its_new_members(worker):
         assert scored[0] == [d.experience_id for d in shrunk]
         assert st.guard_before == pytest.approx(whole, rel=1e-5)
         assert st.guard_seconds > 0
+        # a step without a guard set changes the weights unscored: the next guarded step scores its set afresh
+        w.train_step(AGENT, good, Norms.of(good), 106, 0)
+        scored.clear()
+        w.train_step(AGENT, good, Norms.of(good), 107, 0, guard=shrunk)
+        assert scored == [[d.experience_id for d in shrunk]] * 2  # before and after, not after alone
     finally:
         del w._nll_sums
 

@@ -22,6 +22,12 @@
 
 #define KAIZEN_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16")))
 #define KAIZEN_AMX __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16,amx-tile,amx-bf16")))
+// AMX's intrinsics came with GCC 11 and clang 12; an older compiler builds the rest, and the products stay on AVX-512 BF16
+#if (defined(__clang__) && __clang_major__ >= 12) || (!defined(__clang__) && defined(__GNUC__) && __GNUC__ >= 11)
+#define KAIZEN_HAS_AMX 1
+#else
+#define KAIZEN_HAS_AMX 0
+#endif
 
 namespace {
 
@@ -115,7 +121,7 @@ struct TileConfig {
 
 // Linux hands out AMX's tile state only to a process that asks (arch_prctl ARCH_REQ_XCOMP_PERM, XTILEDATA)
 bool amx_enable() {
-  if (!g_amx.load()) g_amx = syscall(SYS_arch_prctl, 0x1023, 18) == 0;
+  if (KAIZEN_HAS_AMX && !g_amx.load()) g_amx = syscall(SYS_arch_prctl, 0x1023, 18) == 0;
   return g_amx.load();
 }
 
@@ -124,6 +130,7 @@ void set_amx_min_rows(int64_t rows) {
   g_amx_min_rows = static_cast<int>(rows);
 }
 
+#if KAIZEN_HAS_AMX
 // the tile intrinsics name their tiles by literal numbers (GCC pastes them into the assembly): one function each
 template <int T> void tile_zero();
 template <int T> void tile_load(const void* p, int64_t stride);
@@ -225,6 +232,7 @@ KAIZEN_AMX void amx_run(const uint16_t* x, int64_t M, int64_t K, const uint16_t*
   for (; nb < b1; ++nb) amx_blocks<RC, 1>(x, M, K, w, bias, y, N, nb);
   _tile_release();
 }
+#endif  // KAIZEN_HAS_AMX
 
 torch::Tensor pack(const torch::Tensor& w) {
   TORCH_CHECK(w.is_cpu() && w.scalar_type() == at::kBFloat16 && w.dim() == 2, "decode_kernels.pack: a bfloat16 (N, K) CPU weight, got ",
@@ -256,6 +264,7 @@ torch::Tensor linear(const torch::Tensor& x_in, const torch::Tensor& w, int64_t 
   const auto* xp = reinterpret_cast<const uint32_t*>(x.data_ptr<at::BFloat16>());
   const auto* wp = reinterpret_cast<const uint16_t*>(w.data_ptr<at::BFloat16>());
   auto* yp = reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>());
+#if KAIZEN_HAS_AMX
   if (amx) {
     const auto* xs = reinterpret_cast<const uint16_t*>(xp);
     at::parallel_for(0, NB, 8, [&](int64_t b0, int64_t b1) {
@@ -264,6 +273,7 @@ torch::Tensor linear(const torch::Tensor& x_in, const torch::Tensor& w, int64_t 
     });
     return y;
   }
+#endif
   const RunFn fn = kRuns[M];
   at::parallel_for(0, NB, 8, [&](int64_t b0, int64_t b1) { fn(xp, K2, wp, b, yp, N, b0, b1); });
   return y;
