@@ -542,8 +542,6 @@ def run_trainer(cfg: dict, limits: list[Limits]) -> tuple[dict, dict, dict]:
                 auto = Ours(cfg["model"], batch, threads, attention="auto")
             if auto.worker.policy.attention != "sdpa":
                 sides["ours-auto"] = auto.step
-            else:
-                del auto
             for side in sides:
                 seconds[(dtype, side)], losses[(dtype, side)], peaks[(dtype, side)] = [], [], []
             torch.set_num_threads(threads)  # after both constructors: neither may leave it different
@@ -565,8 +563,7 @@ def run_trainer(cfg: dict, limits: list[Limits]) -> tuple[dict, dict, dict]:
                         peaks[(dtype, side)].append(_peak_rss())
                 if measuring:
                     info.setdefault("others_rounds", {}).setdefault(dtype, []).append(round_meter.stop())
-            del sides, ours, trl
-            auto = None
+            del sides, ours, trl, auto
             _release_memory()
     info["others"] = meter.stop()
     info["measure_s"] = time.monotonic() - t0
