@@ -84,15 +84,15 @@ def test_products_each_on_its_own_weight_when_the_fused_copy_does_not_fit():
     torch.testing.assert_close(dec.step(new, attn, pos, cache, [None] * 4)[0], want, rtol=1e-5, atol=1e-5)
 
 
-def _peft(model, tmp_path, names=("x", "y"), **lora):
-    """``model`` with LoRA adapters of random weights named ``names`` (peft's mixed-batch forward
-    applies each on its rows)."""
+def _peft(model, tmp_path, names=("x", "y"), shape: dict = SHAPE, **lora):
+    """``model`` (a qwen2 of ``shape``) with LoRA adapters of random weights named ``names`` (peft's
+    mixed-batch forward applies each on its rows)."""
     from peft import LoraConfig, PeftModel, get_peft_model
 
     for k, name in enumerate(names):
         torch.manual_seed(10 + k)
         cfg = LoraConfig(r=4 + 2 * k, lora_alpha=8, init_lora_weights=False, **lora)
-        get_peft_model(_model("qwen2", torch.float32), cfg).save_pretrained(tmp_path / name)
+        get_peft_model(_model("qwen2", torch.float32, shape), cfg).save_pretrained(tmp_path / name)
     peft = PeftModel.from_pretrained(model, tmp_path / names[0], adapter_name=names[0])
     for name in names[1:]:
         peft.load_adapter(tmp_path / name, adapter_name=name)
@@ -388,6 +388,68 @@ def test_a_bfloat16_step_on_the_kernels_gives_the_models_logits(kernels, kind):
         torch.testing.assert_close(v[:, :, -1], rv[:, :, -1], rtol=2e-2, atol=2e-2)
 
 
+@needs_kernel
+def test_the_layers_in_one_call_are_the_same_kernels_called_layer_by_layer(kernels, tmp_path):
+    """On the kernels a step's layers run as one call (decode_kernels.DecodeLayers): bit for bit the logits
+    and the keys and values that the same kernels give called a layer at a time from Python, on the base
+    model's rows, adapters of two ranks on theirs (each on its own rows), and one adapter on every row;
+    and, with adapters, what peft's mixed-batch forward gives."""
+    shape = dict(SHAPE, hidden_size=128)
+    model = _model("qwen2", torch.bfloat16, shape)
+    peft = _peft(model, tmp_path, shape=shape, target_modules=["q_proj", "v_proj", "gate_proj", "down_proj"])
+    for param_name, param in peft.named_parameters():
+        if "lora_" in param_name:
+            param.data = param.data.to(torch.bfloat16)
+    dec, _ = FastDecoder.build(model, CPU, packed=True, fuse_budget=1 << 30)
+    for name in ("x", "y"):
+        dec.add_adapter(name, peft)
+    assert dec._klayers is not None and dec._klayers.layers() == 2 and dec._klayers_rows >= 8
+    for rows in ([None] * 4, ["x", None, "y", "x"], ["y"] * 4):
+        want, _, (new, attn, pos, cache) = _one_step(peft, rows)
+        got, got_cache = dec.step(new, attn, pos, cache, rows)
+        one_call = dec._klayers
+        dec._klayers = None  # the same step a layer at a time
+        try:
+            ref, ref_cache = dec.step(new, attn, pos, cache, rows)
+        finally:
+            dec._klayers = one_call
+        assert torch.equal(got, ref), rows
+        assert len(got_cache) == 2 and all(torch.equal(k, rk) and torch.equal(v, rv) for (k, v), (rk, rv) in zip(got_cache, ref_cache))
+        assert got_cache[0][0].shape == cache[0][0].shape[:2] + (cache[0][0].shape[2] + 1, cache[0][0].shape[3])
+        torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2)
+    dec.remove_adapter("y")  # its terms go with it
+    assert "y" not in dec._klora and not dec.runs(["y"])
+
+
+@needs_kernel
+def test_the_kernels_sampler_draws_what_the_engines_torch_sampler_draws(kernels):
+    """decode_kernels.sample against the engine's sampler in torch (the log-softmax of the logits over
+    the temperature, the most likely token at temperature 0, else the two-level inverse CDF at u):
+    temperatures 1, 0.7, 1.3 and 0, vocabularies that are and are not multiples of 16 and 256, rows with
+    most tokens masked off (a grammar's -inf) or all but one: the same tokens for the same u, their
+    log-probabilities within float32's rounding."""
+    from services.explorer.serving.engines.hf import _inverse_cdf
+
+    g = torch.Generator().manual_seed(0)
+    temps = torch.tensor([1.0, 0.7, 0.0, 1.0, 1.3, 0.0])
+    for V in (49152, 1000, 77, 1):
+        logits = torch.randn(6, V, generator=g) * 4
+        logits[3, 5:] = float("-inf")  # five tokens allowed
+        logits[4, : V - 1] = float("-inf")  # only the last
+        for _ in range(50):
+            u = torch.rand(6, generator=g)
+            tokens, logps = kernels.sample(logits, temps, u)
+            logp = (logits / torch.where(temps <= 0, 1.0, temps)[:, None]).log_softmax(-1)
+            want = torch.where(temps <= 0, logp.argmax(-1), _inverse_cdf(logp.exp(), u))
+            assert torch.equal(tokens, want), (V, u)
+            torch.testing.assert_close(logps, logp.gather(-1, want[:, None])[:, 0], rtol=1e-5, atol=1e-5)
+        assert (tokens[3] < 5) and tokens[4] == V - 1
+    with pytest.raises(RuntimeError, match="float32 logits"):
+        kernels.sample(torch.zeros(2, 8, dtype=torch.float64), temps[:2], temps[:2])
+    with pytest.raises(RuntimeError, match="a temperature and a u a row"):
+        kernels.sample(torch.zeros(2, 8), temps[:3], temps[:2])
+
+
 def _one_bf16_step(x: torch.Tensor) -> torch.Tensor:
     return x.float().abs().clamp(min=1e-3) * 2**-7  # one bfloat16 step at x's magnitude
 
@@ -494,6 +556,7 @@ def test_the_engine_in_bfloat16_decodes_on_the_kernels(kernels, tiny_model):
                     for u in ups:
                         out, lps = out + u.token_ids, lps + u.logprobs
                 return p, out, lps
+            assert (e._ksample is not None) == (kernels is None)  # its sampler on the kernels too
             return await asyncio.gather(*[one(i, p) for i, p in enumerate(prompts)]), e.stats().extra
         finally:
             await e.shutdown()

@@ -595,6 +595,188 @@ torch::Tensor rope_into_cache(const torch::Tensor& qkv, const torch::Tensor& cos
   return q;
 }
 
+// ---------------------------------------------------------------------------------------------- sampling
+//
+// What the engine's sampler computes from a step's float32 logits, without top-p or top logprobs: per row,
+// the logits divided by its temperature (a row at temperature <= 0 takes the most likely token), the
+// log-softmax, and a token drawn by inverse CDF at u; returns (tokens, their log-probabilities). torch
+// took 0.6-1.1 ms for this at 8 rows of SmolLM2's 49,152 on one core (its exp and argmax are not
+// vectorised there); this takes two passes over each row.
+constexpr int64_t kSampleBlock = 256;  // the inverse CDF's first level: sums of 256 probabilities
+
+// the lanes of x[i .. i + 16) within V
+inline __mmask16 lanes(int64_t i, int64_t V) { return i + 16 <= V ? (__mmask16)0xFFFF : (__mmask16)((1u << (V - i)) - 1); }
+
+// 16 logits from i on (those past V 0), divided by the temperature when ``divide``
+KAIZEN_TARGET inline __m512 scaled16(const float* x, int64_t i, __mmask16 k, bool divide, __m512 tv) {
+  const __m512 v = _mm512_maskz_loadu_ps(k, x + i);
+  return divide ? _mm512_div_ps(v, tv) : v;
+}
+
+KAIZEN_TARGET static void sample_row(const float* x, int64_t V, float temp, float u, float* sums, int64_t* token, float* logp) {
+  const bool greedy = temp <= 0.0f;
+  const bool divide = !greedy && temp != 1.0f;
+  const __m512 tv = _mm512_set1_ps(divide ? temp : 1.0f);
+#define KAIZEN_MASK(i) lanes(i, V)
+#define KAIZEN_LOAD(i, k) scaled16(x, i, k, divide, tv)
+  __m512 mv = _mm512_set1_ps(-INFINITY);
+  for (int64_t i = 0; i < V; i += 16) mv = _mm512_mask_max_ps(mv, KAIZEN_MASK(i), mv, KAIZEN_LOAD(i, KAIZEN_MASK(i)));
+  const float m = _mm512_reduce_max_ps(mv);
+  if (!(m > -INFINITY)) {  // nothing allowed (or NaN): the first token, at -inf
+    *token = 0;
+    *logp = -INFINITY;
+    return;
+  }
+  const __m512 mb = _mm512_set1_ps(m);
+  const int64_t blocks = (V + kSampleBlock - 1) / kSampleBlock;
+  float total = 0.0f;
+  for (int64_t blk = 0; blk < blocks; ++blk) {
+    __m512 acc = _mm512_setzero_ps();
+    const int64_t end = std::min(V, (blk + 1) * kSampleBlock);
+    for (int64_t i = blk * kSampleBlock; i < end; i += 16)
+      acc = _mm512_add_ps(acc, _mm512_maskz_mov_ps(KAIZEN_MASK(i), exp_neg(_mm512_sub_ps(KAIZEN_LOAD(i, KAIZEN_MASK(i)), mb))));
+    sums[blk] = _mm512_reduce_add_ps(acc);
+    total += sums[blk];
+  }
+  const float logz = m + std::log(total);
+  int64_t tok = -1;
+  if (greedy) {  // the first position of the largest (as torch's argmax)
+    for (int64_t i = 0; i < V && tok < 0; i += 16) {
+      const __mmask16 hit = _mm512_mask_cmp_ps_mask(KAIZEN_MASK(i), KAIZEN_LOAD(i, KAIZEN_MASK(i)), mb, _CMP_EQ_OQ);
+      if (hit) tok = i + __builtin_ctz((unsigned)hit);
+    }
+  } else {
+    const float target = std::max(u * total, 1e-12f);
+    float cum = 0.0f;
+    int64_t blk = 0;
+    while (blk + 1 < blocks && cum + sums[blk] < target) cum += sums[blk++];
+    while (blk > 0 && !(sums[blk] > 0.0f)) --blk;  // the sums' rounding ran past every block with a token above 0
+    // within the block, one probability at a time; a rounding at its edge lands on its last token above 0
+    const int64_t end = std::min(V, (blk + 1) * kSampleBlock);
+    alignas(64) float p[16];
+    int64_t last = -1;
+    for (int64_t i = blk * kSampleBlock; i < end && tok < 0; i += 16) {
+      _mm512_store_ps(p, _mm512_maskz_mov_ps(KAIZEN_MASK(i), exp_neg(_mm512_sub_ps(KAIZEN_LOAD(i, KAIZEN_MASK(i)), mb))));
+      for (int j = 0; j < 16 && i + j < end; ++j) {
+        if (!(p[j] > 0.0f)) continue;
+        last = i + j;
+        cum += p[j];
+        if (cum >= target) {
+          tok = last;
+          break;
+        }
+      }
+    }
+    if (tok < 0) tok = last >= 0 ? last : blk * kSampleBlock;
+  }
+  const float xt = divide ? x[tok] / temp : x[tok];
+  *token = tok;
+  *logp = xt - logz;
+#undef KAIZEN_MASK
+#undef KAIZEN_LOAD
+}
+
+// logits (B, V) float32, temperatures (B,) float32, u (B,) float32 in [0, 1): (tokens (B,) int64, their
+// log-probabilities under the temperature (B,) float32)
+std::vector<torch::Tensor> sample(const torch::Tensor& logits_in, const torch::Tensor& temps_in, const torch::Tensor& u_in) {
+  TORCH_CHECK(supported(), "decode_kernels.sample: this CPU has no AVX-512 BF16");
+  TORCH_CHECK(logits_in.is_cpu() && logits_in.scalar_type() == at::kFloat && logits_in.dim() == 2 && logits_in.size(1) >= 1,
+              "decode_kernels.sample: float32 logits (B, V)");
+  const int64_t B = logits_in.size(0), V = logits_in.size(1);
+  TORCH_CHECK(temps_in.numel() == B && u_in.numel() == B, "decode_kernels.sample: a temperature and a u a row");
+  const torch::Tensor logits = logits_in.contiguous(), temps = temps_in.to(at::kFloat).contiguous(), u = u_in.to(at::kFloat).contiguous();
+  auto tokens = torch::empty({B}, logits.options().dtype(at::kLong));
+  auto logps = torch::empty({B}, logits.options());
+  const float* xp = logits.data_ptr<float>();
+  const float* tp = temps.data_ptr<float>();
+  const float* up = u.data_ptr<float>();
+  int64_t* kp = tokens.data_ptr<int64_t>();
+  float* lp = logps.data_ptr<float>();
+  at::parallel_for(0, B, 1, [&](int64_t b0, int64_t b1) {
+    std::vector<float> sums((size_t)((V + kSampleBlock - 1) / kSampleBlock));
+    for (int64_t b = b0; b < b1; ++b) sample_row(xp + b * V, V, tp[b], up[b], sums.data(), kp + b, lp + b);
+  });
+  return {tokens, logps};
+}
+
+// ----------------------------------------------------------------------------------- a step's layers
+//
+// The decode step's layers as one call: what fast_decode.FastDecoder._step does a layer on the kernels, in
+// the same order on the same values (so the same bits), without the ~15 calls from Python a layer (about
+// 1 ms of a 12-14 ms step of SmolLM2 on one core). Each layer's weights are given once (``DecodeLayers``);
+// a step gives its inputs, the cache buffers and its adapters' terms.
+class DecodeLayers {
+ public:
+  // per layer: its four products' packed weights (qkv, o, gate_up, down), their float32 biases (empty: none),
+  // their outputs, and its two norms' weights (input, post-attention)
+  DecodeLayers(std::vector<torch::Tensor> weights, std::vector<torch::Tensor> biases, std::vector<int64_t> outs,
+               std::vector<int64_t> inputs, std::vector<torch::Tensor> norms, int64_t heads, int64_t intermediate, double eps)
+      : w_(std::move(weights)), b_(std::move(biases)), n_(std::move(outs)), k_(std::move(inputs)), norms_(std::move(norms)),
+        H_(heads), I_(intermediate), eps_(eps) {
+    L_ = (int64_t)w_.size() / 4;
+    TORCH_CHECK(L_ >= 1 && (int64_t)w_.size() == 4 * L_ && (int64_t)b_.size() == 4 * L_ && (int64_t)n_.size() == 4 * L_ &&
+                (int64_t)k_.size() == 4 * L_ && (int64_t)norms_.size() == 2 * L_,
+                "decode_kernels.DecodeLayers: 4 products and 2 norms a layer");
+  }
+  int64_t layers() const { return L_; }
+
+  // x (B, hidden) the residual stream, h its input norm for the first layer; cos, sin (B, 1, D) bfloat16 (sin's first
+  // half negated); keep (B, T + 1) bool; kbufs, vbufs a layer each (B, KV, cap, D), position T written here.
+  // Adapters: groups of rows (rows[g] a long tensor, or empty: every row), and lora[((g * L + layer) * 4 + product) * 2]
+  // its A (in, r) and [.. + 1] its B (r, out), scaling folded in (empty: that product not adapted).
+  // Returns [x after the last layer, then each layer's keys and values over positions 0..T].
+  std::vector<torch::Tensor> run(torch::Tensor x, torch::Tensor h, const torch::Tensor& cos, const torch::Tensor& sin,
+                                 const torch::Tensor& keep, int64_t T, double scale, const std::vector<torch::Tensor>& kbufs,
+                                 const std::vector<torch::Tensor>& vbufs, const std::vector<torch::Tensor>& rows,
+                                 const std::vector<torch::Tensor>& lora) const {
+    TORCH_CHECK((int64_t)kbufs.size() == L_ && (int64_t)vbufs.size() == L_, "decode_kernels.DecodeLayers.run: a cache buffer a layer");
+    TORCH_CHECK(lora.size() == rows.size() * (size_t)L_ * 8, "decode_kernels.DecodeLayers.run: 8 adapter tensors a layer a group");
+    const int64_t B = x.size(0), D = kbufs[0].size(3), KV = kbufs[0].size(1);
+    std::vector<torch::Tensor> out;
+    out.reserve(1 + 2 * L_);
+    out.push_back(torch::Tensor());
+    auto product = [&](int64_t li, int j, const torch::Tensor& in) {
+      const int64_t p = li * 4 + j;
+      torch::Tensor y = linear(in, w_[p], n_[p], k_[p], b_[p]);
+      for (size_t g = 0; g < rows.size(); ++g) {  // as fast_decode._apply: each adapter's term on its rows
+        const size_t at = ((g * L_ + li) * 4 + j) * 2;
+        const torch::Tensor &a = lora[at], &b = lora[at + 1];
+        if (!a.defined() || a.numel() == 0) continue;
+        if (!rows[g].defined() || rows[g].numel() == 0) y = y + at::matmul(at::matmul(in, a), b);
+        else y = y.index_add(0, rows[g], at::matmul(at::matmul(in.index_select(0, rows[g]), a), b));
+      }
+      return y;
+    };
+    for (int64_t li = 0; li < L_; ++li) {
+      const torch::Tensor qkv = product(li, 0, h).view({B, H_ + 2 * KV, D});
+      const torch::Tensor q = rope_into_cache(qkv, cos, sin, kbufs[li], vbufs[li], H_, T);
+      out.push_back(kbufs[li].narrow(2, 0, T + 1));
+      out.push_back(vbufs[li].narrow(2, 0, T + 1));
+      const torch::Tensor a = attention(q, kbufs[li], vbufs[li], keep, scale);
+      std::vector<torch::Tensor> xh = add_rms_norm(x, product(li, 1, a), norms_[2 * li + 1], eps_);
+      x = xh[0];
+      const torch::Tensor act = silu_mul(product(li, 2, xh[1]), I_);
+      const torch::Tensor down = product(li, 3, act);
+      if (li + 1 < L_) {
+        xh = add_rms_norm(x, down, norms_[2 * (li + 1)], eps_);
+        x = xh[0];
+        h = xh[1];
+      } else {
+        x = x + down;
+      }
+    }
+    out[0] = x;
+    return out;
+  }
+
+ private:
+  std::vector<torch::Tensor> w_, b_;
+  std::vector<int64_t> n_, k_;
+  std::vector<torch::Tensor> norms_;
+  int64_t L_ = 0, H_, I_;
+  double eps_;
+};
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   // each call lets go of the GIL, as torch's own ops do: the server's thread runs while the engine's computes
   using nogil = py::call_guard<py::gil_scoped_release>;
@@ -608,6 +790,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rope_into_cache", &rope_into_cache, "rotary embedding of q and k, k and v into the cache at T; returns q", nogil());
   m.def("amx_enable", &amx_enable, "ask Linux for AMX's tiles; true when granted (products may then run on AMX)");
   m.def("set_amx_min_rows", &set_amx_min_rows, "from how many rows on a product runs on AMX (once enabled)");
+  m.def("sample", &sample, "tokens and their log-probabilities from float32 logits (B, V), temperatures and u (B,)", nogil());
+  py::class_<DecodeLayers>(m, "DecodeLayers")
+      .def(py::init<std::vector<torch::Tensor>, std::vector<torch::Tensor>, std::vector<int64_t>, std::vector<int64_t>,
+                    std::vector<torch::Tensor>, int64_t, int64_t, double>())
+      .def("layers", &DecodeLayers::layers)
+      .def("run", &DecodeLayers::run, "a decode step's layers (see decode_kernels.cpp)", nogil());
   m.attr("MAX_ROWS") = kMaxRows;
   m.attr("MAX_AMX_ROWS") = kMaxAmxRows;
   m.attr("MAX_GROUP") = kMaxGroup;

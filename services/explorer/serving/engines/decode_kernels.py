@@ -19,6 +19,19 @@ a few kilobytes: at any batch the kernels also compute
   (``rope_into_cache``, bit for bit the torch ops'). Bit for bit but for subnormal values: the
   conversion to bfloat16 flushes them to 0, where torch keeps them.
 
+Two more calls take the rest of a step's time between kernels (2026-12-02; same bits, fewer calls):
+- ``DecodeLayers`` holds the layers' packed weights and norms once and runs a step's layers in one call
+  from Python (each layer's products with its adapters' terms, the rotary embedding into the cache,
+  attention, norms, SiLU), where every product runs on the kernels: bit for bit what the same kernels
+  give called a layer at a time, without ~15 calls from Python a layer;
+- ``sample`` draws the step's tokens from its float32 logits (temperature, log-softmax, the most likely
+  token at temperature 0, else the engine's two-level inverse CDF at the same u) in two passes over each
+  row: torch's exp and argmax, not vectorised there, took 0.6-1.1 ms of it at 8 rows of SmolLM2's
+  49,152 on one core, this about 0.1 ms. The same tokens for the same u (but a rounding at a CDF's edge)
+  and log-probabilities within float32's rounding; top-p and top logprobs stay on torch.
+Together, SmolLM2 bf16 on one core of a Zen 5 EPYC, paired against the calls a layer at a time and
+torch's sampler: 1.05x / 1.09x / 1.08x tokens/s at 1 / 8 / 32 sequences (docs/ENGINES.md).
+
 On a CPU with AMX (Intel Xeon from Sapphire Rapids on) the same packed weight is the layout AMX's tiles
 multiply by as it is (a block's 16 pairs of inputs x 16 outputs: one 16 x 64-byte tile), so products of
 ``AMX_MIN_ROWS`` to ``MAX_AMX_ROWS`` rows whose inputs are a multiple of 32 run on TDPBF16PS, which does

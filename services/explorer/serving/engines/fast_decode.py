@@ -41,6 +41,7 @@ log = logging.getLogger(__name__)
 # earlier tokens, o, residual, RMSNorm, act(gate) * up, down, residual
 FAST_DECODE_MODELS = ("llama", "mistral", "qwen2")
 _GROWTH = 64  # tokens of room a cache buffer gets beyond what it holds when it is (re)allocated
+_EMPTY = torch.empty(0)  # "none" where decode_kernels takes a tensor
 
 
 def _base(module: nn.Module) -> nn.Module:
@@ -138,6 +139,9 @@ class FastDecoder:
     _krope: bool = False  # the rotary embedding and the cache's writes on it (a head dimension a multiple of 32)
     _krms: bool = False  # the norms on it, each with the residual sum before it (a hidden size a multiple of 16)
     _ksilu: bool = False  # SiLU(gate) * up on it (the model's activation SiLU, an intermediate size a multiple of 16)
+    _klayers: object = None  # decode_kernels.DecodeLayers: the layers of a step in one call (every product on the kernels)
+    _klayers_rows: int = 0  # the most rows that call takes (its products' least)
+    _klora: dict[str, list[torch.Tensor]] = field(default_factory=dict)  # adapter -> its terms as DecodeLayers.run takes them
     allocations: int = 0  # key and value buffers (re)allocated
     _weights: list[tuple[torch.Tensor, int, int]] = field(default_factory=list)  # base weights as built from
     _bufs: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)  # per layer: keys, values with room
@@ -214,14 +218,31 @@ class FastDecoder:
         kernel_bytes = sum(k.nbytes for lin in products if (k := getattr(lin, "kern", None)) is not None)
         kattention = kern is not None and heads // kv_heads <= kern.MAX_GROUP and head_dim % 16 == 0 and head_dim <= kern.MAX_HEAD_DIM
         weights = [m.weight for m in model.modules() if type(m) in (nn.Linear, nn.Embedding)]
-        return cls(model=model, layers=layers, heads=heads, kv_heads=kv_heads, head_dim=head_dim,
+        dec = cls(model=model, layers=layers, heads=heads, kv_heads=kv_heads, head_dim=head_dim,
                    eps=_base(blocks[0].input_layernorm).variance_epsilon, intermediate=config.intermediate_size, packed=packed,
                    extra_bytes=(fuse_bytes if fuse else 0) + kernel_bytes, embed=_base(model.model.embed_tokens),
                    norm=_base(model.model.norm), head=head, acts=[b.mlp.act_fn for b in blocks], kernel=kernel_why,
                    _kmod=kern, _kattention=kattention, _krope=kern is not None and head_dim % 32 == 0,
                    _krms=kern is not None and config.hidden_size % 16 == 0,
                    _ksilu=kern is not None and getattr(config, "hidden_act", None) == "silu" and config.intermediate_size % 16 == 0,
-                   _weights=[(w, w.data_ptr(), w._version) for w in weights]), ""
+                   _weights=[(w, w.data_ptr(), w._version) for w in weights])
+        dec._klayers, dec._klayers_rows = dec._layers_on_kernels()
+        return dec, ""
+
+    def _layers_on_kernels(self) -> tuple[object, int]:
+        """(decode_kernels.DecodeLayers over this model's layers, the most rows it takes) when every part of
+        a layer runs on the kernels (its products each on one packed weight, attention, norms, rotary
+        embedding, SiLU), else (None, 0)."""
+        if not (self._kmod is not None and self._kattention and self._krope and self._krms and self._ksilu):
+            return None, 0
+        products = [lin for L in self.layers for lin in (L.qkv, L.o, L.gate_up, L.down)]
+        if not all(isinstance(lin, _Linear) and lin.kern is not None for lin in products):
+            return None, 0
+        kerns = [lin.kern for lin in products]
+        klayers = self._kmod.DecodeLayers([k.weight for k in kerns], [k.bias for k in kerns], [k.out for k in kerns],
+                                          [k.inputs for k in kerns], [w for L in self.layers for w in (L.norm_in, L.norm_post)],
+                                          self.heads, self.intermediate, self.eps)
+        return klayers, min(k.rows for k in kerns)
 
     def kernels_note(self) -> str:
         """What of the step runs on decode_kernels, or why nothing does."""
@@ -256,6 +277,7 @@ class FastDecoder:
         record why this path cannot run it (its rows then go through transformers' forward)."""
         self.adapters.pop(name, None)
         self.refused.pop(name, None)
+        self._klora.pop(name, None)
         cfg = getattr(peft_model, "peft_config", {}).get(name)
         why = None
         if cfg is None or getattr(cfg, "peft_type", None) is None or str(getattr(cfg.peft_type, "value", cfg.peft_type)) != "LORA":
@@ -322,6 +344,20 @@ class FastDecoder:
     def remove_adapter(self, name: str) -> None:
         self.adapters.pop(name, None)
         self.refused.pop(name, None)
+        self._klora.pop(name, None)
+
+    def _kernel_lora(self, name: str) -> list[torch.Tensor]:
+        """Adapter ``name``'s terms as DecodeLayers.run takes them: a layer at a time, per product (qkv, o,
+        gate_up, down) its A and B (empty tensors where it adapts nothing)."""
+        flat = self._klora.get(name)
+        if flat is None:
+            flat = []
+            for per in self.adapters[name]:
+                for key in ("qkv", "o", "gate_up", "down"):
+                    lora = per.get(key)
+                    flat += [lora.a, lora.b] if lora is not None else [_EMPTY, _EMPTY]
+            self._klora[name] = flat
+        return flat
 
     def runs(self, adapters: list[str | None]) -> bool:
         """Whether a batch on these adapters (None: the base model) can take this path."""
@@ -357,6 +393,12 @@ class FastDecoder:
         out_cache = []
         scale = D ** -0.5
         h = self._rms(x, self.layers[0].norm_in)
+        if self._klayers is not None and B <= self._klayers_rows:  # the same layers in one call
+            adapted = [(rows, a) for a, rows in groups if a is not None]
+            out = self._klayers.run(x, h, cos, sin, keep, T, scale, [kb for kb, _ in bufs], [vb for _, vb in bufs],
+                                    [rows if rows is not None else _EMPTY for rows, _ in adapted],
+                                    [t for _, a in adapted for t in self._kernel_lora(a)])
+            return self.head(self.norm(out[0])).float(), list(zip(out[1::2], out[2::2]))
         for li, layer in enumerate(self.layers):
             loras = [(rows, self.adapters[a][li]) for a, rows in groups if a is not None]
             qkv = _apply(layer.qkv, h, loras, "qkv").view(B, H + 2 * KV, D)
