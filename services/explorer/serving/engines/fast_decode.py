@@ -390,7 +390,6 @@ class FastDecoder:
             bias = (torch.zeros(attn.shape, dtype=torch.float32).masked_fill_(attn == 0, float("-inf"))
                     .view(B, 1, 1, T + 1).expand(B, KV, 1, T + 1).reshape(B * KV, 1, T + 1))
         bufs = self._buffers(cache, B, T)
-        out_cache = []
         scale = D ** -0.5
         h = self._rms(x, self.layers[0].norm_in)
         if self._klayers is not None and B <= self._klayers_rows:  # the same layers in one call
@@ -399,6 +398,7 @@ class FastDecoder:
                                     [rows if rows is not None else _EMPTY for rows, _ in adapted],
                                     [t for _, a in adapted for t in self._kernel_lora(a)])
             return self.head(self.norm(out[0])).float(), list(zip(out[1::2], out[2::2]))
+        out_cache = []
         for li, layer in enumerate(self.layers):
             loras = [(rows, self.adapters[a][li]) for a, rows in groups if a is not None]
             qkv = _apply(layer.qkv, h, loras, "qkv").view(B, H + 2 * KV, D)
