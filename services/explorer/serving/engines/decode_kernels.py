@@ -59,12 +59,12 @@ from __future__ import annotations
 import logging
 import platform
 import threading
-import time
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from services.common import cpu_kernels
 from services.common.models import cpu_flags
 
 log = logging.getLogger(__name__)
@@ -76,7 +76,6 @@ MAX_AMX_ROWS = 32
 AMX_MIN_ROWS = 3  # measured: 1 row is as fast on AVX-512 BF16, 2 level, 3 to 8 faster on AMX (docs/ENGINES.md)
 
 NAME = "kaizen_decode_kernels"
-STALE_LOCK_S = 600  # a build lock older than this was left by a build that was killed: torch would wait on it forever
 
 _lock = threading.Lock()
 _loaded: tuple[Any, str] | None = None
@@ -106,17 +105,9 @@ def _build() -> tuple[Any | None, str]:
     why = unsupported()
     if why:
         return None, why
-    try:
-        from torch.utils.cpp_extension import _get_build_directory, load as load_extension
-
-        _clear_stale_lock(Path(_get_build_directory(NAME, verbose=False)) / "lock")
-
-        mod = load_extension(name=NAME, sources=[str(SOURCE)], extra_cflags=["-O3", "-fopenmp"],
-                             extra_ldflags=["-fopenmp"], verbose=False)
-    except Exception as e:  # noqa: BLE001 - no compiler, no ninja, a failed build: oneDNN's products still run
-        first = next((ln for ln in str(e).splitlines() if ln.strip()), type(e).__name__)
-        log.warning("decode kernels: not built (%s: %s); the decode step stays on oneDNN and torch", type(e).__name__, first)
-        return None, f"it could not be built ({type(e).__name__}: {first[:300]})"
+    mod, why = cpu_kernels.build(NAME, SOURCE, cflags=["-O3", "-fopenmp"], what="decode kernels")
+    if mod is None:
+        return None, why
     if not mod.supported():
         return None, "this CPU has no AVX-512 BF16"
     global _amx
@@ -137,17 +128,6 @@ def amx() -> bool:
 def max_rows(inputs: int | None = None) -> int:
     """The most rows a product of ``inputs`` inputs takes on the kernels (None: any product)."""
     return MAX_AMX_ROWS if _amx and (inputs is None or inputs % 32 == 0) else MAX_ROWS
-
-
-def _clear_stale_lock(lock: Path) -> None:
-    """Remove torch's build lock when a killed build left it (torch's builder waits for it to go)."""
-    try:
-        age = time.time() - lock.stat().st_mtime
-    except OSError:
-        return
-    if age > STALE_LOCK_S:
-        log.warning("decode kernels: removing a build lock %.0f s old (a build was killed): %s", age, lock)
-        lock.unlink(missing_ok=True)
 
 
 class Packed:
