@@ -1,7 +1,9 @@
 """`make bench` section logits: the Trainer's per-token statistics (logprobs of the sampled tokens and
 the entropy, with its gradient) from SmolLM2-sized logits, computed plainly (upcast, divide by the
-temperature, log-softmax, exp: what the Trainer did before) and chunk by chunk
-(services/trainer/token_stats.py), side by side in one process, rounds alternating.
+temperature, log-softmax, exp: what the Trainer did before), chunk by chunk in torch
+(services/trainer/token_stats.py) and, in bfloat16 where the Trainer's kernels build, on them
+(services/trainer/train_kernels.cpp: what a Policy in bfloat16 on a CPU runs), side by side in one
+process, rounds rotating.
 
     python -m tests.bench.logits        # KAIZEN_BENCH_LOGITS="4x1024" (rows x response tokens)
 
@@ -46,6 +48,7 @@ def _rss() -> float:
 
 def _round(kind: str, rows: int, length: int, dtype: torch.dtype, seed: int) -> tuple[float, float, float]:
     """(seconds, peak bytes above the start, loss) of one forward and backward."""
+    from services.trainer import train_kernels
     from services.trainer.token_stats import token_stats
 
     g = torch.Generator().manual_seed(seed)
@@ -64,8 +67,13 @@ def _round(kind: str, rows: int, length: int, dtype: torch.dtype, seed: int) -> 
     logits = head(hidden)
     if kind == "plain":
         lp, ent, _, _ = plain_token_stats(logits, temps, targets)
-    else:
-        s = token_stats(logits, temps, targets, entropy_grad=True)
+    else:  # token_stats takes the kernels where the process loaded them: here only on the kernel side
+        real = train_kernels.loaded
+        train_kernels.loaded = (lambda: train_kernels.load()[0]) if kind == "kernel" else (lambda: None)
+        try:
+            s = token_stats(logits, temps, targets, entropy_grad=True)
+        finally:
+            train_kernels.loaded = real
         lp, ent = s.logprobs, s.entropy
     loss = -(lp * adv).mean() - 0.01 * ent.mean()
     loss.backward()
@@ -79,14 +87,18 @@ def main() -> str:
     rows, length = (int(x) for x in os.environ.get("KAIZEN_BENCH_LOGITS", "4x1024").split("x"))
     dtypes = [torch.float32] + ([torch.bfloat16] if "avx512_bf16" in open("/proc/cpuinfo").read() else [])
     torch.set_num_threads(os.cpu_count() or 1)
+    from services.trainer import train_kernels
+
+    kernels, why = train_kernels.load()
     out = []
     for dtype in dtypes:
-        res: dict[str, list[tuple[float, float, float]]] = {"plain": [], "chunked": []}
+        sides = ["plain", "chunked"] + (["kernel"] if dtype == torch.bfloat16 and kernels is not None else [])
+        res: dict[str, list[tuple[float, float, float]]] = {k: [] for k in sides}
         for r in range(4):
-            for kind in (("plain", "chunked") if r % 2 == 0 else ("chunked", "plain")):
+            for kind in sides[r % len(sides):] + sides[: r % len(sides)]:
                 res[kind].append(_round(kind, rows, length, dtype, seed=r))
         grads = {k: [x[2] for x in v] for k, v in res.items()}
-        same = all(abs(a - b) <= 1e-3 * abs(a) for a, b in zip(grads["plain"], grads["chunked"]))
+        same = all(abs(a - b) <= 1e-3 * abs(a) for k in sides[1:] for a, b in zip(grads["plain"], grads[k]))
         rows_out = []
         for kind, xs in res.items():
             xs = xs[1:]  # the first round warms the allocator and the kernels
@@ -97,10 +109,15 @@ def main() -> str:
         ratio_t = statistics.median(a[0] for a in c) / statistics.median(a[0] for a in p)
         ratio_m = statistics.median(a[1] for a in c) / statistics.median(a[1] for a in p)
         rows_out.append(["", "chunked / plain", f"{ratio_t:.2f}x", "", f"{ratio_m:.2f}x"])
+        if "kernel" in res:
+            k = res["kernel"][1:]
+            rows_out.append(["", "kernel / chunked", f"{statistics.median(a[0] for a in k) / statistics.median(a[0] for a in c):.2f}x",
+                             "", f"{statistics.median(a[1] for a in k) / statistics.median(a[1] for a in c):.2f}x"])
         out.append(table(f"logits: per-token statistics of {rows} x {length} response tokens, vocabulary {VOCAB:,} "
                          f"({'same' if same else 'DIFFERENT'} gradients)",
                          ["dtype", "side", "ms (median)", "range", "peak GiB"], rows_out))
-    return "\n".join(out) + "\n(3 measured rounds each after a warm-up round, alternating; peak = VmHWM above the round's start)"
+    note = "" if kernels is not None else f"; the Trainer's kernels do not run here ({why})"
+    return "\n".join(out) + f"\n(3 measured rounds each after a warm-up round, rotating; peak = VmHWM above the round's start{note})"
 
 
 if __name__ == "__main__":
