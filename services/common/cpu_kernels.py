@@ -6,13 +6,32 @@ be built, ``build`` says why and the caller keeps its torch path."""
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 log = logging.getLogger(__name__)
 
 STALE_LOCK_S = 600  # a build lock older than this was left by a build that was killed: torch would wait on it forever
+
+
+class Once:
+    """``build`` (returning (module or None, why not)) run once per process, on the first ``get``; ``peek``
+    gives the module only if it was built already (never builds)."""
+
+    def __init__(self, build: Callable[[], tuple[Any | None, str]]):
+        self._build, self._lock, self._result = build, threading.Lock(), None
+
+    def get(self) -> tuple[Any | None, str]:
+        with self._lock:
+            if self._result is None:
+                self._result = self._build()
+            return self._result
+
+    def peek(self) -> Any | None:
+        result = self._result
+        return None if result is None else result[0]
 
 
 def build(name: str, source: Path, *, cflags: list[str], what: str) -> tuple[Any | None, str]:

@@ -69,7 +69,6 @@ def _products_apply(layer, x: torch.Tensor, args: tuple, kwargs: dict) -> tuple 
         return None
     if lora_a.weight.dtype != base.weight.dtype and getattr(layer, "cast_input_dtype_enabled", True):
         return None  # peft computes the LoRA term in the adapter's dtype here (no autocast): its own forward does
-
     return base.weight, base.bias, lora_a.weight, lora_b.weight, float(layer.scaling[name])
 
 

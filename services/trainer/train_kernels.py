@@ -29,7 +29,6 @@ from __future__ import annotations
 import inspect
 import logging
 import platform
-import threading
 from pathlib import Path
 from typing import Any
 
@@ -44,10 +43,6 @@ log = logging.getLogger(__name__)
 SOURCE = Path(__file__).with_name("train_kernels.cpp")
 NAME = "kaizen_train_kernels"
 
-_lock = threading.Lock()
-_loaded: tuple[Any, str] | None = None
-
-
 def unsupported() -> str | None:
     """Why the kernels cannot run on this machine (None: they can, once built)."""
     if platform.machine() not in ("x86_64", "AMD64"):
@@ -56,35 +51,40 @@ def unsupported() -> str | None:
     return f"this CPU has no {' or '.join(sorted(missing))}" if missing else None
 
 
+def _build() -> tuple[Any | None, str]:
+    why = unsupported()
+    if why:
+        return None, why
+    return cpu_kernels.build(NAME, SOURCE, cflags=["-O3", "-mavx2", "-mfma", "-fno-math-errno", "-fno-trapping-math", "-fopenmp"],
+                             what="Trainer kernels")
+
+
+_once = cpu_kernels.Once(_build)
+
+
 def load() -> tuple[Any | None, str]:
     """The built kernels' module, or None and why not; built on first use, then cached for the process."""
-    global _loaded
-    with _lock:
-        if _loaded is None:
-            why = unsupported()
-            _loaded = (None, why) if why else cpu_kernels.build(
-                NAME, SOURCE, cflags=["-O3", "-mavx2", "-mfma", "-fno-math-errno", "-fno-trapping-math", "-fopenmp"], what="Trainer kernels")
-        return _loaded
+    return _once.get()
 
 
 def loaded() -> Any | None:
     """The kernels' module if this process has loaded it already (a Policy in bfloat16 on the CPU does), else
     None: never builds."""
-    return None if _loaded is None else _loaded[0]
+    return _once.peek()
 
 
 class RmsNorm(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-        mod = load()[0]
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, eps: float, mod: Any) -> torch.Tensor:
         y, rstd = mod.rms_norm_forward(x, weight, eps)
+        ctx.mod = mod
         ctx.save_for_backward(x, weight, rstd)
         return y
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         x, weight, rstd = ctx.saved_tensors
-        return load()[0].rms_norm_backward(grad.to(x.dtype), x, weight, rstd), None, None
+        return ctx.mod.rms_norm_backward(grad.to(x.dtype), x, weight, rstd), None, None, None
 
 
 def _bf16_cpu(*ts: torch.Tensor) -> bool:
@@ -94,7 +94,7 @@ def _bf16_cpu(*ts: torch.Tensor) -> bool:
 def norm_forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
     """A llama RMSNorm's forward: on the kernel for bfloat16 on the CPU with a frozen weight, else its own."""
     if _bf16_cpu(hidden_states, self.weight) and not self.weight.requires_grad:
-        return RmsNorm.apply(hidden_states, self.weight, float(self.variance_epsilon))
+        return RmsNorm.apply(hidden_states, self.weight, float(self.variance_epsilon), _once.peek())
     return type(self).__mro__[1].forward(self, hidden_states)
 
 

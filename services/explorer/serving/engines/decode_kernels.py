@@ -58,7 +58,6 @@ from __future__ import annotations
 
 import logging
 import platform
-import threading
 from pathlib import Path
 from typing import Any
 
@@ -77,8 +76,6 @@ AMX_MIN_ROWS = 3  # measured: 1 row is as fast on AVX-512 BF16, 2 level, 3 to 8 
 
 NAME = "kaizen_decode_kernels"
 
-_lock = threading.Lock()
-_loaded: tuple[Any, str] | None = None
 _amx = False  # the loaded kernels' products run on AMX (amx_enable granted)
 
 
@@ -94,11 +91,7 @@ def unsupported() -> str | None:
 def load() -> tuple[Any | None, str]:
     """The built kernels' module, or None and why not. Builds it on first use (one process at a time:
     torch's build lock), then it is cached for this process."""
-    global _loaded
-    with _lock:
-        if _loaded is None:
-            _loaded = _build()
-        return _loaded
+    return _once.get()
 
 
 def _build() -> tuple[Any | None, str]:
@@ -118,6 +111,9 @@ def _build() -> tuple[Any | None, str]:
         else:
             log.warning("decode kernels: this CPU has AMX but Linux did not grant its tiles; products stay on AVX-512 BF16")
     return mod, ""
+
+
+_once = cpu_kernels.Once(_build)
 
 
 def amx() -> bool:
