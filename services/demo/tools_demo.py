@@ -69,12 +69,34 @@ def wilson(successes: float, n: int, z: float = 1.96) -> tuple[float, float]:
     return max(0.0, centre - half), min(1.0, centre + half)
 
 
-def _dtype() -> str:
-    """bfloat16 where the CPU computes it natively (AVX-512 BF16, AMX: the demo's figures were measured
-    so), else float32: emulated bfloat16 made a Trainer step about 50x slower on an AVX2-only CPU."""
+def engine_dtype() -> str:
+    """The Explorer's: bfloat16 where the CPU computes it natively (AVX-512 BF16, AMX), else float32. Decoding
+    a few sequences reads every weight a token, so half the bytes decode faster even where bfloat16's
+    products are not (the decode kernels: docs/ENGINES.md); emulated bfloat16 made a Trainer step about 50x
+    slower on an AVX2-only CPU."""
     from services.common.models import cpu_has_native_bf16
 
     return "bfloat16" if cpu_has_native_bf16() else "float32"
+
+
+def trainer_dtype() -> str:
+    """The Trainer's: bfloat16 only where its products run at least as fast as float32's, measured
+    (``cpu_training_dtype``): on a Xeon whose AMX is hidden, bfloat16 products ran 0.56x float32's and a
+    step 0.72x, while its engine still decoded 2.1-2.4x faster in bfloat16. The Trainer scores the tokens
+    it learns from itself; the gap to the engine's recorded logprobs is corrected by importance weights
+    (algorithm.grpo.importance) and reported as ``logprob_mismatch``."""
+    from services.common.models import cpu_training_dtype
+
+    return cpu_training_dtype()
+
+
+def dtype_note(engine: str, trainer: str) -> str:
+    """What the demo's start line says of its dtypes and why."""
+    from services.common.models import bf16_products_speedup
+
+    speedup = bf16_products_speedup()
+    why = (f"bfloat16 products {speedup:.2f}x float32's on this CPU" if speedup else "no native bfloat16 on this CPU")
+    return f"the Explorer in {engine}, the Trainer in {trainer} ({why})"
 
 
 def mean_interval(scores: list[float], z: float = 1.96) -> tuple[float, float]:
@@ -130,10 +152,10 @@ class ToolsDemo:
     # ------------------------------------------------------------------ configs
 
     def explorer_config(self) -> dict:
-        # the same dtype as the Trainer; the shared system prompt is prefilled once. One engine replica a core (at most
+        # bfloat16 where native (engine_dtype); the shared system prompt is prefilled once. One engine replica a core (at most
         # ENGINE_REPLICAS), each on one thread: one engine on two threads ran no faster beside the server's own thread,
         # two replicas side by side run the evaluations and the gate's measurements about 1.7x faster (docs/ENGINES.md)
-        base = {"model": {"path": self.cfg.model_path, "dtype": _dtype()},
+        base = {"model": {"path": self.cfg.model_path, "dtype": engine_dtype()},
                 "engine": {"kind": "hf", "max_batch_size": 32, "torch_threads": 1,
                            "replicas": max(1, min(usable_cpus(), ENGINE_REPLICAS))}}
         if self.t.control or self.t.plateau.max_steps:  # the arm is served beside the agent, from the same checkpoint root
@@ -154,7 +176,7 @@ class ToolsDemo:
     def trainer_config(self) -> dict:
         tr = self.t.traffic
         base = {
-            "model": {"path": self.cfg.model_path, "dtype": _dtype()},
+            "model": {"path": self.cfg.model_path, "dtype": trainer_dtype()},
             "algorithm": {"name": "grpo", "kl_metric": False,
                           # flat groups (every run scored alike) set aside, so that each step trains on groups that
                           # carry signal (DAPO's dynamic sampling), at most 16 between two steps so that a loop whose
@@ -497,7 +519,8 @@ def run_tools(cfg: DemoConfig) -> int:
     explorer_cfg, trainer_cfg = demo.explorer_config(), demo.trainer_config()
     cold_steps = trainer_cfg["algorithm"]["cold_start_steps"]
     say(f"- run folder: {run}")
-    say("- starting the Explorer and the Trainer (separate processes, shared SQLite buffer and checkpoints)")
+    say("- starting the Explorer and the Trainer (separate processes, shared SQLite buffer and checkpoints): "
+        + dtype_note(explorer_cfg["model"]["dtype"], trainer_cfg["model"]["dtype"]))
     try:
         stack.start(explorer_cfg, trainer_cfg)
         # One after the other, not side by side: the Trainer's steps take every core (trainer_config), and beside the

@@ -23,7 +23,7 @@ import os
 
 import torch
 
-from services.demo.tools_demo import _dtype
+from services.demo.tools_demo import engine_dtype
 from services.explorer.serving.engines.hf import HFEngine
 from services.explorer.serving.engines.replicas import ReplicatedEngine
 from tests.bench.common import table
@@ -76,7 +76,7 @@ async def _run(cfg: dict) -> dict[str, list[float]]:
 
 
 def main() -> str:
-    cfg = {"model": os.environ.get("KAIZEN_BENCH_SMOLLM2_MODEL", MODEL), "dtype": _dtype(),
+    cfg = {"model": os.environ.get("KAIZEN_BENCH_SMOLLM2_MODEL", MODEL), "dtype": engine_dtype(),
            "rounds": _env_int("KAIZEN_BENCH_ENGINE_REPLICAS_ROUNDS", 4)}
     if not os.path.exists(os.path.join(cfg["model"], "config.json")):
         return f"== engine-replicas: skipped, no model at {cfg['model']} (make pretrained)"

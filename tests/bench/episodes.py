@@ -5,9 +5,9 @@ trainer.attention's auto picks plain products (bfloat16 on a CPU), the chained s
     python -m tests.bench.run episodes      # KAIZEN_BENCH_ROUNDS=3 KAIZEN_BENCH_THREADS=1
 
 The batch is shaped as the demo's (services/demo/tools_demo.py): SmolLM2-135M-Instruct in the demo's
-dtype (bfloat16 where the CPU computes it natively, else float32), LoRA r=16, lr 1e-3, micro-batches
-of 8 rows, one torch thread (the demo's Trainer), GRPO over 2 questions x 8 runs of two calls (the
-calculator call, then the answer after the tool's result: 32 calls), 4 demonstrations replayed (the
+Trainer dtype (bfloat16 where its products run at least as fast as float32's, else float32:
+tools_demo.trainer_dtype), LoRA r=16, lr 1e-3, micro-batches of 8 rows, one torch thread (the demo's
+Trainer), GRPO over 2 questions x 8 runs of two calls (the calculator call, then the answer after the tool's result: 32 calls), 4 demonstrations replayed (the
 mixed objective) and the guard scoring the 16 demonstrations around the update. Every call is rendered
 by the model's chat template with the calculator tool, as the Explorer's /demonstrations renders
 one (services/explorer/serving/demonstrations.py), so an episode's second prompt holds its first call
@@ -24,7 +24,7 @@ import statistics
 import time
 
 from services.demo import tools_task
-from services.demo.tools_demo import _dtype
+from services.demo.tools_demo import trainer_dtype
 from services.trainer.batches import Norms, TrainItem
 from services.trainer.learner import LearnerWorker
 from tests.bench.common import table
@@ -80,7 +80,7 @@ LABELS = {CHAINED: "chained (trainer.chain_calls)", PLAIN: "one row per call", S
 def main() -> str:
     rounds = int(os.environ.get("KAIZEN_BENCH_ROUNDS", 3))
     threads = int(os.environ.get("KAIZEN_BENCH_THREADS", 1))
-    dtype = _dtype()
+    dtype = trainer_dtype()
     workers = {}
     for chain, attention, inert in (CHAINED, PLAIN, SDPA, INERT):
         if (chain, attention, inert) == SDPA and workers[CHAINED].policy.attention == "sdpa":

@@ -27,7 +27,7 @@ import time
 import torch
 
 from services.demo import tools_task
-from services.demo.tools_demo import _dtype
+from services.demo.tools_demo import engine_dtype
 from services.explorer.serving.engines.base import GenerateRequest, SamplingParams
 from services.explorer.serving.engines.hf import HFEngine
 from tests.bench.common import table
@@ -124,7 +124,7 @@ async def _run(cfg: dict) -> dict:
 
 
 def main() -> str:
-    cfg = {"model": os.environ.get("KAIZEN_BENCH_SMOLLM2_MODEL", MODEL), "dtype": _dtype(),
+    cfg = {"model": os.environ.get("KAIZEN_BENCH_SMOLLM2_MODEL", MODEL), "dtype": engine_dtype(),
            "threads": _env_int("KAIZEN_BENCH_PREFIX_THREADS", 1), "rounds": _env_int("KAIZEN_BENCH_ROUNDS", 3),
            "episodes": _env_int("KAIZEN_BENCH_PREFIX_EPISODES", 8),
            "concurrency": [int(c) for c in _csv("KAIZEN_BENCH_PREFIX_CONCURRENCY", "1,8")]}
